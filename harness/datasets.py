@@ -1,0 +1,110 @@
+"""Benchmark questions in one schema, and the datasets that provide them.
+
+Every dataset yields `Question`s: an id, a category, the user turns (several for multi-turn
+benchmarks such as MT-bench) and an optional reference. Datasets are declared in
+`conf/dataset/<name>.yaml`; `loader` names a function registered here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Question:
+    question_id: Any
+    category: str
+    turns: list[str]
+    reference: Any = None
+    extra: dict = field(default_factory=dict)
+
+
+_LOADERS: dict[str, Callable[..., list[Question]]] = {}
+
+
+def loader(name: str):
+    def wrap(fn):
+        _LOADERS[name] = fn
+        return fn
+
+    return wrap
+
+
+def resolve_path(candidates: list[str | None]) -> Path | None:
+    """The first existing file among candidates (relative paths are relative to the repo)."""
+    for candidate in candidates:
+        if not candidate:
+            continue
+        path = Path(candidate).expanduser()
+        path = path if path.is_absolute() else REPO / path
+        if path.is_file():
+            return path
+    return None
+
+
+@loader("jsonl")
+def load_jsonl(cfg) -> list[Question]:
+    """Spec-Bench's question.jsonl format: question_id, category, turns, reference (optional)."""
+    candidates = [cfg.get("path"), *(cfg.get("fallback_paths") or [])]
+    path = resolve_path(candidates)
+    if path is None:
+        tried = ", ".join(str(c) for c in candidates if c)
+        hint = cfg.get("prepare_hint", "")
+        raise FileNotFoundError(f"dataset {cfg.name!r}: no question file found (tried {tried}). {hint}".strip())
+    questions = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not valid JSON ({err})") from None
+        questions.append(Question(row["question_id"], row.get("category", cfg.name), list(row["turns"]),
+                                  row.get("reference")))
+    return questions
+
+
+def select(questions: list[Question], categories=None, limit: int | None = None,
+           sample: str = "stratified") -> list[Question]:
+    """Filter by category, then take `limit` questions: `first` in file order, or `stratified`
+    (round robin over categories in file order, so a small limit still covers every category)."""
+    if categories:
+        categories = [categories] if isinstance(categories, str) else list(categories)
+        known = sorted({q.category for q in questions})
+        unknown = [c for c in categories if c not in known]
+        if unknown:
+            raise ValueError(f"unknown categories {unknown}; valid: {', '.join(known)}")
+        questions = [q for q in questions if q.category in categories]
+    if limit is None or limit >= len(questions):
+        return questions
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1 (or null for all), got {limit}")
+    if sample == "first":
+        return questions[:limit]
+    if sample != "stratified":
+        raise ValueError(f"unknown sample {sample!r}; valid: first, stratified")
+    by_category: OrderedDict[str, list[Question]] = OrderedDict()
+    for q in questions:
+        by_category.setdefault(q.category, []).append(q)
+    chosen, round_ = [], 0
+    while len(chosen) < limit:
+        for group in by_category.values():
+            if round_ < len(group) and len(chosen) < limit:
+                chosen.append(group[round_])
+        round_ += 1
+    order = {id(q): i for i, q in enumerate(questions)}
+    return sorted(chosen, key=lambda q: order[id(q)])
+
+
+def load_questions(cfg, limit: int | None = None) -> list[Question]:
+    name = cfg.get("loader", "jsonl")
+    if name not in _LOADERS:
+        raise ValueError(f"dataset {cfg.name!r}: unknown loader {name!r}; valid: {', '.join(sorted(_LOADERS))}")
+    questions = _LOADERS[name](cfg)
+    return select(questions, cfg.get("categories"), limit, cfg.get("sample", "stratified"))

@@ -1,0 +1,167 @@
+"""The numbers of a run, computed once from the answer records (see REFERENCE: Metrics).
+
+* speedup, Spec-Bench form: mean_i(tokens_i / wall_i) of the method over the same of AR, where
+  tokens and wall time of a question are summed over its turns; both sides count tokens the
+  same way (our own token ids, no re-tokenization).
+* speedup, per question: the median of the per-question ratios, with a bootstrap 95% interval.
+* τ: tokens per target forward pass (prefill included), over all steps of all questions.
+* α: accepted draft tokens / proposed draft tokens; per draft position d: steps where a depth-d
+  draft was accepted / steps where one was tested (every earlier depth accepted).
+* TTFT: mean seconds from the call to the first token, per turn.
+* fidelity: questions whose tokens differ from AR's, and the first differing position.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import defaultdict
+
+
+def question_speed(record: dict) -> tuple[int, float]:
+    choice = record["choices"][0]
+    return sum(choice["new_tokens"]), sum(choice["wall_time"])
+
+
+def bootstrap_median_interval(values: list[float], reps: int = 2000, seed: int = 0, level: float = 0.95):
+    if not values:
+        return None, None
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(reps))
+    low = medians[int((1 - level) / 2 * reps)]
+    high = medians[min(reps - 1, int((1 + level) / 2 * reps))]
+    return low, high
+
+
+def decoder_stats(records: list[dict]) -> dict:
+    tokens = steps = drafted = accepted = 0
+    wall = ttft_sum = 0.0
+    turns = 0
+    tested: list[int] = []
+    hit: list[int] = []
+    phases: dict[str, float] = defaultdict(float)
+    for record in records:
+        choice = record["choices"][0]
+        tokens += sum(choice["new_tokens"])
+        steps += sum(choice["decoding_steps"])
+        wall += sum(choice["wall_time"])
+        for turn_stats in choice["stats"]:
+            turns += 1
+            ttft_sum += turn_stats["ttft"]
+            drafted += turn_stats["drafted_tokens"]
+            accepted += turn_stats["accepted_drafts"]
+            for d, (t, a) in enumerate(zip(turn_stats["position_tested"], turn_stats["position_accepted"])):
+                if d >= len(tested):
+                    tested.append(0)
+                    hit.append(0)
+                tested[d] += t
+                hit[d] += a
+            for phase, seconds in turn_stats["phase_time"].items():
+                phases[phase] += seconds
+    speeds = [t / w for t, w in map(question_speed, records) if w > 0]
+    return {
+        "questions": len(records),
+        "turns": turns,
+        "new_tokens": tokens,
+        "target_forwards": steps,
+        "wall_time": wall,
+        "tokens_per_second": tokens / wall if wall else 0.0,
+        "mean_question_tokens_per_second": statistics.fmean(speeds) if speeds else 0.0,
+        "tau": tokens / steps if steps else 0.0,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "drafted_tokens": drafted,
+        "accepted_drafts": accepted,
+        "acceptance_per_position": [a / t if t else None for a, t in zip(hit, tested)],
+        "position_tested": tested,
+        "position_accepted": hit,
+        "mean_ttft": ttft_sum / turns if turns else 0.0,
+        "time_fractions": {k: v / wall for k, v in phases.items()} if wall else {},
+    }
+
+
+def fidelity(records: list[dict], baseline: list[dict]) -> dict:
+    by_id = {r["question_id"]: r for r in baseline}
+    differing, first_positions = [], []
+    for record in records:
+        other = by_id.get(record["question_id"])
+        if other is None:
+            continue
+        mine, theirs = record["choices"][0]["output_ids"], other["choices"][0]["output_ids"]
+        for turn, (a, b) in enumerate(zip(mine, theirs)):
+            if a != b:
+                position = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                differing.append(record["question_id"])
+                first_positions.append({"question_id": record["question_id"], "turn": turn, "position": position})
+                break
+    return {"compared": len(records), "differing_questions": len(differing), "first_divergence": first_positions}
+
+
+def summarize(method: str, records: list[dict], baseline: list[dict] | None, meta: dict) -> dict:
+    summary = {**meta, "method": method, "questions": len(records), "decoder": decoder_stats(records)}
+    if baseline is None:
+        return summary
+    summary["baseline"] = decoder_stats(baseline)
+    base_by_id = {r["question_id"]: r for r in baseline}
+    pairs = [(r, base_by_id[r["question_id"]]) for r in records if r["question_id"] in base_by_id]
+    ratios, by_category = [], defaultdict(lambda: ([], []))
+    for mine, base in pairs:
+        (tm, wm), (tb, wb) = question_speed(mine), question_speed(base)
+        if wm > 0 and wb > 0 and tb > 0:
+            ratios.append((tm / wm) / (tb / wb))
+        speeds = by_category[mine["category"]]
+        speeds[0].append(tm / wm if wm else 0.0)
+        speeds[1].append(tb / wb if wb else 0.0)
+    base_speed = summary["baseline"]["mean_question_tokens_per_second"]
+    low, high = bootstrap_median_interval(ratios)
+    summary["speedup"] = {
+        "specbench": summary["decoder"]["mean_question_tokens_per_second"] / base_speed if base_speed else None,
+        "median_ratio": statistics.median(ratios) if ratios else None,
+        "median_ratio_ci95": [low, high],
+        "by_category": {
+            category: statistics.fmean(m) / statistics.fmean(b) if statistics.fmean(b) else None
+            for category, (m, b) in sorted(by_category.items())
+        },
+    }
+    summary["fidelity"] = fidelity(records, baseline)
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    """The table printed at the end of a run."""
+    rows = []
+    decoders = [("ar (baseline)", summary.get("baseline")), (summary["method"], summary["decoder"])]
+    if summary.get("baseline") is None:
+        decoders = decoders[1:]
+    header = f"{'decoder':<16}{'tok/s':>8}{'τ':>7}{'α':>7}{'TTFT ms':>9}{'tokens':>8}{'wall s':>9}"
+    rows.append(header)
+    rows.append("-" * len(header))
+    for name, stats in decoders:
+        alpha = "-" if stats["acceptance_rate"] is None else f"{stats['acceptance_rate']:.2f}"
+        rows.append(
+            f"{name:<16}{stats['tokens_per_second']:>8.2f}{stats['tau']:>7.2f}{alpha:>7}"
+            f"{1000 * stats['mean_ttft']:>9.1f}{stats['new_tokens']:>8}{stats['wall_time']:>9.1f}"
+        )
+    lines = [
+        f"{summary['method']} on {summary.get('model')} / {summary.get('dataset')} "
+        f"({summary['questions']} questions, {summary.get('dtype')}, {summary.get('hardware')})",
+        *rows,
+    ]
+    speedup = summary.get("speedup")
+    if speedup:
+        low, high = speedup["median_ratio_ci95"]
+        lines.append(
+            f"speedup: {speedup['specbench']:.3f}x (Spec-Bench form); median per-question "
+            f"{speedup['median_ratio']:.3f}x [95% CI {low:.3f}, {high:.3f}]"
+        )
+        cats = ", ".join(f"{c} {v:.2f}x" for c, v in speedup["by_category"].items() if v is not None)
+        lines.append(f"by category: {cats}")
+        fid = summary["fidelity"]
+        lines.append(f"outputs differing from AR: {fid['differing_questions']} of {fid['compared']} questions")
+    per_position = summary["decoder"]["acceptance_per_position"]
+    if per_position:
+        lines.append("acceptance per draft position: " + " ".join(
+            f"{d}:{'-' if a is None else f'{a:.2f}'}" for d, a in enumerate(per_position, start=1)))
+    fractions = summary["decoder"]["time_fractions"]
+    if fractions:
+        lines.append("time: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in fractions.items()))
+    return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""Verification rules: which draft nodes the target accepts, and the token it adds after them.
+
+Written once for trees; a chain (SpS) and a root alone (AR) are special trees.
+
+* `greedy_accept`: the longest root-to-node path whose every token equals the target's argmax at
+  its parent, plus the target's argmax after it (the bonus). Lossless for greedy decoding.
+* `sample_accept`: recursive rejection sampling over the children of the accepted node (SpS for a
+  chain; SpecInfer / MCSD multi-candidate for trees). At a node with target distribution p and
+  children x_1..x_k drawn from q, try the children in their drawn order: accept x with probability
+  min(1, p(x)/q(x)); on rejection p <- norm(max(0, p - q)) and, when the children were drawn
+  without replacement, q(x) <- 0, q <- norm(q). When no child is accepted, sample from the current p.
+  For deterministic drafts (no q: top-k trees, EAGLE-2) q is the point mass at x, which gives
+  EAGLE-2's rule: accept x with probability p(x), else p(x) <- 0 and renormalize.
+  This preserves the target's (processed) distribution exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .sampling import sample, uniform
+from .tree import Tree
+
+
+@dataclass
+class Acceptance:
+    path: list[int]  # accepted node indices, from the root (always node 0)
+    next_token: int  # the token the target adds after the path (bonus / correction)
+
+    @property
+    def accepted_drafts(self) -> int:
+        return len(self.path) - 1
+
+
+def greedy_accept(tree: Tree, target_argmax: list[int]) -> Acceptance:
+    """`target_argmax[n]`: the target's greedy token after node n."""
+    tokens = tree.tokens.tolist()
+    node = 0
+    while True:
+        choice = target_argmax[node]
+        child = next((c for c in tree.children[node] if tokens[c] == choice), None)
+        if child is None:
+            return Acceptance(tree.path_to(node), choice)
+        node = child
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)): what to sample from after a rejection."""
+    residual = (p - q).clamp_min_(0)
+    total = residual.sum()
+    if not torch.isfinite(total) or total <= 1e-12:
+        # Only reachable through rounding when p == q (rejection then has probability 0).
+        return p
+    return residual / total
+
+
+ResidualFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sample_accept(
+    tree: Tree,
+    target_probs: torch.Tensor,  # [N, V] fp32, the processed target distribution after each node
+    generator: torch.Generator | None,
+    residual: ResidualFn = residual_distribution,
+) -> Acceptance:
+    tokens = tree.tokens.tolist()
+    node = 0
+    while True:
+        p = target_probs[node]
+        children = tree.children[node]
+        q = None if tree.draft_probs is None or not children else tree.draft_probs[node]
+        accepted = None
+        for child in children:
+            x = tokens[child]
+            q_x = 1.0 if q is None else float(q[x])
+            p_x = float(p[x])
+            if q_x > 0 and uniform(generator) * q_x < p_x:  # u < p(x)/q(x), without dividing
+                accepted = child
+                break
+            if q is None:
+                point = torch.zeros_like(p)
+                point[x] = 1.0
+                p = residual(p, point)
+            else:
+                p = residual(p, q)
+                if tree.without_replacement:
+                    q = q.clone()
+                    q[x] = 0
+                    q = q / q.sum() if q.sum() > 0 else q
+        if accepted is None:
+            return Acceptance(tree.path_to(node), sample(p, generator))
+        node = accepted

@@ -1,0 +1,256 @@
+"""The `Decoder` interface, its outputs, the registry, and the loop every lossless method shares.
+
+    prefill(prompt)                       -> target KV, first token (TTFT ends here)
+    repeat until the stopping rule fires:
+        tree   = propose()                # the method's own part: a draft tree rooted at the last token
+        out    = target.verify(tree)      # one forward over the tree
+        result = accept(tree, out)        # greedy | speculative sampling over the tree
+        target.commit(path)               # keep the accepted path's KV only
+        advance(tree, result, out)        # the drafter follows the accepted path
+
+A method subclasses `DraftVerifyDecoder` and writes `propose` (and `start`/`advance` when it keeps
+state); AR is the method that proposes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, ClassVar, Sequence
+
+import torch
+
+from .acceptance import Acceptance, greedy_accept, sample_accept
+from .runner import ForwardOutput, ModelRunner
+from .sampling import SamplingConfig, logits_to_probs, sample
+from .stopping import StopCondition
+from .tree import Tree
+
+
+@dataclass
+class DecodeStats:
+    new_tokens: int = 0
+    steps: int = 0  # target forward passes, prefill included: τ = new_tokens / steps
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted by each step
+    drafted_tokens: int = 0  # draft tokens proposed (tree nodes other than roots)
+    accepted_drafts: int = 0  # draft tokens accepted
+    # per draft position d (index d-1): steps in which a depth-d candidate was tested (all depths
+    # before it accepted), and steps in which one was accepted
+    position_tested: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
+    ttft: float = 0.0  # seconds from the call to the first token
+    total_time: float = 0.0  # seconds for the whole call
+    # seconds per phase of the loop: draft, verify, accept, commit (the rest is overhead)
+    phase_time: dict[str, float] = field(default_factory=dict)
+    stop_reason: str = ""
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    def count_position(self, depth: int, accepted: bool) -> None:
+        while len(self.position_tested) < depth:
+            self.position_tested.append(0)
+            self.position_accepted.append(0)
+        self.position_tested[depth - 1] += 1
+        self.position_accepted[depth - 1] += int(accepted)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class DecodeOutput:
+    tokens: list[int]  # generated token ids (EOS / stop-string token included when it stopped there)
+    stats: DecodeStats
+
+
+class Decoder(ABC):
+    """A decoding method. `generate` runs one prompt (batch 1) and returns tokens and statistics."""
+
+    name: ClassVar[str]
+    lossless: ClassVar[bool] = True  # reproduces AR's greedy tokens and sampling distribution
+
+    def __init__(self, target: ModelRunner):
+        self.target = target
+
+    @abstractmethod
+    def generate(
+        self,
+        prompt: Sequence[int],
+        stop: StopCondition,
+        sampling: SamplingConfig = SamplingConfig(),
+        generator: torch.Generator | None = None,
+    ) -> DecodeOutput: ...
+
+    def describe(self) -> dict[str, Any]:
+        """Method parameters for the results record."""
+        return {"method": self.name, "lossless": self.lossless}
+
+
+# ------------------------------------------------------------------------------------------
+# Registry: methods are chosen by name
+
+
+@dataclass
+class BuildContext:
+    """What a method factory may need besides its own parameters."""
+
+    target_model: Any  # the target's transformers model
+    model_name: str
+    drafts: dict  # the model config's `drafts` entry: method kind -> draft spec
+
+    def draft_spec(self, kind: str, method: str) -> dict:
+        spec = (self.drafts or {}).get(kind)
+        if not spec:
+            have = ", ".join(k for k, v in (self.drafts or {}).items() if v) or "none"
+            raise ValueError(
+                f"method {method!r} needs a {kind} draft, but model {self.model_name!r} names none "
+                f"(drafts it has: {have}); add `drafts.{kind}` to conf/model/{self.model_name}.yaml "
+                f"or pass method.draft.path=/path/to/draft"
+            )
+        return dict(spec)
+
+
+# A factory builds a decoder: factory(target: ModelRunner, params: dict, context: BuildContext)
+DecoderFactory = Callable[..., Decoder]
+_REGISTRY: dict[str, DecoderFactory] = {}
+
+
+def register(name: str) -> Callable[[DecoderFactory], DecoderFactory]:
+    def wrap(factory: DecoderFactory) -> DecoderFactory:
+        if name in _REGISTRY:
+            raise ValueError(f"method {name!r} registered twice")
+        _REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def available_methods() -> list[str]:
+    from . import registry  # noqa: F401  (imports every method module)
+
+    return sorted(_REGISTRY)
+
+
+def get_method(name: str) -> DecoderFactory:
+    methods = available_methods()
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown method {name!r}; valid methods: {', '.join(methods)}")
+    return _REGISTRY[name]
+
+
+# ------------------------------------------------------------------------------------------
+# The shared loop
+
+
+class _Clock:
+    """Accumulates wall time per phase; synchronizes CUDA so GPU work lands in its phase."""
+
+    def __init__(self, device: torch.device, phases: dict[str, float]):
+        self.cuda = device.type == "cuda"
+        self.phases = phases
+        self.last = self.now()
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = self.now()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
+class DraftVerifyDecoder(Decoder):
+    """The draft -> verify -> accept -> commit loop. Subclasses supply the drafter."""
+
+    def start(self, prompt: Sequence[int], prefill: ForwardOutput) -> None:
+        """Called once after the target's prefill (e.g. to prefill a draft model)."""
+
+    @abstractmethod
+    def propose(self, root: int, budget: int) -> Tree:
+        """A tree rooted at `root` (the last emitted token) with at most `budget` draft tokens
+        along any path (more would be cut by the stopping rule anyway)."""
+
+    def advance(self, tree: Tree, acceptance: Acceptance, verified: ForwardOutput) -> None:
+        """Called after each commit, so the drafter can follow the accepted path."""
+
+    def prefill(self, prompt: Sequence[int]) -> ForwardOutput:
+        """The target's prefill; a prefill strategy (LazyLLM) overrides this."""
+        return self.target.prefill(prompt)
+
+    # --------------------------------------------------------------------------------------
+    def generate(self, prompt, stop, sampling=SamplingConfig(), generator=None) -> DecodeOutput:
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("empty prompt")
+        self.sampling, self.generator = sampling, generator
+        self.target.reset()
+        self.target.check_room(len(prompt) + stop.max_new_tokens)
+        stats = DecodeStats()
+        clock = _Clock(self.target.device, stats.phase_time)
+        begin = clock.last
+
+        first = self.prefill(prompt)
+        token = self._choose(first.logits[-1])
+        stats.ttft = clock.now() - begin
+        clock.lap("prefill")
+        tokens = [token]
+        stats.accepted_lengths.append(1)
+        self.sequence = prompt + tokens  # prompt and output; the last token is not in the target KV
+        self.start(prompt, first)
+        clock.lap("draft")
+
+        done = stop.cut(tokens, 0)
+        while done is None:
+            tree = self.propose(token, stop.max_new_tokens - len(tokens) - 1)
+            clock.lap("draft")
+            prefix = self.target.length
+            verified = self.target.verify(tree)
+            clock.lap("verify")
+            acceptance = self._accept(tree, verified.logits)
+            clock.lap("accept")
+            self.target.commit(prefix, acceptance.path)
+            clock.lap("commit")
+            emitted = tree.tokens[acceptance.path[1:]].tolist() + [acceptance.next_token]
+            checked = len(tokens)
+            tokens.extend(emitted)
+            self.sequence.extend(emitted)
+            done = stop.cut(tokens, checked)
+            stats.accepted_lengths.append(len(emitted) if done is None else done[0] - checked)
+            self._count(stats, tree, acceptance)
+            if done is None:
+                self.advance(tree, acceptance, verified)
+                clock.lap("draft")
+            token = acceptance.next_token
+
+        keep, stats.stop_reason = done
+        del tokens[keep:]
+        stats.new_tokens = len(tokens)
+        stats.steps = len(stats.accepted_lengths)
+        stats.total_time = clock.now() - begin
+        return DecodeOutput(tokens=tokens, stats=stats)
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        if self.sampling.greedy:
+            return int(logits.argmax())
+        return sample(logits_to_probs(logits, self.sampling), self.generator)
+
+    def _accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
+        if self.sampling.greedy:
+            return greedy_accept(tree, logits.argmax(-1).tolist())
+        return self.sample_accept(tree, logits_to_probs(logits, self.sampling), self.generator)
+
+    # Swappable so that tests can show a broken acceptor is caught.
+    sample_accept = staticmethod(sample_accept)
+
+    @staticmethod
+    def _count(stats: DecodeStats, tree: Tree, acceptance: Acceptance) -> None:
+        stats.drafted_tokens += len(tree) - 1
+        stats.accepted_drafts += acceptance.accepted_drafts
+        for depth, node in enumerate(acceptance.path, start=1):
+            if tree.children[node]:
+                stats.count_position(depth, accepted=depth < len(acceptance.path))

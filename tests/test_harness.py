@@ -1,0 +1,203 @@
+"""The harness end to end on a tiny model: results folder, records, summary, resume; config errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from harness.datasets import Question, select
+from harness.metrics import bootstrap_median_interval, summarize
+from harness.results import RunFolder, read_jsonl
+from harness.run import run
+from methods.base import available_methods, get_method
+from methods.loading import ModelSpec, ModelUnavailableError, load_model, resolve_dtype
+from tests.conftest import REPO, tiny_config
+
+CONF = str(REPO / "conf")
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, embedded):
+    """A tiny random Llama with the embedded model's tokenizer and chat template, saved as a
+    regular Hugging Face folder (so the harness loads it through the local-path loader)."""
+    from transformers import LlamaForCausalLM
+
+    _, tokenizer = embedded
+    folder = tmp_path_factory.mktemp("tiny-chat-model")
+    torch.manual_seed(0)
+    config = tiny_config("llama", vocab_size=len(tokenizer), hidden=32, layers=2, eos_token_id=tokenizer.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def questions_file(tmp_path):
+    rows = [
+        {"question_id": 1, "category": "writing", "turns": ["Write a haiku.", "Now another one."]},
+        {"question_id": 2, "category": "qa", "turns": ["Who wrote Hamlet?"]},
+        {"question_id": 3, "category": "math", "turns": ["What is 2+2?"]},
+        {"question_id": 4, "category": "qa", "turns": ["Capital of Peru?"]},
+    ]
+    path = tmp_path / "question.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def config(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def tiny_overrides(model_dir, questions, results, *extra):
+    return [
+        f"model.path={model_dir}", "model.gguf_file=null", "model.gguf_package=null", "model.name=tiny",
+        "model.drafts.sps={target_layers: 1}", "dtype=float32", "device=cpu", f"dataset.path={questions}",
+        f"results_dir={results}", "max_new_tokens=12", "warmup=1", *extra,
+    ]
+
+
+def test_bench_writes_a_complete_results_folder(tiny_model_dir, questions_file, tmp_path):
+    summary = run(config(*tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=sps", "limit=3")))
+    folder = Path(summary["results"])
+    assert folder.parent == tmp_path / "tiny" / "spec_bench" / "sps"
+    assert (folder / "config.yaml").is_file()
+    env = json.loads((folder / "environment.json").read_text())
+    assert env["torch"] == torch.__version__ and env["cpu"] and "commit" in env["git"]
+    sps, ar = read_jsonl(folder / "answers" / "sps.jsonl"), read_jsonl(folder / "answers" / "ar.jsonl")
+    assert [r["question_id"] for r in sps] == [r["question_id"] for r in ar] and len(sps) == 3
+    first = sps[0]["choices"][0]
+    assert len(first["turns"]) == len(first["prompt_ids"]) == len(first["output_ids"]) == 2  # two turns
+    assert first["new_tokens"] == [len(ids) for ids in first["output_ids"]]
+    assert sum(first["accept_lengths"]) == sum(first["new_tokens"])
+    # the second turn's prompt contains the model's own first answer
+    assert len(first["prompt_ids"][1]) > len(first["prompt_ids"][0]) + len(first["output_ids"][0]) - 2
+    # greedy fp32: lossless, so identical tokens to AR
+    assert summary["fidelity"]["differing_questions"] == 0
+    for key in ("specbench", "median_ratio", "median_ratio_ci95", "by_category"):
+        assert key in summary["speedup"]
+    stored = json.loads((folder / "summary.json").read_text())
+    assert stored["decoder"]["tau"] == pytest.approx(summary["decoder"]["tau"])
+    assert stored["decoder"]["acceptance_per_position"]
+    assert stored["questions"] == 3 and stored["method"] == "sps"
+
+
+def test_interrupted_run_resumes_without_duplicates(tiny_model_dir, questions_file, tmp_path):
+    overrides = tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=sps", "limit=4")
+    summary = run(config(*overrides))
+    folder = Path(summary["results"]) / "answers"
+    sps_lines = (folder / "sps.jsonl").read_text().splitlines()
+    ar_lines = (folder / "ar.jsonl").read_text().splitlines()
+    stamps = {json.loads(line)["question_id"]: json.loads(line)["tstamp"] for line in sps_lines[:2]}
+    # simulate a crash: question 4 finished by AR only, and a half-written line for sps
+    (folder / "sps.jsonl").write_text("\n".join(sps_lines[:2]) + "\n" + sps_lines[2][: len(sps_lines[2]) // 2])
+    (folder / "ar.jsonl").write_text("\n".join(ar_lines) + "\n")
+    resumed = run(config(*overrides))
+    assert resumed["results"] == summary["results"]
+    for name in ("sps", "ar"):
+        ids = [r["question_id"] for r in read_jsonl(folder / f"{name}.jsonl")]
+        assert sorted(ids) == [1, 2, 3, 4] and len(ids) == 4
+    assert resumed["questions"] == 4
+    again = {r["question_id"]: r["tstamp"] for r in read_jsonl(folder / "sps.jsonl")}
+    assert all(again[qid] == stamp for qid, stamp in stamps.items())  # finished ones not rerun
+
+
+def test_resume_refuses_results_from_other_hardware(tmp_path):
+    folder = RunFolder(tmp_path / "run", ["ar"])
+    folder.prepare("x: 1", {"cpu": "A", "gpu": None}, {"cpu": "A", "gpu": None}, resume=True)
+    folder.append("ar", {"question_id": 1})
+    with pytest.raises(RuntimeError, match="never mixed"):
+        folder.prepare("x: 1", {"cpu": "B", "gpu": None}, {"cpu": "B", "gpu": None}, resume=True)
+
+
+def test_default_config_runs_the_embedded_model(tmp_path, spec_bench_questions):
+    summary = run(config(f"results_dir={tmp_path}", "limit=1", "max_new_tokens=6", "warmup=0",
+                         "dataset.categories=[qa]", "method=ar"))
+    assert summary["model"] == "smollm2-135m" and summary["dtype"] == "bfloat16"
+    record = read_jsonl(Path(summary["results"]) / "answers" / "ar.jsonl")[0]
+    assert record["category"] == "qa" and record["choices"][0]["new_tokens"][0] <= 6
+    assert "speedup" not in summary  # AR alone has no baseline to compare with
+
+
+# ---------------------------------------------------------------------------------------------
+# Clear errors
+
+
+def test_unknown_method_lists_valid_ones():
+    assert {"ar", "sps"} <= set(available_methods())
+    with pytest.raises(KeyError, match="valid methods: .*ar.*sps"):
+        get_method("nope")
+
+
+def test_unknown_hydra_group_option_names_the_options():
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException, match="sps"):
+        config("method=nope")
+
+
+def test_hub_model_offline_fails_fast_with_the_id_and_the_override(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(ModelUnavailableError, match=r"lmsys/vicuna-7b-v1\.3.*model\.path=/path/to/folder"):
+        load_model(ModelSpec(path="lmsys/vicuna-7b-v1.3"), torch.float32, torch.device("cpu"))
+
+
+def test_missing_draft_is_a_clear_error(tiny_model_dir, questions_file, tmp_path):
+    cfg = config(f"model.path={tiny_model_dir}", "model.gguf_file=null", "model.gguf_package=null",
+                 "model.name=tiny", "model.drafts.sps=null", "dtype=float32", f"dataset.path={questions_file}",
+                 f"results_dir={tmp_path}")
+    with pytest.raises(ValueError, match="needs a sps draft.*method.draft.path"):
+        run(cfg)
+
+
+def test_bad_values_are_named():
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'.*float32"):
+        resolve_dtype("fp8", torch.device("cpu"))
+    questions = [Question(i, c, ["x"]) for i, c in enumerate(["a", "b", "a"])]
+    with pytest.raises(ValueError, match=r"unknown categories \['z'\]; valid: a, b"):
+        select(questions, ["z"])
+
+
+def test_stratified_selection_covers_categories():
+    questions = [Question(i, c, ["x"]) for i, c in enumerate("aaabbbccc")]
+    assert [q.category for q in select(questions, limit=3)] == ["a", "b", "c"]
+    assert [q.question_id for q in select(questions, limit=4)] == [0, 1, 3, 6]
+    assert [q.question_id for q in select(questions, limit=2, sample="first")] == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics from records
+
+
+def record(qid, tokens, wall, steps, category="c"):
+    stats = {"ttft": 0.1, "drafted_tokens": 4 * steps, "accepted_drafts": tokens - steps,
+             "position_tested": [steps], "position_accepted": [tokens - steps], "phase_time": {"verify": wall / 2}}
+    return {"question_id": qid, "category": category, "choices": [{
+        "new_tokens": [tokens], "wall_time": [wall], "decoding_steps": [steps], "accept_lengths": [],
+        "output_ids": [list(range(tokens))], "stats": [stats]}]}
+
+
+def test_summary_numbers_recomputed_from_records():
+    method = [record(1, 100, 2.0, 50), record(2, 60, 1.0, 40)]
+    baseline = [record(1, 100, 4.0, 100), record(2, 60, 1.5, 60)]
+    summary = summarize("x", method, baseline, {})
+    # Spec-Bench form: mean(100/2, 60/1) / mean(100/4, 60/1.5) = 55 / 32.5
+    assert summary["speedup"]["specbench"] == pytest.approx(55 / 32.5)
+    assert summary["speedup"]["median_ratio"] == pytest.approx((2.0 + 1.5) / 2)
+    assert summary["decoder"]["tau"] == pytest.approx(160 / 90)
+    assert summary["decoder"]["acceptance_rate"] == pytest.approx(70 / 360)
+    assert summary["decoder"]["acceptance_per_position"] == [pytest.approx(70 / 90)]
+    assert summary["fidelity"]["differing_questions"] == 0
+    low, high = summary["speedup"]["median_ratio_ci95"]
+    assert 1.5 <= low <= high <= 2.0
+
+
+def test_bootstrap_interval_brackets_the_median():
+    values = [1.0 + 0.01 * i for i in range(50)]
+    low, high = bootstrap_median_interval(values)
+    assert low < 1.245 < high and high - low < 0.2
