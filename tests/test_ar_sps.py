@@ -142,7 +142,7 @@ def test_sps_sampling_preserves_target_distribution(tiny_vocab_pair, gamma):
     sampling = SamplingConfig(temperature=1.0)
     expected = exact_joint(target, PROMPT, 3, sampling)
     decoder = SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=gamma)
-    samples = draw(decoder, sampling, 2500, 3, seed=gamma)
+    samples = draw(decoder, sampling, 1500, 3, seed=gamma)
     assert chi_square_pvalue(samples, expected) > 1e-3
 
 
@@ -155,7 +155,7 @@ def test_sps_with_broken_residual_is_caught(tiny_vocab_pair):
     decoder = SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2)
     decoder.sample_accept = lambda tree, probs, gen: SpeculativeSamplingDecoder.sample_accept(
         tree, probs, gen, residual=lambda p, q: p)
-    samples = draw(decoder, sampling, 2500, 3, seed=2)
+    samples = draw(decoder, sampling, 1500, 3, seed=2)
     assert chi_square_pvalue(samples, expected) < 1e-6
 
 

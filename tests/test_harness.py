@@ -114,8 +114,8 @@ def test_resume_refuses_results_from_other_hardware(tmp_path):
         folder.prepare("x: 1", {"cpu": "B", "gpu": None}, {"cpu": "B", "gpu": None}, resume=True)
 
 
-def test_default_config_runs_the_embedded_model(tmp_path, spec_bench_questions):
-    summary = run(config(f"results_dir={tmp_path}", "limit=1", "max_new_tokens=6", "warmup=0",
+def test_default_config_runs_the_embedded_model(tmp_path, spec_bench_file):
+    summary = run(config(f"results_dir={tmp_path}", f"dataset.path={spec_bench_file}", "limit=1", "max_new_tokens=6", "warmup=0",
                          "dataset.categories=[qa]", "method=ar"))
     assert summary["model"] == "smollm2-135m" and summary["dtype"] == "bfloat16"
     record = read_jsonl(Path(summary["results"]) / "answers" / "ar.jsonl")[0]
