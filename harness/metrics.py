@@ -37,6 +37,7 @@ def decoder_stats(records: list[dict]) -> dict:
     tokens = steps = drafted = accepted = 0
     wall = ttft_sum = 0.0
     turns = 0
+    proposed: list[int] = []
     tested: list[int] = []
     hit: list[int] = []
     phases: dict[str, float] = defaultdict(float)
@@ -50,12 +51,13 @@ def decoder_stats(records: list[dict]) -> dict:
             ttft_sum += turn_stats["ttft"]
             drafted += turn_stats["drafted_tokens"]
             accepted += turn_stats["accepted_drafts"]
-            for d, (t, a) in enumerate(zip(turn_stats["position_tested"], turn_stats["position_accepted"])):
+            for d, counts in enumerate(zip(turn_stats["position_proposed"], turn_stats["position_tested"],
+                                           turn_stats["position_accepted"])):
                 if d >= len(tested):
-                    tested.append(0)
-                    hit.append(0)
-                tested[d] += t
-                hit[d] += a
+                    for total in (proposed, tested, hit):
+                        total.append(0)
+                for total, count in zip((proposed, tested, hit), counts):
+                    total[d] += count
             for phase, seconds in turn_stats["phase_time"].items():
                 phases[phase] += seconds
     speeds = [t / w for t, w in map(question_speed, records) if w > 0]
@@ -72,6 +74,7 @@ def decoder_stats(records: list[dict]) -> dict:
         "drafted_tokens": drafted,
         "accepted_drafts": accepted,
         "acceptance_per_position": [a / t if t else None for a, t in zip(hit, tested)],
+        "position_proposed": proposed,
         "position_tested": tested,
         "position_accepted": hit,
         "mean_ttft": ttft_sum / turns if turns else 0.0,
@@ -141,8 +144,9 @@ def format_summary(summary: dict) -> str:
             f"{name:<16}{stats['tokens_per_second']:>8.2f}{stats['tau']:>7.2f}{alpha:>7}"
             f"{1000 * stats['mean_ttft']:>9.1f}{stats['new_tokens']:>8}{stats['wall_time']:>9.1f}"
         )
+    lossy = "" if summary.get("lossless", True) else " [LOSSY]"
     lines = [
-        f"{summary['method']} on {summary.get('model')} / {summary.get('dataset')} "
+        f"{summary['method']}{lossy} on {summary.get('model')} / {summary.get('dataset')} "
         f"({summary['questions']} questions, {summary.get('dtype')}, {summary.get('hardware')})",
         *rows,
     ]

@@ -131,6 +131,7 @@ def run(cfg: DictConfig) -> dict:
         "model": cfg.model.name, "dataset": cfg.dataset.name, "dtype": dtype_name,
         "device": str(bench.device), "hardware": env["gpu"] or env["cpu"], "environment": env,
         "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling),
+        "lossless": bench.decoders[cfg.method.name].lossless,
         "method_config": bench.decoders[cfg.method.name].describe(), "results": str(folder.path),
     }
     baseline = folder.records(BASELINE) if BASELINE in bench.decoders and cfg.method.name != BASELINE else None

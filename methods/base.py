@@ -35,8 +35,9 @@ class DecodeStats:
     accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted by each step
     drafted_tokens: int = 0  # draft tokens proposed (tree nodes other than roots)
     accepted_drafts: int = 0  # draft tokens accepted
-    # per draft position d (index d-1): steps in which a depth-d candidate was tested (all depths
-    # before it accepted), and steps in which one was accepted
+    # per draft position d (index d-1): steps whose tree reached depth d, steps in which a depth-d
+    # candidate was tested (all depths before it accepted), and steps in which one was accepted
+    position_proposed: list[int] = field(default_factory=list)
     position_tested: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
     ttft: float = 0.0  # seconds from the call to the first token
@@ -49,12 +50,18 @@ class DecodeStats:
     def tau(self) -> float:
         return self.new_tokens / self.steps if self.steps else 0.0
 
-    def count_position(self, depth: int, accepted: bool) -> None:
-        while len(self.position_tested) < depth:
-            self.position_tested.append(0)
-            self.position_accepted.append(0)
-        self.position_tested[depth - 1] += 1
-        self.position_accepted[depth - 1] += int(accepted)
+    def count_step(self, tree_depth: int, path_children: list[bool], accepted_depth: int) -> None:
+        """One verification: the tree's depth, whether each node of the accepted path had
+        children (then the next depth was tested), and how many draft tokens were accepted."""
+        while len(self.position_proposed) < tree_depth:
+            for counts in (self.position_proposed, self.position_tested, self.position_accepted):
+                counts.append(0)
+        for depth in range(tree_depth):
+            self.position_proposed[depth] += 1
+        for depth, tested in enumerate(path_children):
+            if tested:
+                self.position_tested[depth] += 1
+                self.position_accepted[depth] += int(depth < accepted_depth)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -251,6 +258,4 @@ class DraftVerifyDecoder(Decoder):
     def _count(stats: DecodeStats, tree: Tree, acceptance: Acceptance) -> None:
         stats.drafted_tokens += len(tree) - 1
         stats.accepted_drafts += acceptance.accepted_drafts
-        for depth, node in enumerate(acceptance.path, start=1):
-            if tree.children[node]:
-                stats.count_position(depth, accepted=depth < len(acceptance.path))
+        stats.count_step(max(tree.depths), [bool(tree.children[n]) for n in acceptance.path], acceptance.accepted_drafts)

@@ -246,3 +246,17 @@ def load_draft_lm(spec, target_model):
             f"{target_vocab}: a draft must share the target's tokenizer"
         )
     return draft
+
+
+def head_spec(params: dict, context, kind: str) -> ModelSpec:
+    """Where a method's draft head comes from: `method.head` when given, else the model config's
+    `drafts.<kind>`. `{path: ...}` is a Hub id or folder in the released format;
+    `{random_init: seed}` writes randomly initialized weights in that format once (cached) and
+    loads them through the same loader: exact decoding, near-zero acceptance."""
+    spec = dict(params.get("head") or context.draft_spec(kind, params.get("name", kind)))
+    if spec.get("random_init") is not None:
+        from .heads.random_init import random_head_folder
+
+        folder = random_head_folder(kind, context.target_model, int(spec["random_init"]))
+        return ModelSpec(path=str(folder), override_hint="method.head.path")
+    return ModelSpec.from_mapping(spec, override_hint="method.head.path")

@@ -83,3 +83,15 @@ def embedded_prompts(embedded, sample_questions):
         )["input_ids"]
         for q in sample_questions
     ]
+
+
+def hf_greedy(model, prompt, max_new_tokens, eos=None):
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def embedded_reference(embedded, embedded_prompts):
+    model, tokenizer = embedded
+    return [hf_greedy(model, prompt, 64, eos=tokenizer.eos_token_id) for prompt in embedded_prompts]

@@ -12,14 +12,8 @@ from methods.runner import ModelRunner
 from methods.sampling import SamplingConfig
 from methods.sps import SpeculativeSamplingDecoder
 from methods.stopping import StopCondition
-from tests.conftest import tiny_model
+from tests.conftest import hf_greedy, tiny_model
 from tests.stats_util import chi_square_pvalue, exact_joint
-
-
-def hf_greedy(model, prompt, max_new_tokens, eos=None):
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
@@ -71,12 +65,6 @@ def test_stop_strings_cut_every_decoder_at_the_same_token():
 
 # ---------------------------------------------------------------------------------------------
 # The embedded model, fp32, against transformers.generate
-
-
-@pytest.fixture(scope="session")
-def embedded_reference(embedded, embedded_prompts):
-    model, tokenizer = embedded
-    return [hf_greedy(model, prompt, 64, eos=tokenizer.eos_token_id) for prompt in embedded_prompts]
 
 
 def test_embedded_greedy_ar_equals_generate(embedded, embedded_prompts, embedded_reference):

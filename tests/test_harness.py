@@ -176,7 +176,7 @@ def test_stratified_selection_covers_categories():
 
 def record(qid, tokens, wall, steps, category="c"):
     stats = {"ttft": 0.1, "drafted_tokens": 4 * steps, "accepted_drafts": tokens - steps,
-             "position_tested": [steps], "position_accepted": [tokens - steps], "phase_time": {"verify": wall / 2}}
+             "position_proposed": [steps], "position_tested": [steps], "position_accepted": [tokens - steps], "phase_time": {"verify": wall / 2}}
     return {"question_id": qid, "category": category, "choices": [{
         "new_tokens": [tokens], "wall_time": [wall], "decoding_steps": [steps], "accept_lengths": [],
         "output_ids": [list(range(tokens))], "stats": [stats]}]}
@@ -201,3 +201,22 @@ def test_bootstrap_interval_brackets_the_median():
     values = [1.0 + 0.01 * i for i in range(50)]
     low, high = bootstrap_median_interval(values)
     assert low < 1.245 < high and high - low < 0.2
+
+
+@pytest.mark.parametrize("method, extra", [
+    ("medusa", []), ("eagle", []), ("eagle2", ["method.total_tokens=20"]),
+    ("medusa", ["method.acceptance=typical", "temperature=0.7"]),
+])
+def test_tree_methods_report_per_position_acceptance(tiny_model_dir, questions_file, tmp_path, monkeypatch, method, extra):
+    monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path / "cache"))
+    heads = ["model.drafts.eagle={random_init: 0}", "model.drafts.medusa={random_init: 0}"]
+    summary = run(config(*tiny_overrides(tiny_model_dir, questions_file, tmp_path, f"method={method}", "limit=2"),
+                         *heads, *extra))
+    per_position = summary["decoder"]["acceptance_per_position"]
+    assert len(per_position) >= 2 and all(a is None or 0 <= a <= 1 for a in per_position)
+    # every verification step but a last one with no room for drafts tests position 1
+    assert 0 < summary["decoder"]["position_tested"][0] <= summary["decoder"]["target_forwards"] - summary["decoder"]["turns"]
+    typical = "method.acceptance=typical" in extra
+    assert summary["lossless"] is not typical
+    if not typical:  # greedy fp32, lossless: AR's tokens exactly
+        assert summary["fidelity"]["differing_questions"] == 0

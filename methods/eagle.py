@@ -1,0 +1,265 @@
+"""EAGLE (static tree) and EAGLE-2 (dynamic tree) decoding with the EAGLE draft head.
+
+The head drafts from (token, target feature) pairs. With the target's cache holding T positions
+and the root x_T pending, the head's cache holds the T pairs (x_{i+1}, f_i), i < T, and its last
+output predicts the root's children. A tree node at depth d is fed at head position T + d - 1
+with its token and the head's own output at its parent (tree mask over the head's cache). After
+verification the head's tree entries are dropped and the accepted path is fed with the target's
+true features, so the head's cache always equals the one built along the accepted sequence.
+
+* `eagle`: EAGLE-1's static tree (default `eagle_mc_sim_7b_63`: 25 nodes, 4/8/8/3/2 per depth);
+  node [.., r] carries the r-th ranked candidate of its parent; one head forward per level.
+* `eagle2`: EAGLE-2's dynamic tree: expand the top-k frontier by cumulative log-probability for
+  `depth` steps (k² candidates per step), then keep the best `total_tokens - 1` candidates,
+  ancestors before descendants. `total_tokens: auto` times target forwards at 40..60 tokens and
+  picks the size as EAGLE-2's `-1` does.
+Drafts are deterministic (top-k), so sampling verification uses EAGLE-2's rule (accept x with
+probability p(x), else zero it and renormalize), which preserves the target distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from .base import BuildContext, DraftVerifyDecoder, register
+from .heads.eagle import EagleHead, load_eagle_head
+from .kv_cache import TreeKVCache
+from .loading import head_spec
+from .static_trees import StaticTree
+from .tree import Tree, attention_mask
+
+
+class EagleDrafter:
+    """The head, its KV cache (committed pairs + the current tree's entries) and the target's lm_head."""
+
+    def __init__(self, head: EagleHead, lm_head):
+        self.head, self.lm_head = head, lm_head
+        self.device = head.fc.weight.device
+        self.dtype = head.fc.weight.dtype
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = TreeKVCache()
+        self.committed = 0
+
+    @torch.inference_mode()
+    def _feed(self, tokens: Sequence[int] | torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        return self.head(tokens, features, positions, mask, self.cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.lm_head(hidden).float()
+
+    def follow(self, tokens: Sequence[int], features: torch.Tensor) -> None:
+        """Drop the tree entries; append pairs (tokens[i], features[i]) of the accepted sequence.
+        Sets `root_hidden` / `root_logits`: the head's prediction for the new root's children."""
+        self.cache.rollback(self.committed)
+        n = len(tokens)
+        positions = torch.arange(self.committed, self.committed + n, device=self.device)
+        causal = torch.ones(n, n, dtype=torch.bool).tril_()
+        mask = attention_mask(causal, self.committed, self.dtype, self.device) if n > 1 else None
+        hidden = self._feed(tokens, features, positions, mask)
+        self.committed += n
+        self.root_hidden = hidden[-1]
+        self.root_logits = self.logits(hidden[-1])
+
+    def feed_level(self, tokens: list[int], parent_hidden: torch.Tensor, depth: int,
+                   visible: list[list[int]]) -> torch.Tensor:
+        """Feed tree nodes of one depth. `visible[i]`: tree-entry slots (0-based, after the
+        committed pairs) that node i may attend to besides itself (its ancestors). Returns their
+        outputs; the new nodes take the next slots in order."""
+        drafted = self.cache.get_seq_length() - self.committed
+        n = len(tokens)
+        allowed = torch.zeros(n, drafted + n, dtype=torch.bool)
+        for i, slots in enumerate(visible):
+            allowed[i, slots] = True
+            allowed[i, drafted + i] = True
+        mask = torch.zeros(1, 1, n, self.committed + drafted + n, dtype=self.dtype, device=self.device)
+        mask[0, 0, :, self.committed:].masked_fill_(~allowed.to(self.device), torch.finfo(self.dtype).min)
+        positions = torch.full((n,), self.committed + depth - 1, device=self.device)
+        return self._feed(tokens, parent_hidden, positions, mask)
+
+
+class _EagleBase(DraftVerifyDecoder):
+    def __init__(self, target, head: EagleHead):
+        super().__init__(target)
+        self.drafter = EagleDrafter(head, target.lm_head)
+
+    def start(self, prompt, prefill) -> None:
+        self.drafter.reset()
+        # pairs (x_{i+1}, f_i) for every prompt position: the tokens are shifted by one
+        self.drafter.follow(self.sequence[1:], prefill.hidden)
+
+    def advance(self, tree, acceptance, verified) -> None:
+        path = acceptance.path
+        tokens = tree.tokens[path[1:]].tolist() + [acceptance.next_token]
+        self.drafter.follow(tokens, verified.hidden[path])
+
+
+class EagleDecoder(_EagleBase):
+    name = "eagle"
+
+    def __init__(self, target, head: EagleHead, tree: StaticTree):
+        super().__init__(target, head)
+        self.tree = tree
+
+    def describe(self):
+        return {**super().describe(), "tree_nodes": len(self.tree), "tree_depth": self.tree.max_depth,
+                "top_k": self.tree.top_k()}
+
+    def propose(self, root: int, budget: int) -> Tree:
+        tree = self.tree
+        depth_limit = min(tree.max_depth, budget)
+        count = sum(1 for d in tree.depths if d <= depth_limit)
+        parents = tree.parents[:count]
+        children = [[] for _ in range(count)]
+        for node in range(1, count):
+            children[parents[node]].append(node)
+        tokens = [root] + [0] * (count - 1)
+        logits_of = {0: self.drafter.root_logits}
+        hidden_of = {0: self.drafter.root_hidden}
+        slot_of: dict[int, int] = {}
+        for depth in range(1, depth_limit + 1):
+            level = [n for n in range(1, count) if tree.depths[n] == depth]
+            k = tree.top_k(depth)
+            ranked = {p: torch.topk(logits_of[p], k).indices.tolist() for p in {parents[n] for n in level}}
+            for node in level:
+                tokens[node] = ranked[parents[node]][tree.ranks[node]]
+            expand = [n for n in level if children[n]]
+            if not expand or depth == depth_limit:
+                break
+            visible = [[slot_of[a] for a in _ancestors(parents, n)] for n in expand]
+            hidden = self.drafter.feed_level([tokens[n] for n in expand],
+                                             torch.stack([hidden_of[parents[n]] for n in expand]), depth, visible)
+            base = len(slot_of)
+            logits = self.drafter.logits(hidden)
+            for i, node in enumerate(expand):
+                slot_of[node] = base + i
+                hidden_of[node], logits_of[node] = hidden[i], logits[i]
+        return Tree(torch.tensor(tokens), parents)
+
+
+class Eagle2Decoder(_EagleBase):
+    name = "eagle2"
+
+    def __init__(self, target, head: EagleHead, total_tokens: int = 60, depth: int = 5, top_k: int = 10):
+        super().__init__(target, head)
+        if total_tokens < 2 or depth < 0 or top_k < 1:
+            raise ValueError(f"eagle2 needs total_tokens >= 2, depth >= 0, top_k >= 1; got {total_tokens}, {depth}, {top_k}")
+        self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
+        self.total_tokens_timing: dict | None = None
+
+    def describe(self):
+        return {**super().describe(), "total_tokens": self.total_tokens, "depth": self.depth, "top_k": self.top_k,
+                "total_tokens_auto": self.total_tokens_timing}
+
+    def propose(self, root: int, budget: int) -> Tree:
+        levels = min(self.depth + 1, budget)  # draft tokens along a path
+        if levels <= 0:
+            return Tree(torch.tensor([root]), [-1])
+        k = min(self.top_k, self.drafter.root_logits.shape[-1])
+        # candidates in creation order (ancestors before descendants): token, parent (-1 = root), value
+        cand_tokens: list[int] = []
+        cand_parent: list[int] = []
+        values = []
+        logp = torch.log_softmax(self.drafter.root_logits, -1)
+        top = torch.topk(logp, k)
+        cand_tokens += top.indices.tolist()
+        cand_parent += [-1] * k
+        values.append(top.values)
+        frontier = list(range(k))
+        frontier_values = top.values
+        frontier_hidden = self.drafter.root_hidden.expand(k, -1)
+        slot_of: dict[int, int] = {}
+        for level in range(1, levels):
+            visible = [[slot_of[a] for a in _candidate_ancestors(cand_parent, c)] for c in frontier]
+            hidden = self.drafter.feed_level([cand_tokens[c] for c in frontier], frontier_hidden, level, visible)
+            base = len(slot_of)
+            for i, c in enumerate(frontier):
+                slot_of[c] = base + i
+            child = torch.topk(torch.log_softmax(self.drafter.logits(hidden), -1), k)  # [k, k]
+            cumulative = (frontier_values[:, None] + child.values).flatten()
+            first = len(cand_tokens)
+            cand_tokens += child.indices.flatten().tolist()
+            cand_parent += [c for c in frontier for _ in range(k)]
+            values.append(cumulative)
+            best = torch.topk(cumulative, k).indices
+            frontier = [first + int(i) for i in best]
+            frontier_values = cumulative[best]
+            frontier_hidden = hidden[best // k]
+        return self._rerank(root, cand_tokens, cand_parent, torch.cat(values))
+
+    def _rerank(self, root: int, tokens: list[int], parents: list[int], values: torch.Tensor) -> Tree:
+        """Keep the best `total_tokens - 1` candidates; ties go to the earlier candidate, so a
+        kept node's ancestors (never worth less) are kept too."""
+        keep = min(self.total_tokens - 1, len(tokens))
+        order = sorted(range(len(tokens)), key=lambda c: (-float(values[c]), c))[:keep]
+        kept = sorted(order)
+        node_of = {c: i + 1 for i, c in enumerate(kept)}
+        tree_parents = [-1] + [0 if parents[c] < 0 else node_of[parents[c]] for c in kept]
+        return Tree(torch.tensor([root] + [tokens[c] for c in kept]), tree_parents)
+
+    def auto_total_tokens(self, sizes=(40, 48, 50, 56, 60), weights=(1, 1.05, 1.07, 1.1, 1.13),
+                          prefix: int = 128, repeats: int = 3) -> int:
+        """EAGLE-2's `total_token=-1`: time target forwards of each size and take the size with the
+        least time per weight (weights credit larger trees with the extra tokens they accept)."""
+        runner = self.target
+        runner.reset()
+        runner.prefill([0] * prefix)
+        timings = {}
+        for size in sizes:
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                runner.forward([0] * size)
+                if runner.device.type == "cuda":
+                    torch.cuda.synchronize()
+                samples.append(time.perf_counter() - start)
+                runner.rollback(prefix)
+            timings[size] = sorted(samples)[len(samples) // 2]
+        runner.reset()
+        best = min(sizes, key=lambda s: timings[s] / weights[sizes.index(s)])
+        self.total_tokens = best
+        self.total_tokens_timing = {"chosen": best, "seconds_by_size": timings, "weights": dict(zip(sizes, weights))}
+        return best
+
+
+def _ancestors(parents: Sequence[int], node: int) -> list[int]:
+    """Tree nodes strictly between the root and `node`."""
+    result = []
+    node = parents[node]
+    while node > 0:
+        result.append(node)
+        node = parents[node]
+    return result
+
+
+def _candidate_ancestors(parents: Sequence[int], candidate: int) -> list[int]:
+    result = []
+    candidate = parents[candidate]
+    while candidate >= 0:
+        result.append(candidate)
+        candidate = parents[candidate]
+    return result
+
+
+@register("eagle")
+def build_eagle(target, params: dict, context: BuildContext) -> EagleDecoder:
+    head = load_eagle_head(head_spec(params, context, "eagle"), context.target_model)
+    return EagleDecoder(target, head, StaticTree.build(params.get("tree", "eagle_mc_sim_7b_63")))
+
+
+@register("eagle2")
+def build_eagle2(target, params: dict, context: BuildContext) -> Eagle2Decoder:
+    head = load_eagle_head(head_spec(params, context, "eagle"), context.target_model)
+    total = params.get("total_tokens", 60)
+    decoder = Eagle2Decoder(target, head, total_tokens=60 if total == "auto" else int(total),
+                            depth=int(params.get("depth", 5)), top_k=int(params.get("top_k", 10)))
+    if total == "auto":
+        decoder.auto_total_tokens()
+    return decoder

@@ -1,0 +1,50 @@
+"""Reading head checkpoints: a folder (or Hub id) with a weights file and a config.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..loading import ModelSpec, ModelUnavailableError, _hub_reachable, _unavailable
+
+
+def checkpoint_folder(spec: ModelSpec, weight_files: tuple[str, ...]) -> Path:
+    """A local folder holding the checkpoint: the path itself, or a Hub snapshot."""
+    path = Path(spec.path).expanduser()
+    if path.is_dir():
+        return path
+    if str(spec.path).startswith(("/", ".", "~")):
+        raise ModelUnavailableError(f"head folder {spec.path!r} does not exist (set {spec.override_hint})")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["config.json", *weight_files]
+    try:
+        return Path(snapshot_download(spec.path, revision=spec.revision, allow_patterns=patterns, local_files_only=True))
+    except Exception as err:  # not cached
+        if not _hub_reachable():
+            raise _unavailable(spec, "draft head", err) from None
+    try:
+        return Path(snapshot_download(spec.path, revision=spec.revision, allow_patterns=patterns))
+    except Exception as err:
+        raise _unavailable(spec, "draft head", err) from err
+
+
+def read_state_dict(folder: Path, weight_files: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], str]:
+    """The first weights file present (safetensors or torch pickle); returns (state, file name)."""
+    for name in weight_files:
+        file = folder / name
+        if not file.is_file():
+            continue
+        if name.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(str(file)), name
+        return torch.load(file, map_location="cpu", weights_only=True), name
+    raise ModelUnavailableError(f"{folder} holds none of {', '.join(weight_files)}")
+
+
+def read_config(folder: Path) -> dict:
+    file = folder / "config.json"
+    return json.loads(file.read_text()) if file.is_file() else {}

@@ -1,0 +1,58 @@
+"""Randomly initialized Medusa / EAGLE heads written in the released file formats, for models that
+have no trained heads yet: decoding stays exact, acceptance is near zero."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..loading import cache_root
+
+
+def random_head_folder(kind: str, target_model, seed: int) -> Path:
+    embed = target_model.get_input_embeddings()
+    hidden, vocab = embed.embedding_dim, embed.num_embeddings
+    folder = cache_root() / "heads" / f"{kind}-random-h{hidden}-v{vocab}-seed{seed}"
+    if (folder / "config.json").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape, std=0.02):
+        return torch.randn(*shape, generator=generator) * std
+
+    if kind == "medusa":
+        heads, layers = 4, 1
+        state = {}
+        for i in range(heads):
+            state[f"{i}.0.linear.weight"] = normal(hidden, hidden)
+            state[f"{i}.0.linear.bias"] = torch.zeros(hidden)
+        torch.save(state, folder / "medusa_lm_head.pt")  # vocab projections left out: the target's lm_head
+        config = {"medusa_num_heads": heads, "medusa_num_layers": layers, "base_model_name_or_path": "random"}
+    elif kind == "eagle":
+        cfg = target_model.config
+        head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+        q, kv, inter = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim, cfg.intermediate_size
+        state = {
+            "fc.weight": normal(hidden, 2 * hidden), "fc.bias": torch.zeros(hidden),
+            "layers.0.self_attn.q_proj.weight": normal(q, hidden), "layers.0.self_attn.k_proj.weight": normal(kv, hidden),
+            "layers.0.self_attn.v_proj.weight": normal(kv, hidden), "layers.0.self_attn.o_proj.weight": normal(hidden, q),
+            "layers.0.mlp.gate_proj.weight": normal(inter, hidden), "layers.0.mlp.up_proj.weight": normal(inter, hidden),
+            "layers.0.mlp.down_proj.weight": normal(hidden, inter),
+            "layers.0.post_attention_layernorm.weight": torch.ones(hidden),
+        }
+        torch.save(state, folder / "pytorch_model.bin")  # embed_tokens left out: the target's
+        config = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bias": True, "hidden_size": hidden,
+            "intermediate_size": inter, "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads, "head_dim": head_dim, "num_hidden_layers": 1,
+            "rms_norm_eps": cfg.rms_norm_eps, "vocab_size": vocab, "hidden_act": "silu",
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "rope_theta": (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0),
+        }
+    else:
+        raise ValueError(f"no random initialization for head kind {kind!r}; valid: medusa, eagle")
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
