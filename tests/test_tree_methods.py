@@ -433,3 +433,22 @@ def test_tree_sampling_with_broken_acceptor_is_caught(tiny_vocab_target, tmp_pat
     decoder.sample_accept = lambda tree, probs, gen: type(decoder).sample_accept(tree, probs, gen, residual=lambda p, q: p)
     samples = draw(decoder, 1200, seed=7)
     assert chi_square_pvalue(samples, expected) < 1e-6
+
+
+def test_eagle2_auto_total_tokens_times_the_target_and_records_it(tmp_path):
+    target = tiny_model("llama", seed=46, vocab_size=64)
+    write_eagle(tmp_path, target)
+    decoder = Eagle2Decoder(ModelRunner(target), load_eagle_head(ModelSpec(path=str(tmp_path)), target))
+    chosen = decoder.auto_total_tokens(repeats=1)
+    record = decoder.describe()
+    assert chosen in (40, 48, 50, 56, 60) and record["total_tokens"] == chosen
+    assert record["total_tokens_auto"]["chosen"] == chosen
+    assert set(record["total_tokens_auto"]["seconds_by_size"]) == {40, 48, 50, 56, 60}
+    assert decoder.target.length == 0  # the timing left no trace in the cache
+
+
+def test_model_without_a_head_for_the_method_is_a_clear_error():
+    target = tiny_model("llama", seed=47, vocab_size=64)
+    context = BuildContext(target, "llama3-8b-instruct", {"eagle": {"path": "x"}, "medusa": None})
+    with pytest.raises(ValueError, match=r"'medusa' needs a medusa draft, but model 'llama3-8b-instruct' names none.*eagle"):
+        head_spec({"name": "medusa"}, context, "medusa")
