@@ -11,7 +11,7 @@ MAX_NEW_TOKENS ?= 256
 TEMPERATURE ?= 0
 ARGS ?=
 
-.PHONY: setup bench perf test
+.PHONY: setup bench perf perf-lazyllm test
 
 setup: $(VENV)/.installed
 
@@ -35,3 +35,10 @@ perf: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# LazyLLM: TTFT of full vs pruned prefill, and accuracy of both, at ~1k/2k/4k/8k-token prompts
+# (the suite's own key-value retrieval set). float32: bf16 GEMMs are emulated on CPUs without
+# native bf16, which makes long bf16 prefills take minutes; LAZY_DTYPE=auto for the suite's default.
+LAZY_DTYPE ?= float32
+perf-lazyllm: setup
+	$(PY) -m harness.run method=lazyllm dataset=kv_retrieval dtype=$(LAZY_DTYPE) warmup=1 $(ARGS)

@@ -108,3 +108,29 @@ def load_questions(cfg, limit: int | None = None) -> list[Question]:
         raise ValueError(f"dataset {cfg.name!r}: unknown loader {name!r}; valid: {', '.join(sorted(_LOADERS))}")
     questions = _LOADERS[name](cfg)
     return select(questions, cfg.get("categories"), limit, cfg.get("sample", "stratified"))
+
+
+# Tokens per record line of the key-value retrieval prompt, measured with SmolLM2's tokenizer
+# (other tokenizers differ; the benchmark reports the measured prompt lengths).
+KV_TOKENS_PER_LINE = 18
+
+
+@loader("kv_retrieval")
+def kv_retrieval(cfg) -> list[Question]:
+    """A long-context retrieval task the suite generates offline (seeded): a list of `key: value`
+    records and a question for one key's value, planted at a random depth. Category `kv_<tokens>`;
+    the reference is the value."""
+    import random
+
+    questions = []
+    for length in cfg.lengths:
+        rng = random.Random(f"{cfg.seed}/{length}")
+        lines = max(4, int(length) // KV_TOKENS_PER_LINE)
+        for index in range(int(cfg.per_length)):
+            records = {f"{rng.getrandbits(32):08x}": str(rng.randrange(100000, 1000000)) for _ in range(lines)}
+            key = rng.choice(list(records))
+            body = "".join(f"key {k}: {v}\n" for k, v in records.items())
+            prompt = (f"Below is a list of records; each line has a key and its value.\n\n{body}\n"
+                      f"What is the value of key {key}? Answer with the value only.")
+            questions.append(Question(f"kv-{length}-{index}", f"kv_{length}", [prompt], records[key]))
+    return questions

@@ -41,6 +41,10 @@ def decoder_stats(records: list[dict]) -> dict:
     tested: list[int] = []
     hit: list[int] = []
     phases: dict[str, float] = defaultdict(float)
+    # LazyLLM: prompt tokens computed per layer (prefill; whole run with revivals), prompt-weighted
+    layer_fraction: dict[str, list[float]] = {}
+    prompt_tokens = 0
+    block_iterations: list[int] = []  # Jacobi: iterations per block
     for record in records:
         choice = record["choices"][0]
         tokens += sum(choice["new_tokens"])
@@ -60,7 +64,18 @@ def decoder_stats(records: list[dict]) -> dict:
                     total[d] += count
             for phase, seconds in turn_stats["phase_time"].items():
                 phases[phase] += seconds
+            extra = turn_stats.get("extra", {})
+            if "layer_token_fraction" in extra:
+                weight = extra["prompt_tokens"]
+                prompt_tokens += weight
+                for key in ("prefill_layer_token_fraction", "layer_token_fraction"):
+                    previous = layer_fraction.get(key) or [0.0] * len(extra[key])
+                    layer_fraction[key] = [a + weight * b for a, b in zip(previous, extra[key])]
+            block_iterations += extra.get("iterations_per_block", [])
     speeds = [t / w for t, w in map(question_speed, records) if w > 0]
+    ttft_by_category: dict[str, list[float]] = defaultdict(list)
+    for record in records:
+        ttft_by_category[record["category"]].extend(s["ttft"] for s in record["choices"][0]["stats"])
     return {
         "questions": len(records),
         "turns": turns,
@@ -78,7 +93,10 @@ def decoder_stats(records: list[dict]) -> dict:
         "position_tested": tested,
         "position_accepted": hit,
         "mean_ttft": ttft_sum / turns if turns else 0.0,
+        "mean_ttft_by_category": {c: statistics.fmean(v) for c, v in sorted(ttft_by_category.items())},
         "time_fractions": {k: v / wall for k, v in phases.items()} if wall else {},
+        **({key: [v / prompt_tokens for v in values] for key, values in layer_fraction.items()} if prompt_tokens else {}),
+        **({"mean_iterations_per_block": statistics.fmean(block_iterations)} if block_iterations else {}),
     }
 
 
@@ -126,6 +144,13 @@ def summarize(method: str, records: list[dict], baseline: list[dict] | None, met
         },
     }
     summary["fidelity"] = fidelity(records, baseline)
+    base_ttft, ttft = summary["baseline"]["mean_ttft"], summary["decoder"]["mean_ttft"]
+    summary["ttft_speedup"] = base_ttft / ttft if ttft else None
+    summary["ttft_speedup_by_category"] = {
+        c: summary["baseline"]["mean_ttft_by_category"][c] / t
+        for c, t in summary["decoder"]["mean_ttft_by_category"].items()
+        if t and c in summary["baseline"]["mean_ttft_by_category"]
+    }
     return summary
 
 
@@ -161,6 +186,17 @@ def format_summary(summary: dict) -> str:
         lines.append(f"by category: {cats}")
         fid = summary["fidelity"]
         lines.append(f"outputs differing from AR: {fid['differing_questions']} of {fid['compared']} questions")
+        lines.append(f"TTFT speedup over AR's prefill: {summary['ttft_speedup']:.2f}x ("
+                     + ", ".join(f"{c} {v:.2f}x" for c, v in summary["ttft_speedup_by_category"].items()) + ")")
+    for name, scores in (summary.get("quality") or {}).items():
+        for metric, v in scores.items():
+            lines.append(f"quality {name}: {metric} {v['score']:.3f} on {v['questions']} questions ("
+                         + ", ".join(f"{c} {s:.2f}" for c, s in v["by_category"].items()) + ")")
+    for key, label in (("prefill_layer_token_fraction", "in prefill"), ("layer_token_fraction", "with revivals")):
+        if key in summary["decoder"]:
+            lines.append(f"prompt tokens computed per layer {label}: " + " ".join(f"{v:.2f}" for v in summary["decoder"][key]))
+    if "mean_iterations_per_block" in summary["decoder"]:
+        lines.append(f"Jacobi iterations per block: {summary['decoder']['mean_iterations_per_block']:.2f}")
     per_position = summary["decoder"]["acceptance_per_position"]
     if per_position:
         lines.append("acceptance per draft position: " + " ".join(

@@ -2,7 +2,8 @@
 
 `template` in a model config is either `tokenizer` (the tokenizer's own chat template: Llama-3,
 Qwen2, SmolLM2 — fschat maps these wrongly or not at all) or `fschat:<name>` (e.g.
-`fschat:vicuna_v1.1`, `fschat:llama-2`, as Spec-Bench builds Vicuna and LLaMA-2 prompts).
+`fschat:vicuna_v1.1`, `fschat:llama-2`, as Spec-Bench builds Vicuna and LLaMA-2 prompts), or
+`raw:<format>` for completion-style models (single turn; `{prompt}` is replaced by the question).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class ChatTemplate:
         if spec == "tokenizer":
             if not getattr(tokenizer, "chat_template", None):
                 raise ValueError("template=tokenizer, but this tokenizer has no chat template; use fschat:<name>")
+        elif spec.startswith("raw:"):
+            if "{prompt}" not in spec:
+                raise ValueError(f"raw template needs a {{prompt}} placeholder: {spec!r}")
         elif spec.startswith("fschat:"):
             from fastchat.conversation import conv_templates
 
@@ -42,7 +46,7 @@ class ChatTemplate:
                 self.stop_strings = (conv.stop_str,) if isinstance(conv.stop_str, str) else tuple(conv.stop_str)
             eos.update(conv.stop_token_ids or ())
         else:
-            raise ValueError(f"unknown template {spec!r}; valid: tokenizer, fschat:<template name>")
+            raise ValueError(f"unknown template {spec!r}; valid: tokenizer, fschat:<template name>, raw:<format>")
         self.eos_token_ids = frozenset(eos)
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
@@ -51,6 +55,10 @@ class ChatTemplate:
             chat = [{"role": "system", "content": self.system_message}] if self.system_message else []
             chat += [{"role": m.role, "content": m.content} for m in messages]
             return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"])
+        if self.spec.startswith("raw:"):
+            if len(messages) != 1:
+                raise ValueError(f"template {self.spec!r} is single-turn; this question has {len(messages) // 2 + 1} turns")
+            return list(self.tokenizer(self.spec[4:].replace("{prompt}", messages[0].content)).input_ids)
         from fastchat.conversation import get_conv_template
 
         conv = get_conv_template(self.spec.split(":", 1)[1])

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from harness.datasets import Question, load_questions
 from harness.environment import environment, hardware_key, hardware_slug
 from harness.metrics import format_summary, summarize
+from harness.quality import score_records
 from harness.prompts import ChatTemplate, Message
 from harness.results import RunFolder, settings_hash
 from methods.base import BuildContext, Decoder, available_methods, get_method
@@ -50,7 +51,7 @@ class Benchmark:
                                      cfg.model.get("eos_token_ids") or ())
         self.sampling = SamplingConfig(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k))
         self.max_new_tokens = int(cfg.max_new_tokens or cfg.dataset.max_new_tokens)
-        context = BuildContext(self.model, cfg.model.name, OmegaConf.to_container(cfg.model.drafts or {}))
+        context = BuildContext(self.model, cfg.model.name, OmegaConf.to_container(cfg.model, resolve=True))
         params = OmegaConf.to_container(cfg.method, resolve=True)
         self.decoders: dict[str, Decoder] = {cfg.method.name: get_method(cfg.method.name)(ModelRunner(self.model), params, context)}
         if cfg.baseline and cfg.method.name != BASELINE:
@@ -136,6 +137,11 @@ def run(cfg: DictConfig) -> dict:
     }
     baseline = folder.records(BASELINE) if BASELINE in bench.decoders and cfg.method.name != BASELINE else None
     summary = summarize(cfg.method.name, folder.records(cfg.method.name), baseline, meta)
+    references = {q.question_id: q.reference for q in questions}
+    metric_by_category = OmegaConf.to_container(cfg.dataset.quality, resolve=True) if cfg.dataset.get("quality") else None
+    quality = {name: score_records(folder.records(name), references, metric_by_category) for name in bench.decoders}
+    if any(quality.values()):
+        summary["quality"] = quality
     folder.write_summary(summary)
     print(format_summary(summary))
     print(f"results: {folder.path}")

@@ -45,6 +45,7 @@ class DecodeStats:
     # seconds per phase of the loop: draft, verify, accept, commit (the rest is overhead)
     phase_time: dict[str, float] = field(default_factory=dict)
     stop_reason: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)  # method-specific statistics
 
     @property
     def tau(self) -> float:
@@ -106,7 +107,11 @@ class BuildContext:
 
     target_model: Any  # the target's transformers model
     model_name: str
-    drafts: dict  # the model config's `drafts` entry: method kind -> draft spec
+    model_config: dict  # the model's config entry (`drafts`: method kind -> draft spec, ...)
+
+    @property
+    def drafts(self) -> dict:
+        return self.model_config.get("drafts") or {}
 
     def draft_spec(self, kind: str, method: str) -> dict:
         spec = (self.drafts or {}).get(kind)

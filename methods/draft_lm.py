@@ -1,5 +1,11 @@
-"""A small LM that drafts for a target (SpS, MCSD): its own runner and KV cache, kept in step
-with the target's sequence, and its logits mapped onto the target's vocabulary."""
+"""A small LM that drafts for a target (SpS, MCSD): its own runner and KV cache, kept in step with
+the target's sequence, and its logits mapped onto the target's vocabulary.
+
+It drafts a tree by a k-config `(k_1, ..., k_L)`: every node at depth d-1 gets k_d children, drawn
+from the draft distribution q at that node (with or without replacement; top-k when greedy), with
+one draft forward per depth over all nodes of that depth (tree mask). SpS is the chain
+`(1, ..., 1)`. After verification the draft cache keeps only the accepted path's entries.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +14,22 @@ from typing import Sequence
 import torch
 
 from .runner import ModelRunner
+from .sampling import SamplingConfig, logits_to_probs
+from .tree import Tree, ancestors_of, level_mask
 
 
 class DraftLM:
     def __init__(self, model, target_vocab_size: int):
         self.runner = ModelRunner(model)
         self.target_vocab_size = target_vocab_size
-        self.fed: list[int] = []  # tokens whose KV the draft cache holds, in order
+        self.fed: list[int] = []  # tokens whose KV the draft cache holds (committed part), in order
+        self._slots: dict[int, int] = {}  # tree node -> slot after the committed part
+        self._base: int | None = None  # committed length when the current tree was drafted
 
     def reset(self) -> None:
         self.runner.reset()
         self.fed = []
+        self._slots, self._base = {}, None
 
     def align(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., V_draft] -> [..., V_target]: a draft may have a padded or shorter embedding
@@ -31,23 +42,74 @@ class DraftLM:
             return torch.cat([logits, pad], dim=-1)
         return logits
 
-    def feed(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Append tokens causally; logits [V_target] after the last one."""
-        out = self.runner.forward(tokens, logits_for=slice(-1, None))
-        self.fed.extend(tokens)
-        return self.align(out.logits[-1])
-
     def catch_up(self, sequence: Sequence[int]) -> torch.Tensor:
-        """Feed what the draft has not seen of `sequence` (at least its last token)."""
+        """Feed what the draft has not seen of `sequence` (at least its last token); logits
+        [V_target] after the last token."""
         if len(self.fed) >= len(sequence):
             self.follow(sequence[:-1])
-        return self.feed(sequence[len(self.fed):])
+        new = list(sequence[len(self.fed):])
+        out = self.runner.forward(new, logits_for=slice(-1, None))
+        self.fed.extend(new)
+        return self.align(out.logits[-1])
 
     def follow(self, sequence: Sequence[int]) -> None:
-        """Drop cached tokens that left the sequence (rejected drafts)."""
+        """Drop cached tokens that left the sequence."""
         keep = min(len(self.fed), len(sequence))
         if self.fed[:keep] != list(sequence[:keep]):
             keep = next(i for i, (a, b) in enumerate(zip(self.fed, sequence)) if a != b)
         if keep < len(self.fed):
             self.runner.rollback(keep)
             del self.fed[keep:]
+
+    def draft_tree(self, sequence: Sequence[int], k_config: Sequence[int], sampling: SamplingConfig,
+                   generator: torch.Generator | None, without_replacement: bool = False) -> Tree:
+        """A tree rooted at `sequence[-1]` with k_config[d-1] children per node at depth d-1."""
+        root_logits = self.catch_up(sequence)
+        base = len(self.fed)  # the root sits at position base - 1
+        tokens, parents = [sequence[-1]], [-1]
+        rows: dict[int, torch.Tensor] = {}
+        frontier = [(0, root_logits)]
+        self._slots = {}
+        for depth, k in enumerate(k_config, start=1):
+            level = []
+            for node, logits in frontier:
+                for child in self._children(node, logits, k, sampling, generator, without_replacement, rows):
+                    tokens.append(child)
+                    parents.append(node)
+                    level.append(len(tokens) - 1)
+            if depth == len(k_config):
+                break
+            visible = [[self._slots[a] for a in ancestors_of(parents, n)] for n in level]
+            mask = level_mask(base, len(self._slots), visible, self.runner.dtype, self.runner.device)
+            positions = torch.full((len(level),), base - 1 + depth, device=self.runner.device)
+            out = self.runner.forward([tokens[n] for n in level], positions=positions, mask=mask)
+            logits = self.align(out.logits)
+            for i, node in enumerate(level):
+                self._slots[node] = len(self._slots)
+            frontier = [(node, logits[i]) for i, node in enumerate(level)]
+        draft_probs = None
+        if rows:
+            draft_probs = torch.zeros(len(tokens), self.target_vocab_size, device=root_logits.device)
+            for node, q in rows.items():
+                draft_probs[node] = q
+        self._base = base
+        return Tree(torch.tensor(tokens), parents, draft_probs, without_replacement=without_replacement)
+
+    @staticmethod
+    def _children(node, logits, k, sampling, generator, without_replacement, rows) -> list[int]:
+        if sampling.greedy:
+            return torch.topk(logits, k).indices.tolist()
+        q = logits_to_probs(logits, sampling)
+        rows[node] = q
+        if without_replacement:
+            k = min(k, int((q > 0).sum()))
+        return torch.multinomial(q, k, replacement=not without_replacement, generator=generator).tolist()
+
+    def keep_path(self, tree: Tree, path: Sequence[int]) -> None:
+        """After verification: keep the cache entries of the accepted nodes that were fed."""
+        if self._base is None:  # no tree was drafted this step
+            return
+        fed = [node for node in path[1:] if node in self._slots]
+        self.runner.commit(self._base, [self._slots[node] for node in fed])
+        self.fed.extend(int(tree.tokens[node]) for node in fed)
+        self._slots, self._base = {}, None

@@ -29,7 +29,7 @@ from .heads.eagle import EagleHead, load_eagle_head
 from .kv_cache import TreeKVCache
 from .loading import head_spec
 from .static_trees import StaticTree
-from .tree import Tree, attention_mask
+from .tree import Tree, ancestors_of, attention_mask, level_mask
 
 
 class EagleDrafter:
@@ -74,13 +74,8 @@ class EagleDrafter:
         committed pairs) that node i may attend to besides itself (its ancestors). Returns their
         outputs; the new nodes take the next slots in order."""
         drafted = self.cache.get_seq_length() - self.committed
+        mask = level_mask(self.committed, drafted, visible, self.dtype, self.device)
         n = len(tokens)
-        allowed = torch.zeros(n, drafted + n, dtype=torch.bool)
-        for i, slots in enumerate(visible):
-            allowed[i, slots] = True
-            allowed[i, drafted + i] = True
-        mask = torch.zeros(1, 1, n, self.committed + drafted + n, dtype=self.dtype, device=self.device)
-        mask[0, 0, :, self.committed:].masked_fill_(~allowed.to(self.device), torch.finfo(self.dtype).min)
         positions = torch.full((n,), self.committed + depth - 1, device=self.device)
         return self._feed(tokens, parent_hidden, positions, mask)
 
@@ -133,7 +128,7 @@ class EagleDecoder(_EagleBase):
             expand = [n for n in level if children[n]]
             if not expand or depth == depth_limit:
                 break
-            visible = [[slot_of[a] for a in _ancestors(parents, n)] for n in expand]
+            visible = [[slot_of[a] for a in ancestors_of(parents, n)] for n in expand]
             hidden = self.drafter.feed_level([tokens[n] for n in expand],
                                              torch.stack([hidden_of[parents[n]] for n in expand]), depth, visible)
             base = len(slot_of)
@@ -177,7 +172,7 @@ class Eagle2Decoder(_EagleBase):
         frontier_hidden = self.drafter.root_hidden.expand(k, -1)
         slot_of: dict[int, int] = {}
         for level in range(1, levels):
-            visible = [[slot_of[a] for a in _candidate_ancestors(cand_parent, c)] for c in frontier]
+            visible = [[slot_of[a] for a in ancestors_of(cand_parent, c, stop_at=-1)] for c in frontier]
             hidden = self.drafter.feed_level([cand_tokens[c] for c in frontier], frontier_hidden, level, visible)
             base = len(slot_of)
             for i, c in enumerate(frontier):
@@ -227,25 +222,6 @@ class Eagle2Decoder(_EagleBase):
         self.total_tokens = best
         self.total_tokens_timing = {"chosen": best, "seconds_by_size": timings, "weights": dict(zip(sizes, weights))}
         return best
-
-
-def _ancestors(parents: Sequence[int], node: int) -> list[int]:
-    """Tree nodes strictly between the root and `node`."""
-    result = []
-    node = parents[node]
-    while node > 0:
-        result.append(node)
-        node = parents[node]
-    return result
-
-
-def _candidate_ancestors(parents: Sequence[int], candidate: int) -> list[int]:
-    result = []
-    candidate = parents[candidate]
-    while candidate >= 0:
-        result.append(candidate)
-        candidate = parents[candidate]
-    return result
 
 
 @register("eagle")

@@ -1,3 +1,3 @@
 """Imports every method module so that each registers itself by name."""
 
-from . import ar, eagle, medusa, sps  # noqa: F401
+from . import ar, eagle, jacobi, lazyllm, mcsd, medusa, sps  # noqa: F401

@@ -104,3 +104,28 @@ def attention_mask(ancestors: torch.Tensor, prefix_length: int, dtype: torch.dty
     mask = torch.zeros(1, 1, n, prefix_length + n, dtype=dtype, device=device)
     mask[0, 0, :, prefix_length:].masked_fill_(~ancestors.to(device), torch.finfo(dtype).min)
     return mask
+
+
+def level_mask(prefix_length: int, drafted: int, visible: Sequence[Sequence[int]], dtype, device) -> torch.Tensor:
+    """Mask for feeding one level of a draft tree into a drafter's cache, which holds
+    `prefix_length` committed entries and then `drafted` entries of this tree's earlier levels.
+    New node i sees the prefix, the earlier-level slots in `visible[i]` (its ancestors) and itself."""
+    n = len(visible)
+    allowed = torch.zeros(n, drafted + n, dtype=torch.bool)
+    for i, slots in enumerate(visible):
+        allowed[i, list(slots)] = True
+        allowed[i, drafted + i] = True
+    mask = torch.zeros(1, 1, n, prefix_length + drafted + n, dtype=dtype, device=device)
+    mask[0, 0, :, prefix_length:].masked_fill_(~allowed.to(device), torch.finfo(dtype).min)
+    return mask
+
+
+def ancestors_of(parents: Sequence[int], node: int, stop_at: int = 0) -> list[int]:
+    """Ancestors of `node`, nearest first, excluding `stop_at`: the root (0) for trees, or -1 for
+    candidate lists whose top nodes have parent -1."""
+    result = []
+    node = parents[node]
+    while node != stop_at and node != -1:
+        result.append(node)
+        node = parents[node]
+    return result

@@ -56,8 +56,8 @@ def config(*overrides):
 def tiny_overrides(model_dir, questions, results, *extra):
     return [
         f"model.path={model_dir}", "model.gguf_file=null", "model.gguf_package=null", "model.name=tiny",
-        "model.drafts.sps={target_layers: 1}", "dtype=float32", "device=cpu", f"dataset.path={questions}",
-        f"results_dir={results}", "max_new_tokens=12", "warmup=1", *extra,
+        "model.drafts.sps={target_layers: 1}", "dtype=float32", "device=cpu", f"results_dir={results}",
+        "max_new_tokens=12", "warmup=1", *([f"dataset.path={questions}"] if questions else []), *extra,
     ]
 
 
@@ -206,6 +206,7 @@ def test_bootstrap_interval_brackets_the_median():
 @pytest.mark.parametrize("method, extra", [
     ("medusa", []), ("eagle", []), ("eagle2", ["method.total_tokens=20"]),
     ("medusa", ["method.acceptance=typical", "temperature=0.7"]),
+    ("mcsd", ["method.k_config=[3,2]"]), ("jacobi", ["method.block_size=4"]),
 ])
 def test_tree_methods_report_per_position_acceptance(tiny_model_dir, questions_file, tmp_path, monkeypatch, method, extra):
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path / "cache"))
@@ -220,3 +221,39 @@ def test_tree_methods_report_per_position_acceptance(tiny_model_dir, questions_f
     assert summary["lossless"] is not typical
     if not typical:  # greedy fp32, lossless: AR's tokens exactly
         assert summary["fidelity"]["differing_questions"] == 0
+
+
+def test_lazyllm_run_reports_ttft_layers_quality_and_is_lossy(tiny_model_dir, tmp_path):
+    summary = run(config(*tiny_overrides(tiny_model_dir, None, tmp_path, "method=lazyllm", "dataset=kv_retrieval",
+                                         "dataset.lengths=[200,400]", "dataset.per_length=2",
+                                         "method.schedule=[[0,0.5]]")))  # the tiny model has 2 layers
+    assert summary["lossless"] is False and summary["method_config"]["schedule"] == {0: 0.5}
+    decoder = summary["decoder"]
+    assert decoder["prefill_layer_token_fraction"][0] == 1.0 and 0.45 < decoder["prefill_layer_token_fraction"][1] < 0.55
+    assert summary["ttft_speedup"] > 0 and set(summary["ttft_speedup_by_category"]) == {"kv_200", "kv_400"}
+    for name in ("lazyllm", "ar"):
+        quality = summary["quality"][name]["contains_reference"]
+        assert quality["questions"] == 4 and set(quality["by_category"]) == {"kv_200", "kv_400"}
+
+
+def test_kv_retrieval_questions_plant_the_answer():
+    from omegaconf import OmegaConf
+
+    from harness.datasets import load_questions
+
+    cfg = OmegaConf.load(REPO / "conf" / "dataset" / "kv_retrieval.yaml")
+    questions = load_questions(cfg)
+    assert len(questions) == 12 and {q.category for q in questions} == {"kv_1000", "kv_2000", "kv_4000", "kv_8000"}
+    for q in questions:
+        key = q.turns[0].split("value of key ")[1].split("?")[0]
+        assert f"key {key}: {q.reference}\n" in q.turns[0]
+    assert load_questions(cfg)[5].turns == questions[5].turns  # seeded
+
+
+def test_quality_metrics():
+    from harness.quality import contains_reference, gsm8k_exact_match
+
+    assert gsm8k_exact_match("so the answer is 1,234.", "blah #### 1234") == 1.0
+    assert gsm8k_exact_match("it is 12", "#### 13") == 0.0
+    assert contains_reference("The value is 493028.", "493028") == 1.0
+    assert contains_reference("none", ["1", "2"]) == 0.0

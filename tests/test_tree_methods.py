@@ -202,7 +202,7 @@ def test_eagle_loader_rejects_inconsistent_bias_and_wrong_target(tmp_path):
 def test_random_init_heads_load_through_the_released_format_loaders(tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
     target = tiny_model("llama", seed=35, vocab_size=64)
-    context = BuildContext(target, "tiny", {"eagle": {"random_init": 0}, "medusa": {"random_init": 0}})
+    context = BuildContext(target, "tiny", {"drafts": {"eagle": {"random_init": 0}, "medusa": {"random_init": 0}}})
     eagle_folder = head_spec({}, context, "eagle").path
     medusa_folder = head_spec({}, context, "medusa").path
     assert sorted(p.name for p in (tmp_path / "heads").iterdir()) == sorted(
@@ -309,7 +309,7 @@ def test_embedded_greedy_tree_methods_equal_generate(embedded, embedded_prompts,
     more on CPU and is covered on tiny models), with random heads in the released formats."""
     model, tokenizer = embedded
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
-    context = BuildContext(model, "smollm2-135m", {"eagle": {"random_init": 0}, "medusa": {"random_init": 0}})
+    context = BuildContext(model, "smollm2-135m", {"drafts": {"eagle": {"random_init": 0}, "medusa": {"random_init": 0}}})
     medusa = load_medusa_heads(head_spec({}, context, "medusa"), model)
     head = load_eagle_head(head_spec({}, context, "eagle"), model)
     stop = StopCondition(64, frozenset({tokenizer.eos_token_id}))
@@ -449,6 +449,6 @@ def test_eagle2_auto_total_tokens_times_the_target_and_records_it(tmp_path):
 
 def test_model_without_a_head_for_the_method_is_a_clear_error():
     target = tiny_model("llama", seed=47, vocab_size=64)
-    context = BuildContext(target, "llama3-8b-instruct", {"eagle": {"path": "x"}, "medusa": None})
+    context = BuildContext(target, "llama3-8b-instruct", {"drafts": {"eagle": {"path": "x"}, "medusa": None}})
     with pytest.raises(ValueError, match=r"'medusa' needs a medusa draft, but model 'llama3-8b-instruct' names none.*eagle"):
         head_spec({"name": "medusa"}, context, "medusa")

@@ -1,0 +1,90 @@
+"""Jacobi decoding, and CLLMs (arXiv 2403.00835): greedy fixed-point iteration over blocks.
+
+A block of n tokens starts with the last emitted token and n-1 guessed tokens. Each iteration is
+one target forward over the unconverged part of the block (a chain); the longest prefix whose
+tokens equal the target's argmax after their predecessors converges (at least one token: the
+target's own next token), the KV of the rest is dropped, and the target's predictions for the
+remaining positions become their next guess. When the whole block has converged a new block
+starts. The output equals greedy AR by construction. CLLMs are models fine-tuned so that many
+tokens converge per iteration; they use this same decoder with their own block size n.
+
+Statistics: τ is tokens converged per iteration (= per target forward); `iterations_per_block`
+is recorded per block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import BuildContext, DraftVerifyDecoder, register
+from .tree import Tree
+
+INITIAL_GUESSES = ("prompt", "repeat", "pad")
+
+
+class JacobiDecoder(DraftVerifyDecoder):
+    name = "jacobi"
+
+    def __init__(self, target, block_size: int = 16, initial_guess: str = "prompt", pad_token: int = 0, seed: int = 0):
+        super().__init__(target)
+        if block_size < 2:
+            raise ValueError(f"jacobi block_size must be >= 2, got {block_size}")
+        if initial_guess not in INITIAL_GUESSES:
+            raise ValueError(f"unknown jacobi initial_guess {initial_guess!r}; valid: {', '.join(INITIAL_GUESSES)}")
+        self.block_size, self.initial_guess, self.pad_token, self.seed = block_size, initial_guess, pad_token, seed
+
+    def describe(self):
+        return {**super().describe(), "block_size": self.block_size, "initial_guess": self.initial_guess}
+
+    def generate(self, prompt, stop, sampling=None, generator=None):
+        from .sampling import SamplingConfig
+
+        sampling = sampling or SamplingConfig()
+        if not sampling.greedy:
+            raise ValueError("jacobi decoding is greedy only; run it with temperature=0")
+        self.iterations_per_block: list[int] = []
+        self._prompt = list(prompt)
+        self._rng = torch.Generator().manual_seed(self.seed)
+        out = super().generate(prompt, stop, sampling, generator)
+        out.stats.extra["iterations_per_block"] = self.iterations_per_block
+        return out
+
+    def start(self, prompt, prefill) -> None:
+        self.guess: list[int] = []  # guesses for the positions after the root, in the current block
+        self.remaining = 0  # unconverged positions of the current block after the root
+
+    def _new_block(self, root: int) -> None:
+        self.iterations_per_block.append(0)
+        self.remaining = self.block_size - 1
+        if self.initial_guess == "prompt":  # as CLLM: random tokens of the prompt
+            picks = torch.randint(len(self._prompt), (self.remaining,), generator=self._rng).tolist()
+            self.guess = [self._prompt[i] for i in picks]
+        elif self.initial_guess == "repeat":
+            self.guess = [root] * self.remaining
+        else:
+            self.guess = [self.pad_token] * self.remaining
+
+    def propose(self, root: int, budget: int) -> Tree:
+        if self.remaining <= 0:
+            self._new_block(root)
+        self.iterations_per_block[-1] += 1
+        guess = self.guess[: min(self.remaining, budget)]
+        return Tree.chain(torch.tensor([root] + guess))
+
+    def advance(self, tree, acceptance, verified) -> None:
+        converged = acceptance.accepted_drafts + 1  # accepted guesses and the target's next token
+        self.remaining -= converged
+        # the target's argmax after each unaccepted node: the next guesses for the positions after
+        # the new root (conditioned on the old guesses, as Jacobi iteration does)
+        predictions = verified.logits.argmax(-1).tolist()
+        self.guess = predictions[len(acceptance.path):][: max(self.remaining, 0)]
+        if len(self.guess) < self.remaining:  # the budget had cut the block short
+            self.guess += [self.pad_token] * (self.remaining - len(self.guess))
+
+
+@register("jacobi")
+def build(target, params: dict, context: BuildContext) -> JacobiDecoder:
+    block = params.get("block_size") or context.model_config.get("jacobi_block_size") or 16
+    pad = getattr(context.target_model.config, "pad_token_id", None) or 0
+    return JacobiDecoder(target, block_size=int(block), initial_guess=params.get("initial_guess", "prompt"),
+                         pad_token=int(pad), seed=int(params.get("seed", 0)))
