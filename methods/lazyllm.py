@@ -76,9 +76,12 @@ class LazyRunner(ModelRunner):
         """Run layer `index` for queries `hidden` [q, H] at `positions` [q] (appended to its cache);
         each query sees the entries of that layer at positions up to its own."""
         keys = torch.cat([self.entry_positions[index], positions])
-        allowed = keys[None, :] <= positions[:, None]
-        mask = torch.zeros(1, 1, *allowed.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed.to(self.device), torch.finfo(self.dtype).min)
+        if self.entry_positions[index].numel() == 0:
+            mask = None  # the layer's first queries, in position order: plain causal attention (fast path)
+        else:
+            allowed = keys[None, :] <= positions[:, None]
+            mask = torch.zeros(1, 1, *allowed.shape, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~allowed.to(self.device), torch.finfo(self.dtype).min)
         position_ids = positions.to(self.device).view(1, -1)
         x = hidden[None]
         out = self.layers[index](x, attention_mask=mask, position_ids=position_ids, past_key_values=self.cache,

@@ -99,7 +99,7 @@ def _package_dir(package: str) -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
+def hub_reachable(timeout: float = 3.0) -> bool:
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         return False
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
@@ -133,7 +133,7 @@ def _from_pretrained(loader, spec: ModelSpec, what: str, **kwargs):
     try:  # the local Hugging Face cache first: no network
         return loader.from_pretrained(path, revision=spec.revision, local_files_only=True, **kwargs)
     except OSError as err:
-        if not _hub_reachable():
+        if not hub_reachable():
             raise _unavailable(spec, what, err) from None
     try:
         return loader.from_pretrained(path, revision=spec.revision, **kwargs)

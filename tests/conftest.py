@@ -51,6 +51,14 @@ def read_questions(path: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
+def tiny_vocab_pair():
+    """A 4-token target and a draft that disagrees with it (peaked, different distributions)."""
+    target = tiny_model("llama", seed=20, vocab_size=4, hidden=32, layers=2, init_std=0.5)
+    draft = tiny_model("llama", seed=21, vocab_size=4, hidden=32, layers=1, init_std=0.5)
+    return target, draft
+
+
+@pytest.fixture(scope="session")
 def spec_bench_file() -> Path:
     """The full Spec-Bench set when ../shared has it, else the five-question sample."""
     return SPEC_BENCH if SPEC_BENCH.is_file() else SPEC_BENCH_SAMPLE
@@ -95,3 +103,18 @@ def hf_greedy(model, prompt, max_new_tokens, eos=None):
 def embedded_reference(embedded, embedded_prompts):
     model, tokenizer = embedded
     return [hf_greedy(model, prompt, 64, eos=tokenizer.eos_token_id) for prompt in embedded_prompts]
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory, embedded):
+    """A tiny random Llama with the embedded model's tokenizer and chat template, saved as a
+    regular Hugging Face folder (so the harness loads it through the local-path loader)."""
+    from transformers import LlamaForCausalLM
+
+    _, tokenizer = embedded
+    folder = tmp_path_factory.mktemp("tiny-chat-model")
+    torch.manual_seed(0)
+    config = tiny_config("llama", vocab_size=len(tokenizer), hidden=32, layers=2, eos_token_id=tokenizer.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -9,6 +9,20 @@ import torch
 from scipy import stats
 
 from methods.sampling import SamplingConfig, logits_to_probs
+from methods.stopping import StopCondition
+
+# The tiny-vocabulary setting of every sampling test: the joint distribution of the first tokens
+# generated after PROMPT has few enough cells for a chi-square test with a few thousand samples.
+VOCAB = 4
+PROMPT = [0, 1, 2, 3, 1]
+TEMPERATURE_1 = SamplingConfig(temperature=1.0)
+
+
+def draw(decoder, n: int, length: int = 3, seed: int = 0, sampling: SamplingConfig = TEMPERATURE_1) -> list[tuple]:
+    """n samples of the first `length` tokens, one seeded generator for the whole series."""
+    generator = torch.Generator().manual_seed(seed)
+    stop = StopCondition(length)
+    return [tuple(decoder.generate(PROMPT, stop, sampling, generator).tokens) for _ in range(n)]
 
 
 def exact_joint(model, prompt: list[int], length: int, sampling: SamplingConfig) -> dict[tuple, float]:

@@ -13,7 +13,7 @@ from methods.sampling import SamplingConfig
 from methods.sps import SpeculativeSamplingDecoder
 from methods.stopping import StopCondition
 from tests.conftest import hf_greedy, tiny_model
-from tests.stats_util import chi_square_pvalue, exact_joint
+from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
@@ -89,23 +89,6 @@ def test_embedded_greedy_sps_equals_generate(embedded, embedded_prompts, embedde
 # Sampling: the distribution of the generated tokens is the target's
 
 
-VOCAB = 4
-PROMPT = [0, 1, 2, 3, 1]
-
-
-@pytest.fixture(scope="module")
-def tiny_vocab_pair():
-    target = tiny_model("llama", seed=20, vocab_size=VOCAB, hidden=32, layers=2, init_std=0.5)
-    draft = tiny_model("llama", seed=21, vocab_size=VOCAB, hidden=32, layers=1, init_std=0.5)
-    return target, draft
-
-
-def draw(decoder, sampling, n, length, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    stop = StopCondition(length)
-    return [tuple(decoder.generate(PROMPT, stop, sampling, generator).tokens) for _ in range(n)]
-
-
 def test_target_and_draft_disagree(tiny_vocab_pair):
     """The sampling tests below are only meaningful if the draft is often rejected."""
     target, draft = tiny_vocab_pair
@@ -120,7 +103,7 @@ def test_target_and_draft_disagree(tiny_vocab_pair):
 def test_ar_sampling_matches_processed_target_distribution(tiny_vocab_pair, sampling):
     target, _ = tiny_vocab_pair
     expected = exact_joint(target, PROMPT, 2, sampling)
-    samples = draw(AutoregressiveDecoder(ModelRunner(target)), sampling, 1500, 2)
+    samples = draw(AutoregressiveDecoder(ModelRunner(target)), 1500, length=2, sampling=sampling)
     assert chi_square_pvalue(samples, expected) > 1e-3
 
 
@@ -130,7 +113,7 @@ def test_sps_sampling_preserves_target_distribution(tiny_vocab_pair, gamma):
     sampling = SamplingConfig(temperature=1.0)
     expected = exact_joint(target, PROMPT, 3, sampling)
     decoder = SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=gamma)
-    samples = draw(decoder, sampling, 1500, 3, seed=gamma)
+    samples = draw(decoder, 1500, seed=gamma)
     assert chi_square_pvalue(samples, expected) > 1e-3
 
 
@@ -143,7 +126,7 @@ def test_sps_with_broken_residual_is_caught(tiny_vocab_pair):
     decoder = SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2)
     decoder.sample_accept = lambda tree, probs, gen: SpeculativeSamplingDecoder.sample_accept(
         tree, probs, gen, residual=lambda p, q: p)
-    samples = draw(decoder, sampling, 1500, 3, seed=2)
+    samples = draw(decoder, 1500, seed=2)
     assert chi_square_pvalue(samples, expected) < 1e-6
 
 

@@ -15,24 +15,14 @@ from harness.results import RunFolder, read_jsonl
 from harness.run import run
 from methods.base import available_methods, get_method
 from methods.loading import ModelSpec, ModelUnavailableError, load_model, resolve_dtype
-from tests.conftest import REPO, tiny_config
+from tests.conftest import REPO
 
 CONF = str(REPO / "conf")
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, embedded):
-    """A tiny random Llama with the embedded model's tokenizer and chat template, saved as a
-    regular Hugging Face folder (so the harness loads it through the local-path loader)."""
-    from transformers import LlamaForCausalLM
-
-    _, tokenizer = embedded
-    folder = tmp_path_factory.mktemp("tiny-chat-model")
-    torch.manual_seed(0)
-    config = tiny_config("llama", vocab_size=len(tokenizer), hidden=32, layers=2, eos_token_id=tokenizer.eos_token_id)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+def tiny_model_dir(tiny_chat_model_dir):
+    return tiny_chat_model_dir
 
 
 @pytest.fixture
@@ -68,7 +58,9 @@ def test_bench_writes_a_complete_results_folder(tiny_model_dir, questions_file, 
     assert (folder / "config.yaml").is_file()
     env = json.loads((folder / "environment.json").read_text())
     assert env["torch"] == torch.__version__ and env["cpu"] and "commit" in env["git"]
-    sps, ar = read_jsonl(folder / "answers" / "sps.jsonl"), read_jsonl(folder / "answers" / "ar.jsonl")
+    baseline = Path(summary["baseline_results"])
+    assert baseline.parent == tmp_path / "tiny" / "spec_bench" / "ar"
+    sps, ar = read_jsonl(folder / "answers" / "sps.jsonl"), read_jsonl(baseline / "answers" / "ar.jsonl")
     assert [r["question_id"] for r in sps] == [r["question_id"] for r in ar] and len(sps) == 3
     first = sps[0]["choices"][0]
     assert len(first["turns"]) == len(first["prompt_ids"]) == len(first["output_ids"]) == 2  # two turns
@@ -89,27 +81,48 @@ def test_bench_writes_a_complete_results_folder(tiny_model_dir, questions_file, 
 def test_interrupted_run_resumes_without_duplicates(tiny_model_dir, questions_file, tmp_path):
     overrides = tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=sps", "limit=4")
     summary = run(config(*overrides))
-    folder = Path(summary["results"]) / "answers"
-    sps_lines = (folder / "sps.jsonl").read_text().splitlines()
-    ar_lines = (folder / "ar.jsonl").read_text().splitlines()
-    stamps = {json.loads(line)["question_id"]: json.loads(line)["tstamp"] for line in sps_lines[:2]}
-    # simulate a crash: question 4 finished by AR only, and a half-written line for sps
-    (folder / "sps.jsonl").write_text("\n".join(sps_lines[:2]) + "\n" + sps_lines[2][: len(sps_lines[2]) // 2])
-    (folder / "ar.jsonl").write_text("\n".join(ar_lines) + "\n")
+    method_file = Path(summary["results"]) / "answers" / "sps.jsonl"
+    baseline_file = Path(summary["baseline_results"]) / "answers" / "ar.jsonl"
+    lines = method_file.read_text().splitlines()
+    stamps = {json.loads(line)["question_id"]: json.loads(line)["tstamp"] for line in lines[:2]}
+    baseline_stamps = {r["question_id"]: r["tstamp"] for r in read_jsonl(baseline_file)}
+    # a crash: the method finished two questions, the third line is half written; AR finished all
+    method_file.write_text("\n".join(lines[:2]) + "\n" + lines[2][: len(lines[2]) // 2])
+    baseline_file.write_text(baseline_file.read_text() + baseline_file.read_text().splitlines()[0] + "\n")  # a duplicate
     resumed = run(config(*overrides))
-    assert resumed["results"] == summary["results"]
-    for name in ("sps", "ar"):
-        ids = [r["question_id"] for r in read_jsonl(folder / f"{name}.jsonl")]
-        assert sorted(ids) == [1, 2, 3, 4] and len(ids) == 4
-    assert resumed["questions"] == 4
-    again = {r["question_id"]: r["tstamp"] for r in read_jsonl(folder / "sps.jsonl")}
-    assert all(again[qid] == stamp for qid, stamp in stamps.items())  # finished ones not rerun
+    assert resumed["results"] == summary["results"] and resumed["questions"] == 4
+    for file in (method_file, baseline_file):
+        assert sorted(r["question_id"] for r in read_jsonl(file)) == [1, 2, 3, 4]
+    again = {r["question_id"]: r["tstamp"] for r in read_jsonl(method_file)}
+    assert all(again[qid] == stamp for qid, stamp in stamps.items())  # finished ones were not rerun
+    assert {r["question_id"]: r["tstamp"] for r in read_jsonl(baseline_file)} == baseline_stamps
+
+
+def test_methods_share_one_baseline_per_setting(tiny_model_dir, questions_file, tmp_path):
+    first = run(config(*tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=sps", "limit=2")))
+    baseline_file = Path(first["baseline_results"]) / "answers" / "ar.jsonl"
+    stamps = {r["question_id"]: r["tstamp"] for r in read_jsonl(baseline_file)}
+    # another method, more questions: the baseline is reused and only grows
+    second = run(config(*tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=mcsd", "limit=3")))
+    assert second["baseline_results"] == first["baseline_results"]
+    rows = read_jsonl(baseline_file)
+    assert len(rows) == 3 and all(r["tstamp"] == stamps[r["question_id"]] for r in rows if r["question_id"] in stamps)
+    # other generation settings: another baseline, never the same one
+    third = run(config(*tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=sps", "limit=2"),
+                       "max_new_tokens=9"))
+    assert third["baseline_results"] != first["baseline_results"]
+    # a changed question (same id, other prompt) is not answered from the stored baseline
+    rows = [json.loads(line) for line in questions_file.read_text().splitlines()]
+    rows[0]["turns"][0] = "Write a limerick."
+    questions_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(RuntimeError, match="another prompt"):
+        run(config(*tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=jacobi", "limit=2")))
 
 
 def test_resume_refuses_results_from_other_hardware(tmp_path):
-    folder = RunFolder(tmp_path / "run", ["ar"])
+    folder = RunFolder(tmp_path / "run", "ar")
     folder.prepare("x: 1", {"cpu": "A", "gpu": None}, {"cpu": "A", "gpu": None}, resume=True)
-    folder.append("ar", {"question_id": 1})
+    folder.append({"question_id": 1})
     with pytest.raises(RuntimeError, match="never mixed"):
         folder.prepare("x: 1", {"cpu": "B", "gpu": None}, {"cpu": "B", "gpu": None}, resume=True)
 

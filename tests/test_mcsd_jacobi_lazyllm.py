@@ -14,7 +14,7 @@ from methods.runner import ModelRunner
 from methods.sampling import SamplingConfig
 from methods.stopping import StopCondition
 from tests.conftest import tiny_model
-from tests.stats_util import chi_square_pvalue, exact_joint
+from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 
 
 def random_prompts(vocab, count, seed=0, low=3, high=30):
@@ -66,23 +66,6 @@ def test_k_config_parsing_and_errors():
     target = tiny_model("llama", seed=52, vocab_size=16)
     with pytest.raises(ValueError, match="positive integers"):
         MultiCandidateDecoder(ModelRunner(target), truncated_copy(target, 1), (2, 0))
-
-
-VOCAB = 4
-PROMPT = [0, 1, 2, 3, 1]
-
-
-@pytest.fixture(scope="module")
-def tiny_vocab_pair():
-    target = tiny_model("llama", seed=20, vocab_size=VOCAB, hidden=32, layers=2, init_std=0.5)
-    draft = tiny_model("llama", seed=21, vocab_size=VOCAB, hidden=32, layers=1, init_std=0.5)
-    return target, draft
-
-
-def draw(decoder, n, seed):
-    generator = torch.Generator().manual_seed(seed)
-    return [tuple(decoder.generate(PROMPT, StopCondition(3), SamplingConfig(temperature=1.0), generator).tokens)
-            for _ in range(n)]
 
 
 @pytest.mark.parametrize("replacement", [True, False])

@@ -22,7 +22,7 @@ from methods.static_trees import StaticTree
 from methods.stopping import StopCondition
 from methods.tree import Tree
 from tests.conftest import tiny_model
-from tests.stats_util import chi_square_pvalue, exact_joint
+from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints written by hand in the released formats
@@ -392,13 +392,9 @@ def test_head_cache_after_commit_equals_cache_built_along_the_accepted_path(tmp_
 # Sampling preserves the target distribution
 
 
-VOCAB = 4
-PROMPT = [0, 1, 2, 3, 1]
-
-
 @pytest.fixture(scope="module")
-def tiny_vocab_target():
-    return tiny_model("llama", seed=20, vocab_size=VOCAB, hidden=32, layers=2, init_std=0.5)
+def tiny_vocab_target(tiny_vocab_pair):
+    return tiny_vocab_pair[0]
 
 
 def tiny_tree_decoders(target, folder):
@@ -409,12 +405,6 @@ def tiny_tree_decoders(target, folder):
         "eagle": EagleDecoder(ModelRunner(target), head, tree),
         "eagle2": Eagle2Decoder(ModelRunner(target), head, total_tokens=6, depth=3, top_k=2),
     }
-
-
-def draw(decoder, n, seed):
-    generator = torch.Generator().manual_seed(seed)
-    return [tuple(decoder.generate(PROMPT, StopCondition(3), SamplingConfig(temperature=1.0), generator).tokens)
-            for _ in range(n)]
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle2"])

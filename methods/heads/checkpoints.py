@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..loading import ModelSpec, ModelUnavailableError, _hub_reachable, _unavailable
+from ..loading import ModelSpec, ModelUnavailableError, hub_reachable, _unavailable
 
 
 def checkpoint_folder(spec: ModelSpec, weight_files: tuple[str, ...]) -> Path:
@@ -23,7 +23,7 @@ def checkpoint_folder(spec: ModelSpec, weight_files: tuple[str, ...]) -> Path:
     try:
         return Path(snapshot_download(spec.path, revision=spec.revision, allow_patterns=patterns, local_files_only=True))
     except Exception as err:  # not cached
-        if not _hub_reachable():
+        if not hub_reachable():
             raise _unavailable(spec, "draft head", err) from None
     try:
         return Path(snapshot_download(spec.path, revision=spec.revision, allow_patterns=patterns))
