@@ -185,3 +185,38 @@ def truncate_middle(text: str, tokenizer, max_tokens: int) -> str:
         return text
     half = max_tokens // 2
     return tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(ids[-(max_tokens - half):], skip_special_tokens=True)
+
+
+NEEDLE_TOKENS_PER_SENTENCE = 12  # SmolLM2's tokenizer on the filler sentences, with some margin
+_FILLER = (
+    "The river bends twice before it reaches the old mill.", "Farmers in the valley plant barley in early spring.",
+    "A narrow road climbs the hill behind the village church.", "The library opens at nine and closes at six.",
+    "Most of the houses on the square have red tile roofs.", "In winter the lake freezes near the northern shore.",
+    "The market sells bread, cheese and dried fruit on Saturdays.", "An old stone bridge crosses the stream below the school.",
+    "Swallows nest under the eaves of the town hall every summer.", "The bakery on the corner uses a wood-fired oven.",
+    "A bus to the coast leaves the station twice a day.", "The orchard behind the farm grows apples and pears.",
+    "Fishermen mend their nets on the harbour wall in the evening.", "The museum keeps a collection of old clocks.",
+    "Wild thyme grows between the rocks on the southern slope.", "The post office shares a building with the pharmacy.",
+)
+
+
+@loader("needle")
+def needle(cfg) -> list[Question]:
+    """Needle in a haystack, generated offline (seeded): neutral filler sentences with one
+    sentence giving a six-digit number planted at a random depth, and a question about it.
+    Category `needle_<tokens>`; the reference is the number."""
+    import random
+
+    questions = []
+    for length in cfg.lengths:
+        rng = random.Random(f"{cfg.seed}/{length}")
+        sentences = max(8, int(length) // NEEDLE_TOKENS_PER_SENTENCE)
+        for index in range(int(cfg.per_length)):
+            number = str(rng.randrange(100000, 1000000))
+            haystack = [rng.choice(_FILLER) for _ in range(sentences)]
+            haystack.insert(rng.randrange(len(haystack) + 1), f"The special magic number is {number}.")
+            prompt = (" ".join(haystack) + "\n\nWhat is the special magic number mentioned in the text above? "
+                      "Answer with the number only.")
+            questions.append(Question(f"needle-{length}-{index}", f"needle_{length}", [prompt], number))
+    return questions
+

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .base import BuildContext, DraftVerifyDecoder, register
+from .sampling import SamplingConfig
 from .tree import Tree
 
 INITIAL_GUESSES = ("prompt", "repeat", "pad")
@@ -36,10 +37,7 @@ class JacobiDecoder(DraftVerifyDecoder):
     def describe(self):
         return {**super().describe(), "block_size": self.block_size, "initial_guess": self.initial_guess}
 
-    def generate(self, prompt, stop, sampling=None, generator=None):
-        from .sampling import SamplingConfig
-
-        sampling = sampling or SamplingConfig()
+    def generate(self, prompt, stop, sampling=SamplingConfig(), generator=None):
         if not sampling.greedy:
             raise ValueError("jacobi decoding is greedy only; run it with temperature=0")
         self.iterations_per_block: list[int] = []

@@ -28,6 +28,7 @@ import torch
 from .ar import AutoregressiveDecoder
 from .base import BuildContext, register
 from .runner import ForwardOutput, ModelRunner
+from .sampling import SamplingConfig
 
 DEFAULT_SCHEDULE = ((0.25, 0.70), (0.50, 0.50), (0.75, 0.35))
 
@@ -191,10 +192,8 @@ class LazyLLMDecoder(AutoregressiveDecoder):
     def describe(self):
         return {**super().describe(), "schedule": {int(k): v for k, v in self.target.schedule.items()}}
 
-    def generate(self, prompt, stop, sampling=None, generator=None):
-        from .sampling import SamplingConfig
-
-        out = super().generate(prompt, stop, sampling or SamplingConfig(), generator)
+    def generate(self, prompt, stop, sampling=SamplingConfig(), generator=None):
+        out = super().generate(prompt, stop, sampling, generator)
         out.stats.extra["prompt_tokens"] = self.target.prompt_length
         out.stats.extra["prefill_layer_token_fraction"] = self.target.layer_token_fractions(prefill_only=True)
         out.stats.extra["layer_token_fraction"] = self.target.layer_token_fractions()

@@ -111,7 +111,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def _unavailable(spec: ModelSpec, what: str, err: Exception | None = None) -> ModelUnavailableError:
+def unavailable_error(spec: ModelSpec, what: str, err: Exception | None = None) -> ModelUnavailableError:
     reason = f" ({type(err).__name__}: {str(err).splitlines()[0]})" if err else ""
     return ModelUnavailableError(
         f"cannot load {what} {spec.path!r}: it is not in the local Hugging Face cache and the Hub "
@@ -134,11 +134,11 @@ def _from_pretrained(loader, spec: ModelSpec, what: str, **kwargs):
         return loader.from_pretrained(path, revision=spec.revision, local_files_only=True, **kwargs)
     except OSError as err:
         if not hub_reachable():
-            raise _unavailable(spec, what, err) from None
+            raise unavailable_error(spec, what, err) from None
     try:
         return loader.from_pretrained(path, revision=spec.revision, **kwargs)
     except OSError as err:
-        raise _unavailable(spec, what, err) from err
+        raise unavailable_error(spec, what, err) from err
 
 
 # --------------------------------------------------------------------------------------------

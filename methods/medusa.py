@@ -15,6 +15,7 @@ from .acceptance import typical_accept
 from .base import BuildContext, DraftVerifyDecoder, register
 from .heads.medusa import MedusaHeads, load_medusa_heads
 from .loading import head_spec
+from .sampling import logits_to_probs
 from .static_trees import StaticTree
 from .tree import Tree
 
@@ -56,8 +57,6 @@ class MedusaDecoder(DraftVerifyDecoder):
 
     def _accept(self, tree, logits):
         if self.acceptance == "typical" and not self.sampling.greedy:
-            from .sampling import logits_to_probs
-
             return typical_accept(tree, logits_to_probs(logits, self.sampling), self.generator, *self.typical)
         return super()._accept(tree, logits)
 

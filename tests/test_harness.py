@@ -263,6 +263,20 @@ def test_kv_retrieval_questions_plant_the_answer():
     assert load_questions(cfg)[5].turns == questions[5].turns  # seeded
 
 
+def test_needle_questions_plant_one_number():
+    from omegaconf import OmegaConf
+
+    from harness.datasets import load_questions
+
+    cfg = OmegaConf.load(REPO / "conf" / "dataset" / "needle.yaml")
+    questions = load_questions(cfg)
+    assert len(questions) == 12 and questions[0].category == "needle_1000"
+    for q in questions:
+        assert q.turns[0].count("The special magic number is") == 1
+        assert f"The special magic number is {q.reference}." in q.turns[0]
+    assert len(questions[-1].turns[0]) > 6 * len(questions[0].turns[0])  # ~8k vs ~1k tokens
+
+
 def test_quality_metrics():
     from harness.quality import contains_reference, gsm8k_exact_match
 

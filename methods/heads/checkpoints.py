@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..loading import ModelSpec, ModelUnavailableError, hub_reachable, _unavailable
+from ..loading import ModelSpec, ModelUnavailableError, hub_reachable, unavailable_error
 
 
 def checkpoint_folder(spec: ModelSpec, weight_files: tuple[str, ...]) -> Path:
@@ -24,11 +24,11 @@ def checkpoint_folder(spec: ModelSpec, weight_files: tuple[str, ...]) -> Path:
         return Path(snapshot_download(spec.path, revision=spec.revision, allow_patterns=patterns, local_files_only=True))
     except Exception as err:  # not cached
         if not hub_reachable():
-            raise _unavailable(spec, "draft head", err) from None
+            raise unavailable_error(spec, "draft head", err) from None
     try:
         return Path(snapshot_download(spec.path, revision=spec.revision, allow_patterns=patterns))
     except Exception as err:
-        raise _unavailable(spec, "draft head", err) from err
+        raise unavailable_error(spec, "draft head", err) from err
 
 
 def read_state_dict(folder: Path, weight_files: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], str]:
