@@ -50,10 +50,20 @@ def size_of(method: str, config: dict) -> tuple[str, float] | None:
     return None
 
 
+def _legend_below(ax, ncols: int = 1) -> None:
+    """The figure's legend under its axes (method labels are long: inside they hide the data);
+    the figure grows by the legend's height so the axes keep theirs."""
+    fig = ax.figure
+    handles, labels = ax.get_legend_handles_labels()
+    rows = math.ceil(len(labels) / ncols)
+    width, height = fig.get_size_inches()
+    fig.set_size_inches(width, height + 0.13 * rows + 0.1)
+    fig.legend(handles, labels, loc="outside lower center", ncols=ncols, frameon=False)
+
+
 def _save(fig, out: Path, name: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.png", out / f"{name}.pdf"]
-    fig.tight_layout()
     for path in paths:
         fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
@@ -62,7 +72,7 @@ def _save(fig, out: Path, name: str) -> list[Path]:
 
 def speedup_by_dataset(columns, table, title, out) -> list[Path]:
     labels = list(table)
-    fig, ax = plt.subplots(figsize=(COLUMN_WIDTH * 2, 2.4))
+    fig, ax = plt.subplots(layout="constrained", figsize=(COLUMN_WIDTH * 2, 2.4))
     width = 0.8 / max(1, len(labels))
     for i, label in enumerate(labels):
         xs, ys, errs = [], [], [[], []]
@@ -79,7 +89,7 @@ def speedup_by_dataset(columns, table, title, out) -> list[Path]:
     ax.set_xticks(range(len(columns)), columns, rotation=30, ha="right")
     ax.set_ylabel("speedup over AR (×)")
     ax.set_title(title)
-    ax.legend(ncols=2, frameon=False)
+    _legend_below(ax, ncols=2)
     return _save(fig, out, "speedup_by_dataset")
 
 
@@ -90,7 +100,7 @@ def size_sweep(rows, table, title, out) -> list[Path]:
         cell = table[label].get(OVERALL)
         if size and cell:
             series[(row.method, size[0])].append((size[1], cell["tau"], cell["speedup"]))
-    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(COLUMN_WIDTH * 2, 2.2))
+    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, layout="constrained", figsize=(COLUMN_WIDTH * 2, 2.2))
     for (method, parameter), points in sorted(series.items()):
         points.sort()
         xs = [p[0] for p in points]
@@ -101,13 +111,13 @@ def size_sweep(rows, table, title, out) -> list[Path]:
     ax_speed.axhline(1.0, color="black", linewidth=0.6, linestyle="--")
     for ax in (ax_tau, ax_speed):
         ax.set_xlabel("draft length / tree size")
-    ax_tau.legend(frameon=False)
+    _legend_below(ax_tau, ncols=2)
     fig.suptitle(title, fontsize=8)
     return _save(fig, out, "size_sweep")
 
 
 def acceptance_by_position(table, title, out) -> list[Path]:
-    fig, ax = plt.subplots(figsize=(COLUMN_WIDTH, 2.2))
+    fig, ax = plt.subplots(layout="constrained", figsize=(COLUMN_WIDTH, 2.2))
     for label, cells in table.items():
         rates = (cells.get(OVERALL) or {}).get("acceptance_per_position") or []
         points = [(d, r) for d, r in enumerate(rates, start=1) if r is not None]
@@ -117,12 +127,12 @@ def acceptance_by_position(table, title, out) -> list[Path]:
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.02)
     ax.set_title(title)
-    ax.legend(frameon=False)
+    _legend_below(ax)
     return _save(fig, out, "acceptance_by_position")
 
 
 def ttft_vs_prompt_length(rows, title, out) -> list[Path]:
-    fig, ax = plt.subplots(figsize=(COLUMN_WIDTH, 2.2))
+    fig, ax = plt.subplots(layout="constrained", figsize=(COLUMN_WIDTH, 2.2))
     baseline_points = {}
     for label, row in rows.items():
         points = sorted(_turn_ttfts(row.records.values()))
@@ -137,7 +147,7 @@ def ttft_vs_prompt_length(rows, title, out) -> list[Path]:
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_title(title)
-    ax.legend(frameon=False)
+    _legend_below(ax)
     return _save(fig, out, "ttft_vs_prompt_length")
 
 
@@ -150,7 +160,7 @@ def _turn_ttfts(records) -> list[tuple[int, float]]:
 
 
 def speedup_vs_tau(table, title, out) -> list[Path]:
-    fig, ax = plt.subplots(figsize=(COLUMN_WIDTH, 2.4))
+    fig, ax = plt.subplots(layout="constrained", figsize=(COLUMN_WIDTH, 2.4))
     highest = 1.0
     for label, cells in table.items():
         cell = cells.get(OVERALL)
@@ -165,7 +175,7 @@ def speedup_vs_tau(table, title, out) -> list[Path]:
     ax.set_xlim(0, line[1])
     ax.set_ylim(0, line[1])
     ax.set_title(title)
-    ax.legend(frameon=False)
+    _legend_below(ax)
     return _save(fig, out, "speedup_vs_tau")
 
 
