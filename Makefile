@@ -11,7 +11,7 @@ MAX_NEW_TOKENS ?= 256
 TEMPERATURE ?= 0
 ARGS ?=
 
-.PHONY: setup bench sweep report figures perf perf-lazyllm test
+.PHONY: setup bench sweep report figures perf perf-lazyllm train-drafts test
 
 setup: $(VENV)/.installed
 
@@ -62,3 +62,12 @@ test: setup
 LAZY_DTYPE ?= float32
 perf-lazyllm: setup
 	$(PY) -m harness.run method=lazyllm dataset=needle dtype=$(LAZY_DTYPE) warmup=1 $(ARGS)
+
+# The suite's own drafts for a model without public ones (harness/train_drafts.py): the target's
+# greedy answers to generated prompts (data/distill/), then a draft LM, an EAGLE head and Medusa
+# heads, each written to drafts/<model>/<kind>/ with its training log and model card.
+DRAFT_MODEL ?= smollm2-135m
+DRAFT_KINDS ?= draft-lm eagle medusa
+train-drafts: setup
+	test -f data/distill/$(DRAFT_MODEL)/answers.jsonl || $(PY) -m harness.train_drafts data --model $(DRAFT_MODEL) $(ARGS)
+	for kind in $(DRAFT_KINDS); do $(PY) -m harness.train_drafts $$kind --model $(DRAFT_MODEL) || exit 1; done

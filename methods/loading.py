@@ -48,8 +48,15 @@ class ModelSpec:
 
     @classmethod
     def from_mapping(cls, cfg, override_hint: str = "model.path") -> "ModelSpec":
+        """Relative paths that name a folder of this project (e.g. `drafts/...`) resolve against
+        the project root, wherever the command runs."""
         keys = ("path", "gguf_file", "gguf_package", "revision")
-        return cls(**{k: cfg.get(k) for k in keys}, override_hint=override_hint)
+        fields = {k: cfg.get(k) for k in keys}
+        path = fields["path"]
+        if path and not Path(path).expanduser().is_absolute() and not Path(path).exists() \
+                and (PROJECT_ROOT / path).exists():
+            fields["path"] = str(PROJECT_ROOT / path)
+        return cls(**fields, override_hint=override_hint)
 
     def describe(self) -> str:
         if self.gguf_package:
@@ -57,6 +64,9 @@ class ModelSpec:
         if self.gguf_file:
             return f"{self.path}/{self.gguf_file}"
         return str(self.path)
+
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 def cache_root() -> Path:
@@ -237,7 +247,11 @@ def load_draft_lm(spec, target_model):
         return truncated_copy(target_model, int(spec["target_layers"]))
     device = next(target_model.parameters()).device
     dtype = next(target_model.parameters()).dtype
-    draft = load_model(ModelSpec.from_mapping(spec, override_hint="method.draft.path"), dtype, device)
+    model_spec = ModelSpec.from_mapping(spec, override_hint="method.draft.path")
+    folder = Path(model_spec.path or "").expanduser()
+    if (folder / "config.json").is_file() and SHARED_KEY in json.loads((folder / "config.json").read_text()):
+        return _load_sharing_target(folder, target_model)
+    draft = load_model(model_spec, dtype, device)
     target_vocab = target_model.get_output_embeddings().out_features
     draft_vocab = draft.get_output_embeddings().out_features
     if abs(draft_vocab - target_vocab) > 1024:
@@ -245,6 +259,42 @@ def load_draft_lm(spec, target_model):
             f"draft {spec.get('path')!r} has a vocabulary of {draft_vocab} tokens and the target "
             f"{target_vocab}: a draft must share the target's tokenizer"
         )
+    return draft
+
+
+SHARED_KEY = "decodebench_shared_with_target"
+
+
+def _load_sharing_target(folder: Path, target_model):
+    """A draft LM saved without the tensors it shares with its target (the suite's own drafts,
+    `harness/train_drafts.py`): config.json lists them under `decodebench_shared_with_target`."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(folder))
+    shared = set(getattr(config, SHARED_KEY))
+    target_state = target_model.state_dict()
+    if config.vocab_size != target_model.config.vocab_size or config.hidden_size != target_model.config.hidden_size:
+        raise ValueError(f"draft {folder} was trained for a target with vocab {config.vocab_size} and hidden size "
+                         f"{config.hidden_size}; this target has {target_model.config.vocab_size} and "
+                         f"{target_model.config.hidden_size}")
+    state = load_file(str(folder / "model.safetensors"))
+    for key in shared:
+        state[key] = target_state[key]
+    param = next(target_model.parameters())
+    draft = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"{folder}: weights do not match its config.json (missing {missing[:4]}, unexpected {unexpected[:4]})")
+    if config.tie_word_embeddings:
+        draft.tie_weights()
+    draft = draft.to(device=param.device, dtype=param.dtype).eval().requires_grad_(False)
+    for key in shared:  # share, do not copy
+        module_path, name = key.rsplit(".", 1)
+        setattr(draft.get_submodule(module_path), name, target_model.get_submodule(module_path).get_parameter(name))
+    if config.tie_word_embeddings:
+        draft.tie_weights()
     return draft
 
 

@@ -44,15 +44,24 @@ def random_head_folder(kind: str, target_model, seed: int) -> Path:
             "layers.0.post_attention_layernorm.weight": torch.ones(hidden),
         }
         torch.save(state, folder / "pytorch_model.bin")  # embed_tokens left out: the target's
-        config = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bias": True, "hidden_size": hidden,
-            "intermediate_size": inter, "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.num_key_value_heads, "head_dim": head_dim, "num_hidden_layers": 1,
-            "rms_norm_eps": cfg.rms_norm_eps, "vocab_size": vocab, "hidden_act": "silu",
-            "max_position_embeddings": cfg.max_position_embeddings,
-            "rope_theta": (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0),
-        }
+        config = eagle_config(target_model)
     else:
         raise ValueError(f"no random initialization for head kind {kind!r}; valid: medusa, eagle")
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+def eagle_config(target_model) -> dict:
+    """config.json of an EAGLE head for this target, as released heads write it (a one-layer
+    LlamaConfig with the target's shapes; `bias` names whether fc has a bias)."""
+    cfg = target_model.config
+    hidden = cfg.hidden_size
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bias": True, "hidden_size": hidden,
+        "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads, "num_hidden_layers": 1,
+        "rms_norm_eps": cfg.rms_norm_eps, "vocab_size": cfg.vocab_size, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0),
+    }
