@@ -161,9 +161,10 @@ def check_disjoint(prompts: Iterable[dict], question_file: Path) -> None:
 
 @torch.inference_mode()
 def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batch_size: int = 16,
-                 progress: bool = True) -> list[dict]:
+                 progress: bool = True, journal: Path | None = None) -> list[dict]:
     """The target's greedy answers: one record per prompt with `ids` (prompt + answer token ids,
-    the answer cut after its first stop token) and `answer_start`."""
+    the answer cut after its first stop token) and `answer_start`. With a `journal`, records are
+    appended to it as each batch finishes and a rerun answers only the prompts it lacks."""
     from tqdm import tqdm
 
     from .prompts import Message
@@ -176,6 +177,11 @@ def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batc
     encoded = [template.prompt_ids([Message("user", p["text"])]) for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))  # batches of similar lengths: little padding
     records: list[dict | None] = [None] * len(prompts)
+    done = _read_journal(journal) if journal else {}
+    for i, prompt in enumerate(prompts):
+        if prompt["id"] in done and done[prompt["id"]]["ids"][:len(encoded[i])] == encoded[i]:
+            records[i] = done[prompt["id"]]
+    order = [i for i in order if records[i] is None]
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     for batch in tqdm(batches, desc="self-distillation", unit="batch", disable=not progress):
         width = max(len(encoded[i]) for i in batch)
@@ -191,4 +197,24 @@ def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batc
                     break
             records[i] = {"id": prompts[i]["id"], "kind": prompts[i]["kind"], "ids": encoded[i] + answer,
                           "answer_start": len(encoded[i])}
+        if journal:
+            with journal.open("a") as f:
+                f.write("".join(json.dumps(records[i]) + "\n" for i in batch))
     return records
+
+
+def _read_journal(journal: Path) -> dict[str, dict]:
+    """Finished records by id; a half-written last line (a killed run) is dropped from the file."""
+    done = {}
+    if journal.is_file():
+        text = journal.read_text()
+        if text and not text.endswith("\n"):
+            text = text[:text.rfind("\n") + 1]
+            journal.write_text(text)
+        for line in text.splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[record["id"]] = record
+    return done

@@ -330,6 +330,7 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--prompts", type=int, default=800)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--distill-batch", type=int, default=32, help="prompts per batched generate")
     parser.add_argument("--data", type=Path, default=None, help="default: data/distill/<model>/answers.jsonl")
     parser.add_argument("--out", type=Path, default=None, help="default: drafts/<model>/<kind>")
     parser.add_argument("--seed", type=int, default=0)
@@ -356,9 +357,11 @@ def main(argv=None) -> None:
                 check_disjoint(prompts, question_file)
                 print(f"{len(prompts)} prompts, none overlapping {question_file}")
         template = ChatTemplate(cfg.template, tokenizer, cfg.get("system_message"), cfg.get("eos_token_ids") or ())
-        records = self_distill(target, template, prompts, args.max_new_tokens)
         data_file.parent.mkdir(parents=True, exist_ok=True)
+        journal = data_file.with_suffix(".partial.jsonl")  # survives an interrupted run; a rerun resumes
+        records = self_distill(target, template, prompts, args.max_new_tokens, args.distill_batch, journal=journal)
         data_file.write_text("".join(json.dumps(r) + "\n" for r in records))
+        journal.unlink()
         tokens = sum(len(r["ids"]) - r["answer_start"] for r in records)
         print(f"wrote {data_file}: {len(records)} answers, {tokens} answer tokens")
         return

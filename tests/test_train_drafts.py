@@ -30,7 +30,7 @@ def test_check_disjoint_catches_an_evaluation_question(tmp_path):
         check_disjoint(leaked, SPEC_BENCH_SAMPLE)
 
 
-def test_self_distillation_records_the_targets_greedy_answers(tiny_chat_model_dir):
+def test_self_distillation_records_the_targets_greedy_answers(tiny_chat_model_dir, tmp_path):
     from methods.loading import ModelSpec, load_model, load_tokenizer
     from harness.prompts import ChatTemplate, Message
 
@@ -38,8 +38,13 @@ def test_self_distillation_records_the_targets_greedy_answers(tiny_chat_model_di
     model, tokenizer = load_model(spec, torch.float32, torch.device("cpu")), load_tokenizer(spec)
     template = ChatTemplate("tokenizer", tokenizer)
     prompts = training_prompts(5, seed=0)
-    records = self_distill(model, template, prompts, max_new_tokens=12, batch_size=2, progress=False)
+    journal = tmp_path / "answers.partial.jsonl"
+    records = self_distill(model, template, prompts[:3], max_new_tokens=12, batch_size=2, progress=False, journal=journal)
+    journal.write_text(journal.read_text() + '{"id": "half-writ')  # a run killed mid-line
+    records = self_distill(model, template, prompts, max_new_tokens=12, batch_size=2, progress=False, journal=journal)
     assert [r["id"] for r in records] == [p["id"] for p in prompts]
+    # the broken line is gone and the rerun answered only the two missing prompts
+    assert sorted(json.loads(line)["id"] for line in journal.read_text().splitlines()) == sorted(p["id"] for p in prompts)
     for prompt, record in zip(prompts, records):
         ids = template.prompt_ids([Message("user", prompt["text"])])
         assert record["ids"][:record["answer_start"]] == ids
