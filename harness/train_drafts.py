@@ -318,7 +318,7 @@ def load_target(model_name: str, dtype: torch.dtype = torch.float32):
 
 
 DEFAULTS = {  # kind: (epochs, lr, batch, noise)
-    "draft-lm": (2.0, 3e-4, 8, 0.0),
+    "draft-lm": (4.0, 1e-3, 8, 0.0),
     "eagle": (4.0, 3e-4, 8, 0.1),
     "medusa": (2.0, 1e-3, 8, 0.0),
 }
