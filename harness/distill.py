@@ -168,6 +168,7 @@ def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batc
     from tqdm import tqdm
 
     from .prompts import Message
+    from .results import read_jsonl, rewrite_jsonl
 
     pad = template.tokenizer.pad_token_id
     if pad is None:
@@ -177,7 +178,11 @@ def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batc
     encoded = [template.prompt_ids([Message("user", p["text"])]) for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))  # batches of similar lengths: little padding
     records: list[dict | None] = [None] * len(prompts)
-    done = _read_journal(journal) if journal else {}
+    done = {}
+    if journal and journal.is_file():
+        rows = read_jsonl(journal)  # a half-written last line (a killed run) is dropped
+        rewrite_jsonl(journal, rows)
+        done = {row["id"]: row for row in rows}
     for i, prompt in enumerate(prompts):
         if prompt["id"] in done and done[prompt["id"]]["ids"][:len(encoded[i])] == encoded[i]:
             records[i] = done[prompt["id"]]
@@ -201,20 +206,3 @@ def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batc
             with journal.open("a") as f:
                 f.write("".join(json.dumps(records[i]) + "\n" for i in batch))
     return records
-
-
-def _read_journal(journal: Path) -> dict[str, dict]:
-    """Finished records by id; a half-written last line (a killed run) is dropped from the file."""
-    done = {}
-    if journal.is_file():
-        text = journal.read_text()
-        if text and not text.endswith("\n"):
-            text = text[:text.rfind("\n") + 1]
-            journal.write_text(text)
-        for line in text.splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            done[record["id"]] = record
-    return done

@@ -49,6 +49,11 @@ class ChatTemplate:
             raise ValueError(f"unknown template {spec!r}; valid: tokenizer, fschat:<template name>, raw:<format>")
         self.eos_token_ids = frozenset(eos)
 
+    @classmethod
+    def for_model(cls, model_cfg, tokenizer) -> "ChatTemplate":
+        """The template a model config (`conf/model/*.yaml`) names."""
+        return cls(model_cfg.template, tokenizer, model_cfg.get("system_message"), model_cfg.get("eos_token_ids") or ())
+
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         """Token ids of the conversation, ending where the assistant's next answer begins."""
         if self.spec == "tokenizer":

@@ -83,7 +83,7 @@ class RunFolder:
             (self.path / "config.yaml").write_text(config_yaml)
             write_json(env_file, environment)
             rows = self._deduplicated()
-            _rewrite(self.answers, rows)
+            rewrite_jsonl(self.answers, rows)
             return {row["question_id"] for row in rows}
 
     def _deduplicated(self) -> list[dict]:
@@ -115,7 +115,8 @@ class RunFolder:
         write_json(self.path / "summary.json", summary)
 
 
-def _rewrite(path: Path, rows: list[dict]) -> None:
+def rewrite_jsonl(path: Path, rows: list[dict]) -> None:
+    """Replace a JSON-lines file atomically."""
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     os.replace(tmp, path)

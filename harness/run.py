@@ -48,8 +48,7 @@ class Benchmark:
         log.info("loading %s (%s) as %s on %s", cfg.model.name, spec.describe(), self.dtype, self.device)
         self.tokenizer = load_tokenizer(spec)
         self.model = load_model(spec, self.dtype, self.device)
-        self.template = ChatTemplate(cfg.model.template, self.tokenizer, cfg.model.get("system_message"),
-                                     cfg.model.get("eos_token_ids") or ())
+        self.template = ChatTemplate.for_model(cfg.model, self.tokenizer)
         self.sampling = SamplingConfig(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k))
         self.max_new_tokens = int(cfg.max_new_tokens or cfg.dataset.max_new_tokens)
         context = BuildContext(self.model, cfg.model.name, OmegaConf.to_container(cfg.model, resolve=True))

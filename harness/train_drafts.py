@@ -77,12 +77,12 @@ class DraftLMRecipe:
     kind = "draft-lm"
 
     def __init__(self, target, layers: int):
-        from methods.loading import truncated_copy
-
         import copy
 
-        shared = truncated_copy(target, layers)
-        self.model = copy.deepcopy(shared).float().train()
+        from methods.loading import truncated_copy
+
+        # truncated_copy shares the target's tensors: copy them before training the layers
+        self.model = copy.deepcopy(truncated_copy(target, layers)).float().train()
         self.model.requires_grad_(False)
         for module in (self.model.model.layers, self.model.model.norm):
             module.requires_grad_(True)
@@ -356,7 +356,7 @@ def main(argv=None) -> None:
             if question_file.is_file():
                 check_disjoint(prompts, question_file)
                 print(f"{len(prompts)} prompts, none overlapping {question_file}")
-        template = ChatTemplate(cfg.template, tokenizer, cfg.get("system_message"), cfg.get("eos_token_ids") or ())
+        template = ChatTemplate.for_model(cfg, tokenizer)
         data_file.parent.mkdir(parents=True, exist_ok=True)
         journal = data_file.with_suffix(".partial.jsonl")  # survives an interrupted run; a rerun resumes
         records = self_distill(target, template, prompts, args.max_new_tokens, args.distill_batch, journal=journal)

@@ -273,26 +273,21 @@ def _load_sharing_target(folder: Path, target_model):
 
     config = AutoConfig.from_pretrained(str(folder))
     shared = set(getattr(config, SHARED_KEY))
-    target_state = target_model.state_dict()
     if config.vocab_size != target_model.config.vocab_size or config.hidden_size != target_model.config.hidden_size:
         raise ValueError(f"draft {folder} was trained for a target with vocab {config.vocab_size} and hidden size "
                          f"{config.hidden_size}; this target has {target_model.config.vocab_size} and "
                          f"{target_model.config.hidden_size}")
-    state = load_file(str(folder / "model.safetensors"))
-    for key in shared:
-        state[key] = target_state[key]
-    param = next(target_model.parameters())
     draft = AutoModelForCausalLM.from_config(config)
-    missing, unexpected = draft.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    missing, unexpected = draft.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
+    missing = set(missing) - shared - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     if missing or unexpected:
-        raise ValueError(f"{folder}: weights do not match its config.json (missing {missing[:4]}, unexpected {unexpected[:4]})")
-    if config.tie_word_embeddings:
-        draft.tie_weights()
+        raise ValueError(f"{folder}: weights do not match its config.json (missing {sorted(missing)[:4]}, "
+                         f"unexpected {unexpected[:4]})")
+    param = next(target_model.parameters())
     draft = draft.to(device=param.device, dtype=param.dtype).eval().requires_grad_(False)
-    for key in shared:  # share, do not copy
+    for key in shared:  # the target's own parameters: shared, not copied
         module_path, name = key.rsplit(".", 1)
-        setattr(draft.get_submodule(module_path), name, target_model.get_submodule(module_path).get_parameter(name))
+        setattr(draft.get_submodule(module_path), name, target_model.get_parameter(key))
     if config.tie_word_embeddings:
         draft.tie_weights()
     return draft

@@ -32,9 +32,9 @@ def random_head_folder(kind: str, target_model, seed: int) -> Path:
         torch.save(state, folder / "medusa_lm_head.pt")  # vocab projections left out: the target's lm_head
         config = {"medusa_num_heads": heads, "medusa_num_layers": layers, "base_model_name_or_path": "random"}
     elif kind == "eagle":
-        cfg = target_model.config
-        head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
-        q, kv, inter = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim, cfg.intermediate_size
+        config = eagle_config(target_model)
+        head_dim, inter = config["head_dim"], config["intermediate_size"]
+        q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
         state = {
             "fc.weight": normal(hidden, 2 * hidden), "fc.bias": torch.zeros(hidden),
             "layers.0.self_attn.q_proj.weight": normal(q, hidden), "layers.0.self_attn.k_proj.weight": normal(kv, hidden),
@@ -44,7 +44,6 @@ def random_head_folder(kind: str, target_model, seed: int) -> Path:
             "layers.0.post_attention_layernorm.weight": torch.ones(hidden),
         }
         torch.save(state, folder / "pytorch_model.bin")  # embed_tokens left out: the target's
-        config = eagle_config(target_model)
     else:
         raise ValueError(f"no random initialization for head kind {kind!r}; valid: medusa, eagle")
     (folder / "config.json").write_text(json.dumps(config, indent=2))
