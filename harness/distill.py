@@ -163,7 +163,8 @@ def check_disjoint(prompts: Iterable[dict], question_file: Path) -> None:
 def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batch_size: int = 16,
                  progress: bool = True, journal: Path | None = None) -> list[dict]:
     """The target's greedy answers: one record per prompt with `ids` (prompt + answer token ids,
-    the answer cut after its first stop token) and `answer_start`. With a `journal`, records are
+    the answer cut where the template's stop condition ends it: an EOS id or a stop string) and
+    `answer_start`. With a `journal`, records are
     appended to it as each batch finishes and a rerun answers only the prompts it lacks."""
     from tqdm import tqdm
 
@@ -173,7 +174,7 @@ def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batc
     pad = template.tokenizer.pad_token_id
     if pad is None:
         pad = template.tokenizer.eos_token_id
-    stops = template.eos_token_ids
+    stop = template.stop_condition(max_new_tokens)
     device = next(model.parameters()).device
     encoded = [template.prompt_ids([Message("user", p["text"])]) for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))  # batches of similar lengths: little padding
@@ -193,13 +194,11 @@ def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batc
         input_ids = torch.tensor([[pad] * (width - len(encoded[i])) + encoded[i] for i in batch], device=device)
         attention = torch.tensor([[0] * (width - len(encoded[i])) + [1] * len(encoded[i]) for i in batch], device=device)
         out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=sorted(stops))
+                             max_new_tokens=max_new_tokens, pad_token_id=pad,
+                             eos_token_id=sorted(stop.eos_token_ids))
         for i, row in zip(batch, out[:, width:].tolist()):
-            answer = []
-            for token in row:
-                answer.append(token)
-                if token in stops:
-                    break
+            end = stop.cut(row, 0)
+            answer = row[:end[0] if end else len(row)]
             records[i] = {"id": prompts[i]["id"], "kind": prompts[i]["kind"], "ids": encoded[i] + answer,
                           "answer_start": len(encoded[i])}
         if journal:

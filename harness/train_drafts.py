@@ -50,10 +50,22 @@ def load_examples(file: Path) -> list[Example]:
 
 
 @torch.no_grad()
-def attach_hidden(target, examples: list[Example]) -> None:
-    for example in examples:
+def attach_hidden(target, examples: list[Example], cache: Path | None = None, progress: bool = False) -> None:
+    """The target's last hidden states of every example (EAGLE and Medusa train on them). With a
+    `cache` file they are computed once and reused by the next recipe when the examples match."""
+    from tqdm import tqdm
+
+    if cache is not None and cache.is_file():
+        stored = torch.load(cache)
+        if len(stored["ids"]) == len(examples) and all(torch.equal(a, e.ids) for a, e in zip(stored["ids"], examples)):
+            for example, hidden in zip(examples, stored["hidden"]):
+                example.hidden = hidden
+            return
+    for example in tqdm(examples, desc="target hidden states", unit="example", disable=not progress):
         if example.hidden is None:
             example.hidden = target.model(input_ids=example.ids[None]).last_hidden_state[0].float()
+    if cache is not None:
+        torch.save({"ids": [e.ids for e in examples], "hidden": [e.hidden for e in examples]}, cache)
 
 
 def split(examples: list[Example], held_out: float, seed: int) -> tuple[list[Example], list[Example]]:
@@ -373,7 +385,7 @@ def main(argv=None) -> None:
     examples = load_examples(data_file)
     train_set, val_set = split(examples, args.held_out, args.seed)
     if args.kind != "draft-lm":
-        attach_hidden(target, examples)
+        attach_hidden(target, examples, cache=data_file.with_name("hidden_states.pt"), progress=True)
     recipe = {"draft-lm": lambda: DraftLMRecipe(target, args.layers), "eagle": lambda: EagleRecipe(target, args.seed),
               "medusa": lambda: MedusaRecipe(target, args.heads)}[args.kind]()
     out = args.out or ROOT / "drafts" / args.model / args.kind

@@ -53,6 +53,25 @@ def test_self_distillation_records_the_targets_greedy_answers(tiny_chat_model_di
         assert record["ids"][record["answer_start"]:] == expected[:stop]
 
 
+def test_self_distillation_cuts_answers_at_the_templates_stop_string(tiny_chat_model_dir):
+    """fschat templates (Vicuna, LLaMA-2) end answers on a stop *string*: the answer keeps the token
+    that completes it and nothing after, as the decoders do."""
+    from methods.loading import ModelSpec, load_model, load_tokenizer
+    from harness.prompts import ChatTemplate, Message
+
+    spec = ModelSpec(path=str(tiny_chat_model_dir))
+    model, tokenizer = load_model(spec, torch.float32, torch.device("cpu")), load_tokenizer(spec)
+    template = ChatTemplate("tokenizer", tokenizer)
+    prompt = training_prompts(1, seed=0)
+    full = hf_greedy(model, template.prompt_ids([Message("user", prompt[0]["text"])]), 16)
+    # the first text the greedy answer produces at its 4th token or later, absent before it
+    k = next(k for k in range(3, 16) if (piece := tokenizer.decode(full[k:k + 1]).strip())
+             and piece not in tokenizer.decode(full[:k]))
+    template.stop_strings = (tokenizer.decode(full[k:k + 1]).strip(),)
+    record = self_distill(model, template, prompt, max_new_tokens=16, batch_size=1, progress=False)[0]
+    assert record["ids"][record["answer_start"]:] == full[:k + 1]
+
+
 @pytest.fixture(scope="module")
 def tiny_target_data():
     """A tiny target (tied embeddings, as SmolLM2) and its own greedy continuations of random prompts."""
@@ -139,3 +158,20 @@ def test_medusa_recipe_learns_and_loads_through_load_medusa_heads(tiny_target_da
     hidden = examples[0].hidden
     with torch.no_grad():
         assert torch.allclose(heads(hidden), recipe.heads(hidden), atol=1e-5)
+
+
+def test_hidden_state_cache_is_reused_only_for_the_same_examples(tiny_target_data, tmp_path):
+    target, examples = tiny_target_data
+    cache = tmp_path / "hidden_states.pt"
+    fresh = [Example(e.ids, e.answer_start) for e in examples]
+    attach_hidden(target, fresh, cache)
+    assert all(torch.equal(a.hidden, e.hidden) for a, e in zip(fresh, examples))
+    stored = torch.load(cache)
+    stored["hidden"][0] = stored["hidden"][0] + 1  # marks what comes from the file
+    torch.save(stored, cache)
+    again = [Example(e.ids, e.answer_start) for e in examples]
+    attach_hidden(target, again, cache)
+    assert torch.equal(again[0].hidden, examples[0].hidden + 1)
+    other = [Example(e.ids, e.answer_start) for e in examples[:-1]]  # other examples: computed afresh
+    attach_hidden(target, other, cache)
+    assert torch.equal(other[0].hidden, examples[0].hidden)
