@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.metrics import decoder_stats, speedup_stats
+from harness.metrics import decoder_stats, fidelity, speedup_stats
 from harness.results import read_jsonl
 
 SKIP_DIRS = {".multirun", "perf", "report"}
@@ -150,10 +150,14 @@ TITLES = {"speedup": "Speedup over AR (Spec-Bench form, bootstrap 95% CI)", "tau
           "acceptance": "Acceptance rate α (accepted / proposed draft tokens)", "ttft": "TTFT (ms, mean per turn)"}
 
 
+def group_folder(out: Path, group: tuple) -> Path:
+    model, hardware, dtype = group[:3]
+    return out / re.sub(r"[^a-z0-9]+", "-", f"{model}-{hardware}-{dtype}".lower()).strip("-")
+
+
 def write_tables(group: tuple, columns: list[str], table: dict, out: Path) -> list[Path]:
     model, hardware, dtype, torch_version, transformers_version = group
-    slug = re.sub(r"[^a-z0-9]+", "-", f"{model}-{hardware}-{dtype}".lower()).strip("-")
-    folder = out / slug
+    folder = group_folder(out, group)
     folder.mkdir(parents=True, exist_ok=True)
     caption = f"{model} on {hardware}, {dtype}, torch {torch_version}, transformers {transformers_version}"
     written = []
@@ -185,6 +189,57 @@ def write_tables(group: tuple, columns: list[str], table: dict, out: Path) -> li
     return written
 
 
+PHASES = ("prefill", "draft", "verify", "accept", "commit", "other")
+
+
+def breakdown_rows(rows: dict[str, Row]) -> list[dict]:
+    """Per method variant over all its questions: speed, fidelity to AR and where the time goes."""
+    out = []
+    for label, row in sorted(rows.items()):
+        keys = list(row.records)
+        records, baseline = [row.records[k] for k in keys], [row.baseline[k] for k in keys]
+        stats, speed, fid = decoder_stats(records), speedup_stats(records, baseline), fidelity(records, baseline)
+        positions = sorted(d["position"] for d in fid["first_divergence"])
+        out.append({
+            "method": label, "questions": len(records), "speedup": speed["specbench"],
+            "ci_low": speed["specbench_ci95"][0], "ci_high": speed["specbench_ci95"][1], "tau": stats["tau"],
+            "tokens_per_second": stats["tokens_per_second"],
+            "ar_tokens_per_second": decoder_stats(baseline)["tokens_per_second"],
+            "lossless": row.config.get("lossless", True), "differ_from_ar": fid["differing_questions"],
+            "first_divergence_median": positions[len(positions) // 2] if positions else None,
+            **{phase: stats["time_fractions"].get(phase, 0.0) for phase in PHASES},
+        })
+    return out
+
+
+def write_breakdown(group: tuple, rows: dict[str, Row], folder: Path) -> list[Path]:
+    """`breakdown.md/csv`: one line per method with speedup, τ, tokens/s, how many questions'
+    outputs differ from AR's (and the median first differing token), and the time fractions."""
+    model, hardware, dtype, torch_version, transformers_version = group
+    lines = breakdown_rows(rows)
+    header = ["method", "questions", "speedup", "τ", "tok/s (AR)", "differ from AR", *[f"{p} %" for p in PHASES]]
+    md = [f"**Per method: speed, fidelity, time breakdown (% of wall time)** — {model} on {hardware}, {dtype}, "
+          f"torch {torch_version}, transformers {transformers_version}", "",
+          "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in lines:
+        differ = f"{r['differ_from_ar']}/{r['questions']}"
+        if r["differ_from_ar"]:
+            differ += f" (first at token {r['first_divergence_median']}, median)"
+        if not r["lossless"]:
+            differ += " lossy"
+        md.append("| " + " | ".join([
+            r["method"], str(r["questions"]), f"{r['speedup']:.2f}× [{r['ci_low']:.2f}, {r['ci_high']:.2f}]",
+            f"{r['tau']:.2f}", f"{r['tokens_per_second']:.1f} ({r['ar_tokens_per_second']:.1f})", differ,
+            *[f"{100 * r[p]:.0f}" for p in PHASES]]) + " |")
+    (folder / "breakdown.md").write_text("\n".join(md) + "\n")
+    with open(folder / "breakdown.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["model", "hardware", "dtype", "torch", "transformers", *lines[0]])
+        writer.writeheader()
+        for r in lines:
+            writer.writerow(dict(zip(writer.fieldnames, group)) | r)
+    return [folder / "breakdown.md", folder / "breakdown.csv"]
+
+
 def report(root: Path, out: Path, select: str | None = None) -> dict:
     groups = build_rows(find_runs(root, select))
     out.mkdir(parents=True, exist_ok=True)
@@ -193,9 +248,10 @@ def report(root: Path, out: Path, select: str | None = None) -> dict:
         columns, table = group_table(rows)
         tables[group] = (columns, table)
         write_tables(group, columns, table, out)
-        for metric in ("speedup", "tau"):
-            index.append((out / re.sub(r"[^a-z0-9]+", "-", f"{group[0]}-{group[1]}-{group[2]}".lower()).strip("-")
-                          / f"{metric}.md").read_text())
+        folder = group_folder(out, group)
+        write_breakdown(group, rows, folder)
+        for name in ("breakdown", "speedup", "tau"):
+            index.append((folder / f"{name}.md").read_text())
     (out / "report.md").write_text("\n\n".join(index) + "\n" if index else "No runs with a baseline found.\n")
     return tables
 

@@ -42,7 +42,8 @@ class DecodeStats:
     position_accepted: list[int] = field(default_factory=list)
     ttft: float = 0.0  # seconds from the call to the first token
     total_time: float = 0.0  # seconds for the whole call
-    # seconds per phase of the loop: draft, verify, accept, commit (the rest is overhead)
+    # seconds per phase, covering total_time: prefill, draft (draft model and tree building),
+    # verify (target forward), accept, commit (cache), other (the loop's own overhead)
     phase_time: dict[str, float] = field(default_factory=dict)
     stop_reason: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # method-specific statistics
@@ -234,6 +235,7 @@ class DraftVerifyDecoder(Decoder):
             done = stop.cut(tokens, checked)
             stats.accepted_lengths.append(len(emitted) if done is None else done[0] - checked)
             self._count(stats, tree, acceptance)
+            clock.lap("other")  # emitting, stop checks, statistics: the loop's own overhead
             if done is None:
                 self.advance(tree, acceptance, verified)
                 clock.lap("draft")
@@ -243,7 +245,8 @@ class DraftVerifyDecoder(Decoder):
         del tokens[keep:]
         stats.new_tokens = len(tokens)
         stats.steps = len(stats.accepted_lengths)
-        stats.total_time = clock.now() - begin
+        clock.lap("other")
+        stats.total_time = clock.last - begin
         return DecodeOutput(tokens=tokens, stats=stats)
 
     def _choose(self, logits: torch.Tensor) -> int:

@@ -72,6 +72,10 @@ def test_bench_writes_a_complete_results_folder(tiny_model_dir, questions_file, 
     assert summary["fidelity"]["differing_questions"] == 0
     for key in ("specbench", "median_ratio", "median_ratio_ci95", "by_category"):
         assert key in summary["speedup"]
+    # the time breakdown partitions wall time: model phases plus the loop's own overhead
+    fractions = summary["decoder"]["time_fractions"]
+    assert set(fractions) == {"prefill", "draft", "verify", "accept", "commit", "other"}
+    assert sum(fractions.values()) == pytest.approx(1.0) and fractions["verify"] > 0 and fractions["draft"] > 0
     stored = json.loads((folder / "summary.json").read_text())
     assert stored["decoder"]["tau"] == pytest.approx(summary["decoder"]["tau"])
     assert stored["decoder"]["acceptance_per_position"]

@@ -18,13 +18,14 @@ from tests.conftest import REPO
 ENV = {"torch": "2.13.0", "transformers": "5.23.0"}
 
 
-def record(qid, category, tokens, wall, steps, accepted=(), tested=(), prompt_len=50, ttft=0.1):
+def record(qid, category, tokens, wall, steps, accepted=(), tested=(), prompt_len=50, ttft=0.1, diverge_at=None):
     stats = {"ttft": ttft, "drafted_tokens": 4 * steps, "accepted_drafts": tokens - steps,
              "position_proposed": list(tested), "position_tested": list(tested), "position_accepted": list(accepted),
-             "phase_time": {}, "extra": {}}
+             "phase_time": {"draft": 0.3 * wall, "verify": 0.6 * wall, "other": 0.1 * wall}, "extra": {}}
+    output = [t if diverge_at is None or t < diverge_at else -1 for t in range(tokens)]
     return {"question_id": qid, "category": category, "choices": [{
         "turns": ["x"], "new_tokens": [tokens], "wall_time": [wall], "decoding_steps": [steps],
-        "accept_lengths": [], "prompt_ids": [list(range(prompt_len))], "output_ids": [list(range(tokens))],
+        "accept_lengths": [], "prompt_ids": [list(range(prompt_len))], "output_ids": [output],
         "stats": [stats]}]}
 
 
@@ -52,7 +53,7 @@ def results(tmp_path):
                                  record(2, "writing", 80, 1.0, 40, [25, 15], [40, 25])], base, {"gamma": 4})
     write_run(root, "sps", "q", [record(3, "qa", 60, 1.0, 40, [15, 5], [40, 15]),
                                  record(4, "qa", 40, 0.8, 25, [10, 5], [25, 10])], base, {"gamma": 4})
-    write_run(root, "sps", "g2", [record(1, "writing", 100, 2.5, 60, [30], [60])], base, {"gamma": 2})
+    write_run(root, "sps", "g2", [record(1, "writing", 100, 2.5, 60, [30], [60], diverge_at=7)], base, {"gamma": 2})
     # the same method measured on other hardware: its own table
     write_run(root, "sps", "other", [record(1, "writing", 100, 1.0, 50, [30], [50])], base, {"gamma": 4},
               hardware="GPU-B")
@@ -85,6 +86,14 @@ def test_tables_equal_values_recomputed_from_records(results, tmp_path):
     rows = list(csv.DictReader(open(folder / "tau.csv")))
     assert {(r["method"], r["column"]) for r in rows} >= {("sps (gamma=4)", "writing"), ("sps (gamma=4)", "qa")}
     assert r"\toprule" in (folder / "speedup.tex").read_text()
+    # one line per method: speed, fidelity to AR, time breakdown
+    breakdown = {r["method"]: r for r in csv.DictReader(open(folder / "breakdown.csv"))}
+    assert float(breakdown["sps (gamma=4)"]["speedup"]) == pytest.approx(overall)
+    assert breakdown["sps (gamma=4)"]["differ_from_ar"] == "0"
+    assert (breakdown["sps (gamma=2)"]["differ_from_ar"], breakdown["sps (gamma=2)"]["first_divergence_median"]) == ("1", "7")
+    assert float(breakdown["sps (gamma=4)"]["verify"]) == pytest.approx(0.6)
+    assert "1/1 (first at token 7, median)" in (folder / "breakdown.md").read_text()
+    assert "Per method" in (tmp_path / "report" / "report.md").read_text()
 
 
 def test_figures_are_written(results, tmp_path):
