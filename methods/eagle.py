@@ -12,13 +12,18 @@ true features, so the head's cache always equals the one built along the accepte
 * `eagle2`: EAGLE-2's dynamic tree: expand the top-k frontier by cumulative log-probability for
   `depth` steps (k² candidates per step), then keep the best `total_tokens - 1` candidates,
   ancestors before descendants. `total_tokens: auto` times target forwards at 40..60 tokens and
-  picks the size as EAGLE-2's `-1` does.
+  picks the size as EAGLE-2's `-1` does. `total_tokens: adaptive` times target forwards of 1..64
+  tokens once and sizes every tree for the most expected tokens per second: with the candidates'
+  values (the head's path probabilities, EAGLE-2's estimate of acceptance) sorted, keep the n that
+  maximizes (1 + p_1 + ... + p_n) / (draft time + verify time of n + 1 tokens). On hardware where a
+  forward's cost grows with its tokens (CPUs) it keeps small trees; where it is flat, large ones.
 Drafts are deterministic (top-k), so sampling verification uses EAGLE-2's rule (accept x with
 probability p(x), else zero it and renormalize), which preserves the target distribution.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -148,12 +153,28 @@ class Eagle2Decoder(_EagleBase):
             raise ValueError(f"eagle2 needs total_tokens >= 2, depth >= 0, top_k >= 1; got {total_tokens}, {depth}, {top_k}")
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
         self.total_tokens_timing: dict | None = None
+        self.verify_seconds: dict[int, float] | None = None  # adaptive sizing: target forward seconds by tokens
+        self.draft_seconds = 0.0  # adaptive sizing: running mean of one step's drafting time
+        self._follow_seconds = 0.0
 
     def describe(self):
-        return {**super().describe(), "total_tokens": self.total_tokens, "depth": self.depth, "top_k": self.top_k,
-                "total_tokens_auto": self.total_tokens_timing}
+        return {**super().describe(), "total_tokens": "adaptive" if self.verify_seconds else self.total_tokens,
+                "depth": self.depth, "top_k": self.top_k, "total_tokens_auto": self.total_tokens_timing}
 
     def propose(self, root: int, budget: int) -> Tree:
+        started = time.perf_counter()
+        tree = self._propose(root, budget)
+        if self.verify_seconds is not None:  # this step's drafting: the head following the last accepted path, then this tree
+            step = time.perf_counter() - started + self._follow_seconds
+            self.draft_seconds += 0.1 * (step - self.draft_seconds)
+        return tree
+
+    def advance(self, tree, acceptance, verified) -> None:
+        started = time.perf_counter()
+        super().advance(tree, acceptance, verified)
+        self._follow_seconds = time.perf_counter() - started
+
+    def _propose(self, root: int, budget: int) -> Tree:
         levels = min(self.depth + 1, budget)  # draft tokens along a path
         if levels <= 0:
             return Tree(torch.tensor([root]), [-1])
@@ -194,10 +215,42 @@ class Eagle2Decoder(_EagleBase):
         kept node's ancestors (never worth less) are kept too."""
         keep = min(self.total_tokens - 1, len(tokens))
         order = sorted(range(len(tokens)), key=lambda c: (-float(values[c]), c))[:keep]
+        if self.verify_seconds is not None:
+            order = order[:self.adaptive_size(values[order].exp().tolist())]
         kept = sorted(order)
         node_of = {c: i + 1 for i, c in enumerate(kept)}
         tree_parents = [-1] + [0 if parents[c] < 0 else node_of[parents[c]] for c in kept]
         return Tree(torch.tensor([root] + [tokens[c] for c in kept]), tree_parents)
+
+    def adaptive_size(self, probabilities: list[float]) -> int:
+        """How many of the best candidates (path probabilities, best first) to verify: the n with
+        the most expected tokens, 1 + sum of the first n, per second of drafting + verifying."""
+        expected, best, best_rate = 1.0, 0, 1.0 / (self.draft_seconds + self.verify_time(1))
+        for n, p in enumerate(probabilities, start=1):
+            expected += p
+            rate = expected / (self.draft_seconds + self.verify_time(n + 1))
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
+
+    def verify_time(self, tokens: int) -> float:
+        """Seconds of a target forward of `tokens` tokens, interpolated from the measured sizes."""
+        sizes = sorted(self.verify_seconds)
+        if tokens <= sizes[0]:
+            return self.verify_seconds[sizes[0]]
+        for low, high in zip(sizes, sizes[1:]):
+            if tokens <= high:
+                weight = (tokens - low) / (high - low)
+                return (1 - weight) * self.verify_seconds[low] + weight * self.verify_seconds[high]
+        low, high = sizes[-2], sizes[-1]
+        slope = (self.verify_seconds[high] - self.verify_seconds[low]) / (high - low)
+        return self.verify_seconds[high] + slope * (tokens - high)
+
+    def measure_verify_latency(self, sizes=(1, 2, 4, 8, 16, 32, 64), prefix: int = 128, repeats: int = 3) -> None:
+        """`total_tokens: adaptive`: the target's forward latency curve, measured once."""
+        self.verify_seconds = forward_latency(self.target, sizes, prefix, repeats)
+        self.total_tokens = max(self.total_tokens, max(sizes))
+        self.total_tokens_timing = {"adaptive": True, "seconds_by_size": self.verify_seconds}
 
     def auto_total_tokens(self, sizes=(40, 48, 50, 56, 60), weights=(1, 1.05, 1.07, 1.1, 1.13),
                           prefix: int = 128, repeats: int = 3) -> int:
@@ -220,8 +273,12 @@ def build_eagle(target, params: dict, context: BuildContext) -> EagleDecoder:
 def build_eagle2(target, params: dict, context: BuildContext) -> Eagle2Decoder:
     head = load_eagle_head(head_spec(params, context, "eagle"), context.target_model)
     total = params.get("total_tokens", 60)
-    decoder = Eagle2Decoder(target, head, total_tokens=60 if total == "auto" else int(total),
+    if isinstance(total, str) and total not in ("auto", "adaptive"):
+        raise ValueError(f"eagle2 total_tokens={total!r}; valid: an integer >= 2, auto (EAGLE-2's -1), adaptive")
+    decoder = Eagle2Decoder(target, head, total_tokens=60 if isinstance(total, str) else int(total),
                             depth=int(params.get("depth", 5)), top_k=int(params.get("top_k", 10)))
     if total == "auto":
         decoder.auto_total_tokens()
+    elif total == "adaptive":
+        decoder.measure_verify_latency()
     return decoder
