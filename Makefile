@@ -11,7 +11,7 @@ MAX_NEW_TOKENS ?= 256
 TEMPERATURE ?= 0
 ARGS ?=
 
-.PHONY: setup bench sweep report figures perf perf-lazyllm train-drafts test
+.PHONY: setup bench sweep report figures headline perf perf-lazyllm train-drafts test
 
 setup: $(VENV)/.installed
 
@@ -49,6 +49,12 @@ report: setup
 
 figures: setup
 	$(PY) -m harness.figures --results results --out plots $(ARGS)
+
+# Every method on one model over Spec-Bench with the settings of conf/headline/$(HEADLINE).yaml:
+# one results folder per method under results/reference/, its report and the figures (plots/).
+HEADLINE ?= smollm2-135m
+headline: setup
+	$(PY) -m harness.headline --config conf/headline/$(HEADLINE).yaml $(ARGS)
 
 perf: setup
 	$(PY) -m harness.perf $(ARGS)

@@ -288,3 +288,56 @@ def test_quality_metrics():
     assert gsm8k_exact_match("it is 12", "#### 13") == 0.0
     assert contains_reference("The value is 493028.", "493028") == 1.0
     assert contains_reference("none", ["1", "2"]) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# make headline
+
+
+def test_committed_headline_configs_compose_for_every_method():
+    from omegaconf import OmegaConf
+
+    from harness.headline import compose, run_overrides
+
+    files = sorted((REPO / "conf" / "headline").glob("*.yaml"))
+    assert files
+    for file in files:
+        runs = run_overrides(OmegaConf.load(file))
+        assert set(runs) <= set(available_methods()) and len(runs) >= 7
+        for method, overrides in runs.items():
+            assert compose(overrides).method.name == method
+
+
+def test_headline_rejects_an_unknown_method(tmp_path):
+    from omegaconf import OmegaConf
+
+    from harness.headline import run_overrides
+
+    config = OmegaConf.create({"model": "m", "dataset": "spec_bench", "limit": 1, "max_new_tokens": 8,
+                               "results_dir": str(tmp_path), "methods": {"sps": [], "eagle3": []}})
+    with pytest.raises(ValueError, match=r"unknown methods \['eagle3'\]; valid: .*eagle2"):
+        run_overrides(config)
+
+
+def test_headline_runs_each_method_against_one_baseline_and_reports_them(tiny_model_dir, questions_file, tmp_path):
+    from harness.headline import main
+
+    results, plots = tmp_path / "results", tmp_path / "plots"
+    config = tmp_path / "headline.yaml"
+    config.write_text(json.dumps({
+        "model": "smollm2-135m", "dataset": "spec_bench", "limit": 3, "max_new_tokens": 12,
+        "results_dir": str(results), "figures_dir": str(plots), "overrides": ["warmup=1"],
+        "methods": {"sps": ["method.gamma=3"], "jacobi": ["method.block_size=4"]},
+    }))
+    shared = [o for o in tiny_overrides(tiny_model_dir, questions_file, tmp_path)
+              if not o.startswith(("results_dir=", "max_new_tokens=", "warmup="))]
+    assert main(["--config", str(config), *shared]) == 0
+    summaries = [json.loads(p.read_text()) for p in sorted(results.rglob("summary.json"))]
+    assert sorted(s["method"] for s in summaries) == ["jacobi", "sps"]
+    assert len({s["baseline_results"] for s in summaries}) == 1  # the second run reused the first's AR
+    assert {s["method_config"].get("gamma") for s in summaries} == {3, None}
+    assert all(s["fidelity"]["differing_questions"] == 0 for s in summaries)  # fp32 greedy
+    speedup_table = (results / "report").rglob("speedup*.md")
+    text = "".join(p.read_text() for p in speedup_table)
+    assert "sps (gamma=3)" in text and "jacobi" in text
+    assert any(plots.rglob("*.png"))
