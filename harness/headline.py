@@ -66,9 +66,10 @@ def main(argv=None) -> int:
     folders = {}
     for method, overrides in runs.items():
         print(f"== {method}: {' '.join(overrides)}", flush=True)
-        summary = run(compose(overrides))
+        cfg = compose(overrides)
+        summary = run(cfg)
         folders[method] = summary["results"]
-    results = Path(config.results_dir)
+    results = Path(cfg.results_dir)
     report.main(["--results", str(results), "--out", str(results / "report")])
     figures.main(["--results", str(results), "--out", str(args.figures or config.figures_dir)])
     print(json.dumps(folders, indent=2))

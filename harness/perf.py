@@ -42,6 +42,13 @@ def spec_bench_prompts(template: ChatTemplate, count: int) -> list[list[int]]:
     return [template.prompt_ids([Message("user", q.turns[0])]) for q in questions]
 
 
+def embedded_draft_spec() -> dict:
+    from omegaconf import OmegaConf
+
+    model_config = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "model" / "smollm2-135m.yaml")
+    return OmegaConf.to_container(model_config.drafts.sps, resolve=True)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="auto")
@@ -50,7 +57,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gamma", type=int, default=4)
-    parser.add_argument("--draft-layers", type=int, default=6, help="SpS draft: the target's first k layers")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="SpS draft: the target's first k layers; default: the draft conf/model/smollm2-135m.yaml names")
     parser.add_argument("--out", type=Path, default=Path("results/perf"))
     args = parser.parse_args(argv)
 
@@ -58,7 +66,8 @@ def main(argv=None) -> dict:
     dtype = resolve_dtype(args.dtype, device)
     tokenizer = load_tokenizer(EMBEDDED)
     model = load_model(EMBEDDED, dtype, device)
-    draft = load_draft_lm({"target_layers": args.draft_layers}, model)
+    draft_spec = {"target_layers": args.draft_layers} if args.draft_layers else embedded_draft_spec()
+    draft = load_draft_lm(draft_spec, model)
     draft.generation_config.num_assistant_tokens = args.gamma
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0
@@ -99,7 +108,7 @@ def main(argv=None) -> dict:
     result = {
         "dtype": str(dtype).replace("torch.", ""), "device": str(device), "hardware": env["gpu"] or env["cpu"],
         "environment": env, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "repeats": args.repeats, "gamma": args.gamma, "draft": f"target's first {args.draft_layers} layers",
+        "repeats": args.repeats, "gamma": args.gamma, "draft": draft_spec,
         "tokens_per_second_median": median,
         "ratio_ar_ours_over_generate": median["ar_ours"] / median["ar_generate"],
         "ratio_sps_ours_over_assisted_generate": median["sps_ours"] / median["sps_generate"],

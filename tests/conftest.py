@@ -93,6 +93,21 @@ def embedded_prompts(embedded, sample_questions):
     ]
 
 
+@pytest.fixture(scope="session")
+def embedded_decoder(embedded):
+    """Build a method on the embedded fp32 model as `make bench` does: its drafts are the ones
+    `conf/model/smollm2-135m.yaml` names (the suite's trained draft LM, EAGLE head, Medusa heads)."""
+    from omegaconf import OmegaConf
+
+    from methods.base import BuildContext, get_method
+    from methods.runner import ModelRunner
+
+    model, _ = embedded
+    model_config = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / "smollm2-135m.yaml"), resolve=True)
+    context = BuildContext(model, "smollm2-135m", model_config)
+    return lambda method, **params: get_method(method)(ModelRunner(model), {"name": method, **params}, context)
+
+
 def hf_greedy(model, prompt, max_new_tokens, eos=None):
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)

@@ -325,15 +325,16 @@ def test_headline_runs_each_method_against_one_baseline_and_reports_them(tiny_mo
     results, plots = tmp_path / "results", tmp_path / "plots"
     config = tmp_path / "headline.yaml"
     config.write_text(json.dumps({
-        "model": "smollm2-135m", "dataset": "spec_bench", "limit": 3, "max_new_tokens": 12,
-        "results_dir": str(results), "figures_dir": str(plots), "overrides": ["warmup=1"],
+        "model": "smollm2-135m", "dataset": "spec_bench", "limit": 3, "max_new_tokens": 20,
+        "results_dir": str(tmp_path / "not-this-one"), "figures_dir": str(plots), "overrides": ["warmup=2"],
         "methods": {"sps": ["method.gamma=3"], "jacobi": ["method.block_size=4"]},
     }))
-    shared = [o for o in tiny_overrides(tiny_model_dir, questions_file, tmp_path)
-              if not o.startswith(("results_dir=", "max_new_tokens=", "warmup="))]
-    assert main(["--config", str(config), *shared]) == 0
+    # command-line overrides win over the config's (results_dir, max_new_tokens, warmup here)
+    assert main(["--config", str(config), *tiny_overrides(tiny_model_dir, questions_file, results)]) == 0
+    assert not (tmp_path / "not-this-one").exists()
     summaries = [json.loads(p.read_text()) for p in sorted(results.rglob("summary.json"))]
     assert sorted(s["method"] for s in summaries) == ["jacobi", "sps"]
+    assert {s["max_new_tokens"] for s in summaries} == {12}
     assert len({s["baseline_results"] for s in summaries}) == 1  # the second run reused the first's AR
     assert {s["method_config"].get("gamma") for s in summaries} == {3, None}
     assert all(s["fidelity"]["differing_questions"] == 0 for s in summaries)  # fp32 greedy

@@ -134,11 +134,11 @@ def test_jacobi_stops_on_eos_and_rejects_sampling():
         decoder.generate(prompt, stop, SamplingConfig(temperature=0.7))
 
 
-def test_embedded_jacobi_and_mcsd_equal_generate(embedded, embedded_prompts, embedded_reference):
+def test_embedded_jacobi_and_mcsd_equal_generate(embedded, embedded_decoder, embedded_prompts, embedded_reference):
     model, tokenizer = embedded
     stop = StopCondition(64, frozenset({tokenizer.eos_token_id}))
     decoders = [JacobiDecoder(ModelRunner(model), block_size=8),
-                MultiCandidateDecoder(ModelRunner(model), truncated_copy(model, 6), (4, 2, 1), replacement=False)]
+                embedded_decoder("mcsd", k_config=[4, 2, 1], replacement=False)]  # the trained draft LM
     for prompt, reference in zip(embedded_prompts, embedded_reference):
         for decoder in decoders:
             out = decoder.generate(prompt, stop)

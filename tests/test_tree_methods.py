@@ -311,24 +311,20 @@ def test_greedy_with_siblings_sharing_tokens_equals_ar():
     assert shared > 10
 
 
-def test_embedded_greedy_tree_methods_equal_generate(embedded, embedded_prompts, embedded_reference,
-                                                     tmp_path, monkeypatch):
-    """Medusa's and EAGLE's default trees, and a 24-node EAGLE-2 tree (the full 60 costs minutes
-    more on CPU and is covered on tiny models), with random heads in the released formats."""
-    model, tokenizer = embedded
-    monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
-    context = BuildContext(model, "smollm2-135m", {"drafts": {"eagle": {"random_init": 0}, "medusa": {"random_init": 0}}})
-    medusa = load_medusa_heads(head_spec({}, context, "medusa"), model)
-    head = load_eagle_head(head_spec({}, context, "eagle"), model)
+def test_embedded_greedy_tree_methods_equal_generate(embedded, embedded_decoder, embedded_prompts, embedded_reference):
+    """Medusa's and EAGLE's default trees and a 24-node EAGLE-2 tree (the full 60 costs minutes more
+    on CPU and is covered on tiny models), with the suite's trained heads for the embedded model."""
+    _, tokenizer = embedded
     stop = StopCondition(64, frozenset({tokenizer.eos_token_id}))
-    methods = [
-        MedusaDecoder(ModelRunner(model), medusa, StaticTree.build("medusa_mc_sim_7b_63")),
-        EagleDecoder(ModelRunner(model), head, StaticTree.build("eagle_mc_sim_7b_63")),
-        Eagle2Decoder(ModelRunner(model), head, total_tokens=24, depth=5, top_k=10),
-    ]
+    methods = [embedded_decoder("medusa", tree="medusa_mc_sim_7b_63"), embedded_decoder("eagle", tree="eagle_mc_sim_7b_63"),
+               embedded_decoder("eagle2", total_tokens=24, depth=5, top_k=10)]
+    accepted = {decoder.name: 0 for decoder in methods}
     for prompt, reference in zip(embedded_prompts, embedded_reference):
         for decoder in methods:
-            assert decoder.generate(prompt, stop).tokens == reference, decoder.name
+            out = decoder.generate(prompt, stop)
+            assert out.tokens == reference, decoder.name
+            accepted[decoder.name] += out.stats.accepted_drafts
+    assert all(accepted.values()), accepted
 
 
 def test_typical_acceptance_takes_the_deepest_typical_path():
