@@ -46,7 +46,7 @@ def config(*overrides):
 def tiny_overrides(model_dir, questions, results, *extra):
     return [
         f"model.path={model_dir}", "model.gguf_file=null", "model.gguf_package=null", "model.name=tiny",
-        "model.drafts.sps={target_layers: 1}", "dtype=float32", "device=cpu", f"results_dir={results}",
+        "model.drafts.sps=null", "model.drafts.sps={target_layers: 1}", "dtype=float32", "device=cpu", f"results_dir={results}",
         "max_new_tokens=12", "warmup=1", *([f"dataset.path={questions}"] if questions else []), *extra,
     ]
 
@@ -227,7 +227,8 @@ def test_bootstrap_interval_brackets_the_median():
 ])
 def test_tree_methods_report_per_position_acceptance(tiny_model_dir, questions_file, tmp_path, monkeypatch, method, extra):
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path / "cache"))
-    heads = ["model.drafts.eagle={random_init: 0}", "model.drafts.medusa={random_init: 0}"]
+    heads = ["model.drafts.eagle=null", "model.drafts.eagle={random_init: 0}", "model.drafts.medusa=null",
+             "model.drafts.medusa={random_init: 0}"]
     summary = run(config(*tiny_overrides(tiny_model_dir, questions_file, tmp_path, f"method={method}", "limit=2"),
                          *heads, *extra))
     per_position = summary["decoder"]["acceptance_per_position"]
