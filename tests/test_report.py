@@ -114,7 +114,7 @@ def test_sweep_through_submitit_local_reports_results_and_failures(tmp_path, tin
     command = [
         sys.executable, "-m", "harness.run", "-m", "hydra/launcher=local", "method=sps", "method.gamma=0,2,3",
         f"model.path={tiny_chat_model_dir}", "model.gguf_file=null", "model.gguf_package=null", "model.name=tiny",
-        "model.drafts.sps=null", "model.drafts.sps={target_layers: 1}", "dtype=float32", "device=cpu", f"dataset.path={questions}",
+        "method.draft={target_layers: 1}", "dtype=float32", "device=cpu", f"dataset.path={questions}",
         f"results_dir={tmp_path / 'results'}", "max_new_tokens=6", "warmup=0", f"hydra.sweep.dir={sweep_dir}",
     ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
