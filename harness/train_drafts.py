@@ -337,11 +337,9 @@ def _machine() -> str:
 
 
 def load_target(model_name: str, dtype: torch.dtype = torch.float32):
-    from omegaconf import OmegaConf
+    from methods.loading import ModelSpec, load_model, load_tokenizer, model_config
 
-    from methods.loading import ModelSpec, load_model, load_tokenizer
-
-    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{model_name}.yaml")
+    cfg = model_config(model_name)
     spec = ModelSpec.from_mapping(cfg)
     return cfg, load_model(spec, dtype, torch.device("cpu")), load_tokenizer(spec)
 

@@ -69,6 +69,16 @@ class ModelSpec:
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
+def model_config(name: str):
+    """The model config `conf/model/<name>.yaml` (what `model=<name>` selects), as an OmegaConf node."""
+    from omegaconf import OmegaConf
+
+    folder = PROJECT_ROOT / "conf" / "model"
+    if not (folder / f"{name}.yaml").is_file():
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(sorted(p.stem for p in folder.glob('*.yaml')))}")
+    return OmegaConf.load(folder / f"{name}.yaml")
+
+
 def cache_root() -> Path:
     """Where dequantized copies live: $DECODEBENCH_CACHE, else ~/.cache/decodebench."""
     env = os.environ.get("DECODEBENCH_CACHE")

@@ -100,11 +100,11 @@ def embedded_decoder(embedded):
     from omegaconf import OmegaConf
 
     from methods.base import BuildContext, get_method
+    from methods.loading import model_config
     from methods.runner import ModelRunner
 
     model, _ = embedded
-    model_config = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / "smollm2-135m.yaml"), resolve=True)
-    context = BuildContext(model, "smollm2-135m", model_config)
+    context = BuildContext(model, "smollm2-135m", OmegaConf.to_container(model_config("smollm2-135m"), resolve=True))
     return lambda method, **params: get_method(method)(ModelRunner(model), {"name": method, **params}, context)
 
 

@@ -318,6 +318,17 @@ def test_headline_rejects_an_unknown_method(tmp_path):
                                "results_dir": str(tmp_path), "methods": {"sps": [], "eagle3": []}})
     with pytest.raises(ValueError, match=r"unknown methods \['eagle3'\]; valid: .*eagle2"):
         run_overrides(config)
+    config.methods = {}
+    with pytest.raises(ValueError, match="names no methods; give `methods:` with some of .*sps"):
+        run_overrides(config)
+
+
+def test_model_config_reads_conf_model_and_names_the_valid_ones():
+    from methods.loading import model_config
+
+    assert model_config("smollm2-135m").drafts.sps.path == "drafts/smollm2-135m/draft-lm"
+    with pytest.raises(ValueError, match="unknown model 'vicuna-70b'; valid: .*smollm2-135m"):
+        model_config("vicuna-70b")
 
 
 def test_headline_runs_each_method_against_one_baseline_and_reports_them(tiny_model_dir, questions_file, tmp_path):
