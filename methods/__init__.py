@@ -1,0 +1,4 @@
+"""Decoding methods. `base.py` holds the `Decoder` interface, the loop every lossless method shares
+and the registry; every other module here is one method (its drafter only) and registers itself by
+name; `engine/` is the machinery they share (target forward + KV cache, trees, acceptance,
+sampling, stopping); `models/` loads targets, draft LMs and draft heads."""

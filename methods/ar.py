@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .base import DraftVerifyDecoder, register
-from .tree import Tree
+from .engine.tree import Tree
 
 
 class AutoregressiveDecoder(DraftVerifyDecoder):

@@ -21,11 +21,11 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-from .acceptance import Acceptance, greedy_accept, sample_accept
-from .runner import ForwardOutput, ModelRunner
-from .sampling import SamplingConfig, logits_to_probs, sample
-from .stopping import StopCondition
-from .tree import Tree
+from .engine.acceptance import Acceptance, greedy_accept, sample_accept
+from .engine.runner import ForwardOutput, ModelRunner
+from .engine.sampling import SamplingConfig, logits_to_probs, sample
+from .engine.stopping import StopCondition
+from .engine.tree import Tree
 
 
 @dataclass
@@ -142,8 +142,15 @@ def register(name: str) -> Callable[[DecoderFactory], DecoderFactory]:
 
 
 def available_methods() -> list[str]:
-    from . import registry  # noqa: F401  (imports every method module)
+    """Every registered method: each module beside this one is a method file that registers itself
+    on import (subpackages are the shared machinery: `engine/`, `models/`)."""
+    import importlib
+    import pkgutil
+    from pathlib import Path
 
+    for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if not module.ispkg and module.name != "base" and not module.name.startswith("_"):
+            importlib.import_module(f"{__package__}.{module.name}")
     return sorted(_REGISTRY)
 
 

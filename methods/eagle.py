@@ -29,12 +29,12 @@ from typing import Sequence
 import torch
 
 from .base import BuildContext, DraftVerifyDecoder, register
-from .heads.eagle import EagleHead, load_eagle_head
-from .kv_cache import TreeKVCache
-from .loading import head_spec
-from .runner import forward_latency
-from .static_trees import StaticTree
-from .tree import Tree, ancestors_of, attention_mask, level_mask
+from .models.heads.eagle import EagleHead, load_eagle_head
+from .engine.kv_cache import TreeKVCache
+from .models.heads.checkpoints import head_spec
+from .engine.runner import forward_latency
+from .engine.static_trees import StaticTree
+from .engine.tree import Tree, ancestors_of, attention_mask, level_mask
 
 
 class EagleDrafter:

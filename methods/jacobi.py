@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from .base import BuildContext, DraftVerifyDecoder, register
-from .sampling import SamplingConfig
-from .tree import Tree
+from .engine.sampling import SamplingConfig
+from .engine.tree import Tree
 
 INITIAL_GUESSES = ("prompt", "repeat", "pad")
 

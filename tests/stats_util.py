@@ -8,8 +8,8 @@ from collections import Counter
 import torch
 from scipy import stats
 
-from methods.sampling import SamplingConfig, logits_to_probs
-from methods.stopping import StopCondition
+from methods.engine.sampling import SamplingConfig, logits_to_probs
+from methods.engine.stopping import StopCondition
 
 # The tiny-vocabulary setting of every sampling test: the joint distribution of the first tokens
 # generated after PROMPT has few enough cells for a chi-square test with a few thousand samples.

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from methods.runner import ModelRunner
-from methods.tree import Tree, ancestor_matrix
+from methods.engine.runner import ModelRunner
+from methods.engine.tree import Tree, ancestor_matrix
 from tests.conftest import tiny_model
 
 ARCHES = ["llama", "qwen2", "mistral"]
@@ -120,7 +120,7 @@ def test_rollback_and_cache_growth():
 
 
 def test_per_position_counts_of_one_step():
-    from methods.acceptance import Acceptance
+    from methods.engine.acceptance import Acceptance
     from methods.base import DecodeStats, DraftVerifyDecoder
 
     tree = Tree(torch.tensor([5, 6, 7, 8, 9]), [-1, 0, 0, 1, 3])  # depths 0, 1, 1, 2, 3

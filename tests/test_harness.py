@@ -14,7 +14,8 @@ from harness.metrics import bootstrap_median_interval, summarize
 from harness.results import RunFolder, read_jsonl
 from harness.run import run
 from methods.base import available_methods, get_method
-from methods.loading import ModelSpec, ModelUnavailableError, load_model, resolve_dtype
+from methods.models.loading import load_model, resolve_dtype
+from methods.models.specs import ModelSpec, ModelUnavailableError
 from tests.conftest import REPO
 
 CONF = str(REPO / "conf")
@@ -324,7 +325,7 @@ def test_headline_rejects_an_unknown_method(tmp_path):
 
 
 def test_model_config_reads_conf_model_and_names_the_valid_ones():
-    from methods.loading import model_config
+    from methods.models.specs import model_config
 
     assert model_config("smollm2-135m").drafts.sps.path == "drafts/smollm2-135m/draft-lm"
     with pytest.raises(ValueError, match="unknown model 'vicuna-70b'; valid: .*smollm2-135m"):

@@ -8,9 +8,12 @@ import json
 import pytest
 import torch
 
-from harness.distill import check_disjoint, self_distill, training_prompts
-from harness.train_drafts import (DraftLMRecipe, EagleRecipe, Example, MedusaRecipe, attach_hidden, evaluate,
-                                  train)
+from harness.training.distill import check_disjoint, self_distill, training_prompts
+from harness.training.draft_lm import DraftLMRecipe
+from harness.training.eagle import EagleRecipe
+from harness.training.examples import Example, attach_hidden
+from harness.training.loop import evaluate, train
+from harness.training.medusa import MedusaRecipe
 from tests.conftest import SPEC_BENCH_SAMPLE, hf_greedy, tiny_model
 
 
@@ -31,7 +34,8 @@ def test_check_disjoint_catches_an_evaluation_question(tmp_path):
 
 
 def test_self_distillation_records_the_targets_greedy_answers(tiny_chat_model_dir, tmp_path):
-    from methods.loading import ModelSpec, load_model, load_tokenizer
+    from methods.models.loading import load_model, load_tokenizer
+    from methods.models.specs import ModelSpec
     from harness.prompts import ChatTemplate, Message
 
     spec = ModelSpec(path=str(tiny_chat_model_dir))
@@ -56,7 +60,8 @@ def test_self_distillation_records_the_targets_greedy_answers(tiny_chat_model_di
 def test_self_distillation_cuts_answers_at_the_templates_stop_string(tiny_chat_model_dir):
     """fschat templates (Vicuna, LLaMA-2) end answers on a stop *string*: the answer keeps the token
     that completes it and nothing after, as the decoders do."""
-    from methods.loading import ModelSpec, load_model, load_tokenizer
+    from methods.models.loading import load_model, load_tokenizer
+    from methods.models.specs import ModelSpec
     from harness.prompts import ChatTemplate, Message
 
     spec = ModelSpec(path=str(tiny_chat_model_dir))
@@ -108,7 +113,7 @@ def _trained(recipe, examples, tmp_path):
 
 
 def test_draft_lm_recipe_learns_and_loads_through_load_draft_lm(tiny_target_data, tmp_path):
-    from methods.loading import load_draft_lm
+    from methods.models.loading import load_draft_lm
 
     target, examples = tiny_target_data
     recipe = DraftLMRecipe(target, layers=1)
@@ -127,8 +132,8 @@ def test_draft_lm_recipe_learns_and_loads_through_load_draft_lm(tiny_target_data
 
 
 def test_eagle_recipe_learns_and_loads_through_load_eagle_head(tiny_target_data, tmp_path):
-    from methods.heads.eagle import load_eagle_head
-    from methods.loading import ModelSpec
+    from methods.models.heads.eagle import load_eagle_head
+    from methods.models.specs import ModelSpec
 
     target, examples = tiny_target_data
     recipe = EagleRecipe(target, seed=0)
@@ -145,8 +150,8 @@ def test_eagle_recipe_learns_and_loads_through_load_eagle_head(tiny_target_data,
 
 
 def test_medusa_recipe_learns_and_loads_through_load_medusa_heads(tiny_target_data, tmp_path):
-    from methods.heads.medusa import load_medusa_heads
-    from methods.loading import ModelSpec
+    from methods.models.heads.medusa import load_medusa_heads
+    from methods.models.specs import ModelSpec
 
     target, examples = tiny_target_data
     recipe = MedusaRecipe(target, heads=3)

@@ -12,15 +12,16 @@ from safetensors.torch import save_file
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
 from methods.eagle import Eagle2Decoder, EagleDecoder
-from methods.heads.eagle import load_eagle_head
-from methods.heads.medusa import load_medusa_heads
-from methods.loading import ModelSpec, head_spec
+from methods.models.heads.eagle import load_eagle_head
+from methods.models.heads.medusa import load_medusa_heads
+from methods.models.heads.checkpoints import head_spec
+from methods.models.specs import ModelSpec
 from methods.medusa import MedusaDecoder
-from methods.runner import ModelRunner
-from methods.sampling import SamplingConfig
-from methods.static_trees import StaticTree
-from methods.stopping import StopCondition
-from methods.tree import Tree
+from methods.engine.runner import ModelRunner
+from methods.engine.sampling import SamplingConfig
+from methods.engine.static_trees import StaticTree
+from methods.engine.stopping import StopCondition
+from methods.engine.tree import Tree
 from tests.conftest import tiny_model
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 
@@ -328,7 +329,7 @@ def test_embedded_greedy_tree_methods_equal_generate(embedded, embedded_decoder,
 
 
 def test_typical_acceptance_takes_the_deepest_typical_path():
-    from methods.acceptance import typical_accept
+    from methods.engine.acceptance import typical_accept
 
     tree = Tree(torch.tensor([0, 1, 2, 3, 1]), [-1, 0, 0, 1, 2])  # 0 -> {1 -> 3, 2 -> 1}
     probs = torch.tensor([

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..loading import ModelSpec
+from ..specs import ModelSpec
 from .checkpoints import checkpoint_folder, read_config, read_state_dict
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")

@@ -13,9 +13,9 @@ from typing import Sequence
 
 import torch
 
-from .runner import ModelRunner
-from .sampling import SamplingConfig, logits_to_probs
-from .tree import Tree, ancestors_of, level_mask
+from ..engine.runner import ModelRunner
+from ..engine.sampling import SamplingConfig, logits_to_probs
+from ..engine.tree import Tree, ancestors_of, level_mask
 
 
 class DraftLM:

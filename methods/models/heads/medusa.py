@@ -18,7 +18,7 @@ import re
 import torch
 from torch import nn
 
-from ..loading import ModelSpec
+from ..specs import ModelSpec
 from .checkpoints import checkpoint_folder, read_config, read_state_dict
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..loading import cache_root
+from ...engine.storage import cache_root
 
 
 def random_head_folder(kind: str, target_model, seed: int) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..loading import ModelSpec, ModelUnavailableError, hub_reachable, unavailable_error
+from ..specs import ModelSpec, ModelUnavailableError, hub_reachable, unavailable_error
 
 
 def checkpoint_folder(spec: ModelSpec, weight_files: tuple[str, ...]) -> Path:
@@ -48,3 +48,17 @@ def read_state_dict(folder: Path, weight_files: tuple[str, ...]) -> tuple[dict[s
 def read_config(folder: Path) -> dict:
     file = folder / "config.json"
     return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def head_spec(params: dict, context, kind: str) -> ModelSpec:
+    """Where a method's draft head comes from: `method.head` when given, else the model config's
+    `drafts.<kind>`. `{path: ...}` is a Hub id or folder in the released format;
+    `{random_init: seed}` writes randomly initialized weights in that format once (cached) and
+    loads them through the same loader: exact decoding, near-zero acceptance."""
+    spec = dict(params.get("head") or context.draft_spec(kind, params.get("name", kind)))
+    if spec.get("random_init") is not None:
+        from .random_init import random_head_folder
+
+        folder = random_head_folder(kind, context.target_model, int(spec["random_init"]))
+        return ModelSpec(path=str(folder), override_hint="method.head.path")
+    return ModelSpec.from_mapping(spec, override_hint="method.head.path")

@@ -168,8 +168,8 @@ def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batc
     appended to it as each batch finishes and a rerun answers only the prompts it lacks."""
     from tqdm import tqdm
 
-    from .prompts import Message
-    from .results import read_jsonl, rewrite_jsonl
+    from harness.prompts import Message
+    from harness.results import read_jsonl, rewrite_jsonl
 
     pad = template.tokenizer.pad_token_id
     if pad is None:

@@ -1,0 +1,22 @@
+"""Recipes that train the suite's own drafts for a target by self-distillation.
+
+    python -m harness.training data    --model smollm2-135m      # prompts + the target's answers
+    python -m harness.training draft-lm|eagle|medusa --model smollm2-135m
+
+Each recipe is seeded, logs its loss to `<out>/train_log.jsonl`, writes its weights in the format
+its loader reads (tensors that copy the target's, embeddings and lm_head, left out: the loaders
+fill them from the target) and a model card `<out>/README.md` with the data, steps, final loss and
+the measured teacher-forced acceptance on held-out prompts.
+
+- draft LM (SpS, MCSD): the target's first `layers` decoder layers + final norm, fine-tuned to
+  predict the target's greedy tokens; embeddings and lm_head are the target's (frozen, tied).
+- EAGLE head: fc over [embedding; feature] + one decoder layer (initialized from the target's last
+  layer with its residual branches zeroed, so it starts by predicting f_{i+1} = f_i), trained as in
+  EAGLE: smooth-L1 on the next feature (per dimension in units of its spread: SmolLM2 has a few
+  massive-activation dimensions that would otherwise dominate) + cross-entropy of the target's
+  next-token distribution through the frozen lm_head (weight 1.0 where EAGLE uses 0.1: slightly
+  better in a 30-step trial), with uniform noise on the input features. (EAGLE's own form, the
+  unscaled regression from the target's last layer as is, reached only 0.08 held-out agreement in 380 steps.)
+- Medusa heads: `heads` ResBlocks on the last hidden state, head k trained on the target's token
+  k+2 ahead (loss weight 0.8^k), vocab projection frozen to the target's lm_head and left out.
+"""

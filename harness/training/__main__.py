@@ -1,0 +1,100 @@
+"""`python -m harness.training data|draft-lm|eagle|medusa --model <name>`: the CLI of the recipes
+(see `harness/training/__init__.py`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from . import __doc__ as RECIPES_DOC
+from .draft_lm import DraftLMRecipe
+from .eagle import EagleRecipe
+from .examples import attach_hidden, feature_spread, load_examples, split
+from .loop import ROOT, evaluate, model_card, train
+from .medusa import MedusaRecipe
+
+
+def load_target(model_name: str, dtype: torch.dtype = torch.float32):
+    from methods.models.loading import load_model, load_tokenizer
+    from methods.models.specs import ModelSpec, model_config
+
+    cfg = model_config(model_name)
+    spec = ModelSpec.from_mapping(cfg)
+    return cfg, load_model(spec, dtype, torch.device("cpu")), load_tokenizer(spec)
+
+
+DEFAULTS = {  # kind: (epochs, lr, batch, noise)
+    "draft-lm": (4.0, 1e-3, 8, 0.0),
+    "eagle": (4.0, 3e-4, 8, 0.1),
+    "medusa": (1.0, 1e-3, 8, 0.0),
+}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m harness.training", description=RECIPES_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind", choices=["data", *DEFAULTS])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompts", type=int, default=800)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--distill-batch", type=int, default=32, help="prompts per batched generate")
+    parser.add_argument("--data", type=Path, default=None, help="default: data/distill/<model>/answers.jsonl")
+    parser.add_argument("--out", type=Path, default=None, help="default: drafts/<model>/<kind>")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=float, default=None)
+    parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=2, help="draft LM: decoder layers")
+    parser.add_argument("--heads", type=int, default=4, help="Medusa: number of heads")
+    parser.add_argument("--held-out", type=float, default=0.05)
+    parser.add_argument("--questions", type=Path, default=ROOT.parent / "shared/data/spec_bench/question.jsonl",
+                        help="evaluation questions the prompts must not overlap")
+    args = parser.parse_args(argv)
+    torch.manual_seed(args.seed)
+    data_file = args.data or ROOT / "data" / "distill" / args.model / "answers.jsonl"
+    cfg, target, tokenizer = load_target(args.model)
+
+    if args.kind == "data":
+        from .distill import check_disjoint, self_distill, training_prompts
+        from harness.prompts import ChatTemplate
+
+        prompts = training_prompts(args.prompts, args.seed)
+        for question_file in (args.questions, ROOT / "tests" / "fixtures" / "spec_bench_sample.jsonl"):
+            if question_file.is_file():
+                check_disjoint(prompts, question_file)
+                print(f"{len(prompts)} prompts, none overlapping {question_file}")
+        template = ChatTemplate.for_model(cfg, tokenizer)
+        data_file.parent.mkdir(parents=True, exist_ok=True)
+        journal = data_file.with_suffix(".partial.jsonl")  # survives an interrupted run; a rerun resumes
+        records = self_distill(target, template, prompts, args.max_new_tokens, args.distill_batch, journal=journal)
+        data_file.write_text("".join(json.dumps(r) + "\n" for r in records))
+        journal.unlink()
+        tokens = sum(len(r["ids"]) - r["answer_start"] for r in records)
+        print(f"wrote {data_file}: {len(records)} answers, {tokens} answer tokens")
+        return
+
+    if not data_file.is_file():
+        raise SystemExit(f"no training data at {data_file}: run `python -m harness.training data --model {args.model}` first")
+    epochs, lr, batch, noise = DEFAULTS[args.kind]
+    args.epochs, args.lr, args.batch = args.epochs or epochs, args.lr or lr, args.batch or batch
+    examples = load_examples(data_file)
+    train_set, val_set = split(examples, args.held_out, args.seed)
+    if args.kind != "draft-lm":
+        attach_hidden(target, examples, cache=data_file.with_name("hidden_states.pt"), progress=True)
+    recipe = {"draft-lm": lambda: DraftLMRecipe(target, args.layers),
+              "eagle": lambda: EagleRecipe(target, args.seed, cls_weight=1.0, feature_scale=feature_spread(train_set)),
+              "medusa": lambda: MedusaRecipe(target, args.heads)}[args.kind]()
+    out = args.out or ROOT / "drafts" / args.model / args.kind
+    out.mkdir(parents=True, exist_ok=True)
+    before = evaluate(recipe, val_set)
+    result = train(recipe, train_set, val_set, args.epochs, args.lr, args.seed, out / "train_log.jsonl",
+                   batch=args.batch, noise=noise)
+    recipe.save(out)
+    model_card(out, args.kind, args, data_file, len(train_set), len(val_set), result, before)
+    print(json.dumps({k: v for k, v in result.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+"""The machinery every method shares: the target's forward over a tree and its KV cache
+(`runner`, `kv_cache`), draft trees and their masks (`tree`, `static_trees`), verification
+(`acceptance`), sampling, the stopping rule, and where derived files are kept (`storage`)."""

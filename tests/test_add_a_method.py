@@ -1,0 +1,49 @@
+"""Adding a method is one file and one config: a drafter registered with `@register` runs through the
+same path as the suite's own methods (the registry, `harness.run`, the shared loop and its
+statistics). Done here from a test file, as docs/architecture.md tells a newcomer to do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from harness.results import read_jsonl
+from harness.run import run
+from methods.base import DraftVerifyDecoder, available_methods, register
+from methods.engine.tree import Tree
+from tests.test_harness import config, tiny_overrides
+
+
+class RepeatDecoder(DraftVerifyDecoder):
+    """A toy drafter: guesses that the last token repeats `length` times (a chain)."""
+
+    name = "toy-repeat"
+
+    def __init__(self, target, length: int):
+        super().__init__(target)
+        self.length = length
+
+    def propose(self, root: int, budget: int) -> Tree:
+        count = min(self.length, budget)
+        return Tree(torch.tensor([root] * (count + 1)), list(range(-1, count)))
+
+
+@register("toy-repeat")
+def build(target, params, context) -> RepeatDecoder:
+    return RepeatDecoder(target, int(params.get("length", 3)))
+
+
+def test_a_method_registered_from_a_test_file_runs_through_the_harness(tiny_chat_model_dir, spec_bench_file, tmp_path):
+    assert "toy-repeat" in available_methods()
+    overrides = tiny_overrides(tiny_chat_model_dir, spec_bench_file, tmp_path, "method=ar", "method.name=toy-repeat",
+                               "+method.length=2", "limit=2", "max_new_tokens=10")
+    summary = run(config(*overrides))
+    folder = Path(summary["results"])
+    assert folder.parent == tmp_path / "tiny" / "spec_bench" / "toy-repeat"
+    records = read_jsonl(folder / "answers" / "toy-repeat.jsonl")
+    assert len(records) == 2
+    # the shared loop verified its drafts: greedy fp32 output equals AR's, and it drafted 2 per step
+    assert summary["fidelity"]["differing_questions"] == 0
+    decoder = summary["decoder"]
+    assert decoder["drafted_tokens"] > 0 and len(decoder["acceptance_per_position"]) == 2
