@@ -98,7 +98,7 @@ def size_sweep(rows, table, title, out) -> list[Path]:
     for label, row in rows.items():
         size = size_of(row.method, row.config)
         cell = table[label].get(OVERALL)
-        if size and cell:
+        if size and cell and isinstance(size[1], (int, float)):  # `adaptive` / `auto` sizes have no point on the axis
             series[(row.method, size[0])].append((size[1], cell["tau"], cell["speedup"]))
     fig, (ax_tau, ax_speed) = plt.subplots(1, 2, layout="constrained", figsize=(COLUMN_WIDTH * 2, 2.2))
     for (method, parameter), points in sorted(series.items()):

@@ -9,6 +9,10 @@
   draft was accepted / steps where one was tested (every earlier depth accepted).
 * TTFT: mean seconds from the call to the first token, per turn.
 * fidelity: questions whose tokens differ from AR's, and the first differing position.
+* the speedup, explained (`decomposition`): per decoding step after the prefill, τ (tokens per
+  step), the target's verify time, the drafter's time and the loop's other overhead, each in units
+  of the same run's mean AR decoding step; τ / (verify + draft + other) is the decoding speedup
+  they predict, shown beside the measured one (which also pays the prefill).
 """
 
 from __future__ import annotations
@@ -95,9 +99,28 @@ def decoder_stats(records: list[dict]) -> dict:
         "mean_ttft": ttft_sum / turns if turns else 0.0,
         "mean_ttft_by_category": {c: statistics.fmean(v) for c, v in sorted(ttft_by_category.items())},
         "time_fractions": {k: v / wall for k, v in phases.items()} if wall else {},
+        "phase_seconds": dict(phases),
         **({key: [v / prompt_tokens for v in values] for key, values in layer_fraction.items()} if prompt_tokens else {}),
         **({"mean_iterations_per_block": statistics.fmean(block_iterations)} if block_iterations else {}),
     }
+
+
+def decomposition(stats: dict, baseline: dict) -> dict | None:
+    """Why the speedup is what it is, from two `decoder_stats`: per decoding step (the target
+    forwards after each turn's prefill), τ and the cost of verifying, drafting and the rest, in
+    units of AR's mean decoding step in the same run."""
+    steps, ar_steps = stats["target_forwards"] - stats["turns"], baseline["target_forwards"] - baseline["turns"]
+    if steps <= 0 or ar_steps <= 0:
+        return None
+    decode = lambda phases: sum(v for k, v in phases.items() if k != "prefill")  # noqa: E731
+    ar_step = decode(baseline["phase_seconds"]) / ar_steps
+    if ar_step <= 0:
+        return None
+    cost = lambda *names: sum(stats["phase_seconds"].get(n, 0.0) for n in names) / steps / ar_step  # noqa: E731
+    parts = {"verify": cost("verify"), "draft": cost("draft"), "other": cost("accept", "commit", "other")}
+    tau = (stats["new_tokens"] - stats["turns"]) / steps
+    return {"tau": tau, **parts, "predicted_decode_speedup": tau / sum(parts.values()) if sum(parts.values()) else None,
+            "ar_step_seconds": ar_step, "prefill_fraction": stats["time_fractions"].get("prefill", 0.0)}
 
 
 def fidelity(records: list[dict], baseline: list[dict]) -> dict:
@@ -167,6 +190,7 @@ def summarize(method: str, records: list[dict], baseline: list[dict] | None, met
     summary["baseline"] = decoder_stats(baseline)
     summary["speedup"] = speedup_stats(records, baseline)
     summary["fidelity"] = fidelity(records, baseline)
+    summary["explained"] = decomposition(summary["decoder"], summary["baseline"])
     base_ttft, ttft = summary["baseline"]["mean_ttft"], summary["decoder"]["mean_ttft"]
     summary["ttft_speedup"] = base_ttft / ttft if ttft else None
     summary["ttft_speedup_by_category"] = {
@@ -208,6 +232,13 @@ def format_summary(summary: dict) -> str:
         )
         cats = ", ".join(f"{c} {v:.2f}x" for c, v in speedup["by_category"].items() if v is not None)
         lines.append(f"by category: {cats}")
+        explained = summary.get("explained")
+        if explained:
+            lines.append(
+                f"explained, per decoding step in AR steps ({1000 * explained['ar_step_seconds']:.1f} ms): "
+                f"τ {explained['tau']:.2f} / (verify {explained['verify']:.2f} + draft {explained['draft']:.2f} + "
+                f"other {explained['other']:.2f}) = {explained['predicted_decode_speedup']:.2f}x predicted for decoding; "
+                f"measured {speedup['specbench']:.2f}x with the prefill ({100 * explained['prefill_fraction']:.0f}% of its time)")
         fid = summary["fidelity"]
         lines.append(f"outputs differing from AR: {fid['differing_questions']} of {fid['compared']} questions")
         lines.append(f"TTFT speedup over AR's prefill: {summary['ttft_speedup']:.2f}x ("

@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.metrics import decoder_stats, fidelity, speedup_stats
+from harness.metrics import decoder_stats, decomposition, fidelity, speedup_stats
 from harness.results import read_jsonl
 
 SKIP_DIRS = {".multirun", "perf", "report"}
@@ -199,12 +199,16 @@ def breakdown_rows(rows: dict[str, Row]) -> list[dict]:
         keys = list(row.records)
         records, baseline = [row.records[k] for k in keys], [row.baseline[k] for k in keys]
         stats, speed, fid = decoder_stats(records), speedup_stats(records, baseline), fidelity(records, baseline)
+        base_stats = decoder_stats(baseline)
+        explained = decomposition(stats, base_stats)
         positions = sorted(d["position"] for d in fid["first_divergence"])
         out.append({
             "method": label, "questions": len(records), "speedup": speed["specbench"],
             "ci_low": speed["specbench_ci95"][0], "ci_high": speed["specbench_ci95"][1], "tau": stats["tau"],
             "tokens_per_second": stats["tokens_per_second"],
-            "ar_tokens_per_second": decoder_stats(baseline)["tokens_per_second"],
+            "ar_tokens_per_second": base_stats["tokens_per_second"],
+            **{f"step_{k}": (explained or {}).get(k) for k in ("verify", "draft", "other")},
+            "predicted": (explained or {}).get("predicted_decode_speedup"),
             "lossless": row.config.get("lossless", True), "differ_from_ar": fid["differing_questions"],
             "first_divergence_median": positions[len(positions) // 2] if positions else None,
             **{phase: stats["time_fractions"].get(phase, 0.0) for phase in PHASES},
@@ -212,14 +216,23 @@ def breakdown_rows(rows: dict[str, Row]) -> list[dict]:
     return out
 
 
+def _per_step(row: dict) -> str:
+    if row["step_verify"] is None:
+        return "–"
+    return " / ".join(f"{row[f'step_{k}']:.2f}" for k in ("verify", "draft", "other"))
+
+
 def write_breakdown(group: tuple, rows: dict[str, Row], folder: Path) -> list[Path]:
     """`breakdown.md/csv`: one line per method with speedup, τ, tokens/s, how many questions'
     outputs differ from AR's (and the median first differing token), and the time fractions."""
     model, hardware, dtype, torch_version, transformers_version = group
     lines = breakdown_rows(rows)
-    header = ["method", "questions", "speedup", "τ", "tok/s (AR)", "differ from AR", *[f"{p} %" for p in PHASES]]
+    header = ["method", "questions", "speedup", "τ", "verify / draft / other per step", "predicted", "tok/s (AR)",
+              "differ from AR", *[f"{p} %" for p in PHASES]]
     md = [f"**Per method: speed, fidelity, time breakdown (% of wall time)** — {model} on {hardware}, {dtype}, "
-          f"torch {torch_version}, transformers {transformers_version}", "",
+          f"torch {torch_version}, transformers {transformers_version}. Per step: the cost of a decoding step's "
+          "verify, draft and other work in units of AR's mean decoding step; predicted = τ / their sum "
+          "(decoding only; the measured speedup also pays the prefill).", "",
           "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in lines:
         differ = f"{r['differ_from_ar']}/{r['questions']}"
@@ -229,7 +242,8 @@ def write_breakdown(group: tuple, rows: dict[str, Row], folder: Path) -> list[Pa
             differ += " lossy"
         md.append("| " + " | ".join([
             r["method"], str(r["questions"]), f"{r['speedup']:.2f}× [{r['ci_low']:.2f}, {r['ci_high']:.2f}]",
-            f"{r['tau']:.2f}", f"{r['tokens_per_second']:.1f} ({r['ar_tokens_per_second']:.1f})", differ,
+            f"{r['tau']:.2f}", _per_step(r), "–" if r["predicted"] is None else f"{r['predicted']:.2f}×",
+            f"{r['tokens_per_second']:.1f} ({r['ar_tokens_per_second']:.1f})", differ,
             *[f"{100 * r[p]:.0f}" for p in PHASES]]) + " |")
     (folder / "breakdown.md").write_text("\n".join(md) + "\n")
     with open(folder / "breakdown.csv", "w", newline="") as f:

@@ -104,6 +104,15 @@ def test_figures_are_written(results, tmp_path):
     assert all(p.stat().st_size > 1000 for p in written)
 
 
+def test_size_sweep_skips_sizes_that_are_not_numbers(results, tmp_path):
+    """An EAGLE-2 run sized `adaptive` beside one with total_tokens=60 must not break the figures."""
+    base = next((results / "tiny" / "spec_bench" / "ar").iterdir())
+    for run, total in (("a", "adaptive"), ("b", 60)):
+        write_run(results, "eagle2", run, [record(1, "writing", 100, 2.0, 50, [30], [50])], base, {"total_tokens": total})
+    names = {p.name for p in figures(results, tmp_path / "plots")}
+    assert "size_sweep.png" in names
+
+
 def test_sweep_through_submitit_local_reports_results_and_failures(tmp_path, tiny_chat_model_dir):
     """Three jobs through the submitit plumbing: two land results, one fails (gamma=0) and its
     error is recorded, not lost; the sweep exits non-zero."""
