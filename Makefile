@@ -76,4 +76,5 @@ DRAFT_MODEL ?= smollm2-135m
 DRAFT_KINDS ?= draft-lm eagle medusa
 train-drafts: setup
 	test -f data/distill/$(DRAFT_MODEL)/answers.jsonl || $(PY) -m harness.training data --model $(DRAFT_MODEL) $(ARGS)
+	$(PY) -m harness.training vocab --model $(DRAFT_MODEL)
 	for kind in $(DRAFT_KINDS); do $(PY) -m harness.training $$kind --model $(DRAFT_MODEL) || exit 1; done

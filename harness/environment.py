@@ -12,17 +12,9 @@ from pathlib import Path
 
 import torch
 
+from methods.engine.hardware import cpu_isa, cpu_model
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def git_commit() -> dict:
@@ -44,7 +36,8 @@ def environment(device: torch.device) -> dict:
         "transformers": transformers.__version__,
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
-        "cpu": cpu_name(),
+        "cpu": cpu_model(),
+        "cpu_isa": cpu_isa() if device.type == "cpu" else None,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
@@ -57,11 +50,11 @@ def environment(device: torch.device) -> dict:
 
 def hardware_key(env: dict) -> dict:
     """The fields that must match for two measurements to share a column."""
-    return {k: env.get(k) for k in ("cpu", "gpu", "device", "torch", "transformers", "torch_threads")}
+    return {k: env.get(k) for k in ("cpu", "cpu_isa", "gpu", "device", "torch", "transformers", "torch_threads")}
 
 
 def hardware_slug(env: dict) -> str:
-    name = env.get("gpu") or env.get("cpu") or "unknown"
+    name = env.get("gpu") or " ".join(filter(None, (env.get("cpu"), env.get("cpu_isa")))) or "unknown"
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     kind = "gpu" if env.get("gpu") else "cpu"
-    return f"{kind}-{slug[:40]}"
+    return f"{kind}-{slug[:48]}"

@@ -1,14 +1,16 @@
-"""`make perf`: is our machinery as fast as the reference implementation? (A benchmark, not a test.)
+"""`make perf`: does the engine measure the methods, not itself? (A benchmark, not a test.)
 
 In one run, on the same model, prompts, dtype and stopping rule (greedy, EOS, max new tokens):
-  * our AR loop vs `transformers` `generate(do_sample=False)`: a slower baseline would inflate
-    every speedup the suite reports, so ours must not be slower;
-  * our SpS vs `generate(assistant_model=draft)` with the same draft and a constant γ
-    (`num_assistant_tokens_schedule="constant"`, `assistant_confidence_threshold=0`);
-  * the target's forward latency against the number of tokens in one forward (the hardware curve
-    that decides what speculation can gain).
-Runs alternate between implementations and repeat; medians are reported. Also checks that both
-sides produced the same tokens. Writes results/perf/<hardware>-<dtype>.json.
+  * the machine: read bandwidth (a 256 MB tensor of random values summed) and the roofline of one
+    forward, weight bytes / bandwidth;
+  * the target's forward latency against tokens per forward (1..64 after a 256-token prefix), with
+    the engine's linear path (`engine.skinny_gemm=auto`) and with stock `F.linear` (`off`),
+    interleaved round by round: the curve that decides what speculation can gain;
+  * one EAGLE draft level (a head forward over 4 nodes + the vocabulary projection) with the full
+    vocabulary and with the reduced one, in units of the target's one-token forward;
+  * our AR loop vs `transformers` `generate(do_sample=False)`, and our SpS vs
+    `generate(assistant_model=draft)` with the same draft and a constant γ; both sides' tokens compared.
+Alternatives are interleaved and repeated; medians are reported. Writes results/perf/<hardware>-<dtype>.json.
 
     python -m harness.perf [--dtype auto] [--questions 5] [--max-new-tokens 128] [--repeats 3]
 """
@@ -28,20 +30,83 @@ from harness.datasets import load_questions
 from harness.environment import environment, hardware_slug
 from harness.prompts import ChatTemplate, Message
 from methods.ar import AutoregressiveDecoder
+from methods.base import BuildContext
+from methods.engine.hardware import read_bandwidth, weight_bytes
+from methods.engine.runner import ModelRunner
+from methods.models.heads.checkpoints import head_spec
+from methods.models.heads.eagle import load_eagle_head
 from methods.models.loading import load_draft_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
 from methods.models.specs import ModelSpec, model_config
-from methods.engine.runner import ModelRunner, forward_latency
 from methods.sps import SpeculativeSamplingDecoder
 
 EMBEDDED = "smollm2-135m"
+SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def spec_bench_prompts(template: ChatTemplate, count: int) -> list[list[int]]:
-    from omegaconf import OmegaConf
-
     cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "dataset" / "spec_bench.yaml")
     questions = load_questions(cfg, count)
     return [template.prompt_ids([Message("user", q.turns[0])]) for q in questions]
+
+
+def timed(fn, device) -> float:
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def latency_curves(runners: dict[str, ModelRunner], sizes=SIZES, prefix: int = 256, rounds: int = 7) -> dict:
+    """Median seconds of one forward of n tokens for each runner, the runners interleaved per round."""
+    samples = {name: {n: [] for n in sizes} for name in runners}
+    for runner in runners.values():
+        runner.reset()
+        runner.prefill([0] * prefix)
+        runner.forward([0] * 4)  # warm: prepacked weights are made on first use
+        runner.rollback(prefix)
+    for _ in range(rounds):
+        for n in sizes:
+            for name, runner in runners.items():
+                samples[name][n].append(timed(lambda: runner.forward([0] * n), runner.device))
+                runner.rollback(prefix)
+    for runner in runners.values():
+        runner.reset()
+    return {name: {n: statistics.median(v) for n, v in by_size.items()} for name, by_size in samples.items()}
+
+
+@torch.inference_mode()
+def eagle_level_cost(model, runner: ModelRunner, context: BuildContext, nodes: int = 4, rounds: int = 9) -> dict | None:
+    """Seconds of one EAGLE draft level (head forward over `nodes` tree nodes at a 256-pair cache,
+    then the projection) with the full and the reduced vocabulary."""
+    from methods.eagle import EagleDrafter
+
+    try:
+        head = load_eagle_head(head_spec({}, context, "eagle"), model)
+    except (ValueError, OSError) as err:
+        print(f"  (no EAGLE head for this model: {err}; level cost skipped)")
+        return None
+    vocabulary = context.draft_vocabulary({})
+    drafters = {"full": EagleDrafter(head, runner.lm_head)}
+    if vocabulary is not None:
+        drafters[f"reduced_{len(vocabulary)}"] = EagleDrafter(head, runner.lm_head, vocabulary)
+    runner.cover(head, *([vocabulary.head(runner.lm_head.weight)] if vocabulary else []))
+    hidden = model.config.hidden_size
+    features = torch.randn(256, hidden, dtype=runner.dtype)
+    samples = {name: [] for name in drafters}
+    with runner.linear.active():
+        for drafter in drafters.values():
+            drafter.reset()
+            drafter.follow(list(range(256)), features)
+        for _ in range(rounds):
+            for name, drafter in drafters.items():
+                def level():
+                    out = drafter.feed_level(list(range(nodes)), features[:nodes], 1, [[] for _ in range(nodes)])
+                    drafter.logits(out)
+                samples[name].append(timed(level, runner.device))
+                drafter.cache.rollback(drafter.committed)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def main(argv=None) -> dict:
@@ -54,6 +119,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="SpS draft: the target's first k layers; default: the draft conf/model/smollm2-135m.yaml names")
+    parser.add_argument("--curve-only", action="store_true", help="the machine, the latency curves and the draft level only")
     parser.add_argument("--out", type=Path, default=Path("results/perf"))
     args = parser.parse_args(argv)
 
@@ -63,6 +129,57 @@ def main(argv=None) -> dict:
     spec = ModelSpec.from_mapping(config)
     tokenizer = load_tokenizer(spec)
     model = load_model(spec, dtype, device)
+    env = environment(device)
+    hardware = env["gpu"] or f"{env['cpu']} ({env['cpu_isa']})"
+    dtype_name = str(dtype).replace("torch.", "")
+    print(f"{hardware}, {dtype_name}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+
+    bandwidth = read_bandwidth() if device.type == "cpu" else None
+    weights = weight_bytes(model)
+    roofline = weights / bandwidth if bandwidth else None
+    print("measuring the linear path (once per machine; cached) ...", flush=True)
+    runners = {"auto": ModelRunner(model, "auto"), "off": ModelRunner(model, "off")}
+    curves = latency_curves(runners)
+    context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True))
+    level = eagle_level_cost(model, runners["auto"], context)
+    result = {
+        "dtype": dtype_name, "device": str(device), "hardware": hardware, "environment": env,
+        "read_bandwidth_bytes_per_second": bandwidth, "weight_bytes": weights, "roofline_seconds": roofline,
+        "forward_seconds_by_tokens": curves, "linear_kernels": runners["auto"].linear.describe(),
+        "eagle_level_seconds": level,
+    }
+    print_curves(result)
+
+    if not args.curve_only:
+        result.update(compare_with_transformers(args, model, tokenizer, config, device))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{hardware_slug(env)}-{dtype_name}.json"
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
+    return result
+
+
+def print_curves(result: dict) -> None:
+    curves = result["forward_seconds_by_tokens"]
+    if result["roofline_seconds"]:
+        print(f"read bandwidth {result['read_bandwidth_bytes_per_second'] / 1e9:.1f} GB/s; weights "
+              f"{result['weight_bytes'] / 1e6:.0f} MB -> roofline t(1) = {1000 * result['roofline_seconds']:.1f} ms")
+    print("target forward by tokens per forward (256-token prefix), median ms and ratio to one token:")
+    print("  " + f"{'linear path':<14}" + "".join(f"{n:>13}" for n in SIZES))
+    for name, curve in curves.items():
+        label = {"auto": "measured (auto)", "off": "F.linear (off)"}.get(name, name)
+        print("  " + f"{label:<14}" + "".join(f"{1000 * curve[n]:>7.1f} {curve[n] / curve[1]:>4.2f}x" for n in SIZES))
+    if result["roofline_seconds"]:
+        one = curves["auto"][1]
+        print(f"  t(1) = {one / result['roofline_seconds']:.2f}x the roofline")
+    level = result.get("eagle_level_seconds")
+    if level:
+        one = curves["auto"][1]
+        print("EAGLE draft level (4 nodes): " + ", ".join(
+            f"{name} {1000 * s:.1f} ms = {s / one:.3f} t(1)" for name, s in level.items()))
+
+
+def compare_with_transformers(args, model, tokenizer, config, device) -> dict:
     draft_spec = ({"target_layers": args.draft_layers} if args.draft_layers
                   else OmegaConf.to_container(config.drafts.sps, resolve=True))
     draft = load_draft_lm(draft_spec, model)
@@ -81,6 +198,7 @@ def main(argv=None) -> dict:
         return out[0, len(prompt):].tolist()
 
     ours_ar = AutoregressiveDecoder(ModelRunner(model))
+    # the same draft as generate's assistant, over the full vocabulary: like for like
     ours_sps = SpeculativeSamplingDecoder(ModelRunner(model), draft, gamma=args.gamma)
     contenders = {
         "ar_ours": lambda p: ours_ar.generate(p, stop).tokens,
@@ -92,7 +210,7 @@ def main(argv=None) -> dict:
         run(prompts[0][:32])
     tokens_per_second = {name: [] for name in contenders}
     outputs = {name: {} for name in contenders}
-    for repeat in range(args.repeats):
+    for _ in range(args.repeats):
         for index, prompt in enumerate(prompts):
             for name, run in contenders.items():
                 start = time.perf_counter()
@@ -102,34 +220,22 @@ def main(argv=None) -> dict:
                 tokens_per_second[name].append(len(tokens) / (time.perf_counter() - start))
                 outputs[name][index] = tokens
     median = {name: statistics.median(v) for name, v in tokens_per_second.items()}
-    env = environment(device)
     result = {
-        "dtype": str(dtype).replace("torch.", ""), "device": str(device), "hardware": env["gpu"] or env["cpu"],
-        "environment": env, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "repeats": args.repeats, "gamma": args.gamma, "draft": draft_spec,
-        "tokens_per_second_median": median,
+        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "gamma": args.gamma,
+        "draft": draft_spec, "tokens_per_second_median": median,
         "ratio_ar_ours_over_generate": median["ar_ours"] / median["ar_generate"],
         "ratio_sps_ours_over_assisted_generate": median["sps_ours"] / median["sps_generate"],
         "same_tokens": {
             "ar": all(outputs["ar_ours"][i] == outputs["ar_generate"][i] for i in outputs["ar_ours"]),
             "sps": all(outputs["sps_ours"][i] == outputs["sps_generate"][i] for i in outputs["sps_ours"]),
         },
-        "target_forward_seconds_by_tokens": forward_latency(ModelRunner(model), (1, 2, 4, 8, 16, 32, 64)),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{hardware_slug(env)}-{result['dtype']}.json"
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"{result['hardware']}, {result['dtype']}, {len(prompts)} Spec-Bench prompts x {args.max_new_tokens} "
-          f"new tokens, {args.repeats} repeats (median tokens/s)")
+    print(f"{len(prompts)} Spec-Bench prompts x {args.max_new_tokens} new tokens, {args.repeats} repeats (median tokens/s)")
     for name, value in median.items():
         print(f"  {name:<14}{value:8.2f}")
     print(f"  our AR / generate:                  {result['ratio_ar_ours_over_generate']:.3f}x")
     print(f"  our SpS / generate(assistant_model): {result['ratio_sps_ours_over_assisted_generate']:.3f}x")
     print(f"  same tokens: {result['same_tokens']}")
-    one = result["target_forward_seconds_by_tokens"][1]
-    print("  target forward ms by tokens: " + ", ".join(
-        f"{n}: {1000 * s:.0f} ({s / one:.1f}x)" for n, s in result["target_forward_seconds_by_tokens"].items()))
-    print(f"wrote {path}")
     return result
 
 

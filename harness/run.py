@@ -26,6 +26,7 @@ from harness.results import RunFolder, settings_hash, write_json
 from methods.base import BuildContext, Decoder, available_methods, get_method
 from methods.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from methods.models.specs import ModelSpec
+from methods.engine.hardware import auto_dtype
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 
@@ -45,6 +46,7 @@ class Benchmark:
             torch.set_num_threads(int(cfg.threads))
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.dtype_reason = auto_dtype(self.device)[1] if cfg.dtype == "auto" else f"dtype={cfg.dtype} asked for"
         spec = ModelSpec.from_mapping(cfg.model)
         log.info("loading %s (%s) as %s on %s", cfg.model.name, spec.describe(), self.dtype, self.device)
         self.tokenizer = load_tokenizer(spec)
@@ -54,9 +56,17 @@ class Benchmark:
         self.max_new_tokens = int(cfg.max_new_tokens or cfg.dataset.max_new_tokens)
         context = BuildContext(self.model, cfg.model.name, OmegaConf.to_container(cfg.model, resolve=True))
         params = OmegaConf.to_container(cfg.method, resolve=True)
-        self.decoders: dict[str, Decoder] = {cfg.method.name: get_method(cfg.method.name)(ModelRunner(self.model), params, context)}
+        skinny = cfg.engine.skinny_gemm
+        self.decoders: dict[str, Decoder] = {
+            cfg.method.name: get_method(cfg.method.name)(ModelRunner(self.model, skinny), params, context)}
         if cfg.baseline and cfg.method.name != BASELINE:
-            self.decoders = {BASELINE: get_method(BASELINE)(ModelRunner(self.model), {}, context), **self.decoders}
+            self.decoders = {BASELINE: get_method(BASELINE)(ModelRunner(self.model, skinny), {}, context), **self.decoders}
+
+    def engine_record(self) -> dict:
+        """How the engine ran: the dtype and why, the linear path and the kernels it chose."""
+        linear = next(iter(self.decoders.values())).target.linear
+        return {"dtype_reason": self.dtype_reason, "skinny_gemm": self.cfg.engine.skinny_gemm,
+                "linear_kernels": linear.plan.to_dict()["kernels"] if linear.plan else None}
 
     def max_new_tokens_for(self, category: str) -> int:
         """max_new_tokens when given, else the dataset's per-category setting, else its default."""
@@ -133,6 +143,7 @@ def run(cfg: DictConfig) -> dict:
         "model": OmegaConf.to_container(cfg.model, resolve=True),
         "dataset": {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items() if k not in SELECTION_KEYS},
         "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling), "seed": cfg.seed, "dtype": dtype_name,
+        "engine": OmegaConf.to_container(cfg.engine, resolve=True),
     }
     settings = {**generation, "method": OmegaConf.to_container(cfg.method, resolve=True),
                 "questions": [q.question_id for q in questions], "baseline": cfg.baseline, "warmup": cfg.warmup}
@@ -142,7 +153,7 @@ def run(cfg: DictConfig) -> dict:
     folders = {name: RunFolder(root / name / (cfg.run_name or (baseline_name if name == BASELINE
                                                                else f"{slug}-{settings_hash(settings)}")), name)
                for name in bench.decoders}
-    environment_record, key = {**env, "dtype": dtype_name}, hardware_key(env)
+    environment_record, key = {**env, "dtype": dtype_name, "engine": bench.engine_record()}, hardware_key(env)
     finished = {}
     for name, folder in folders.items():
         is_method = name == method
@@ -162,7 +173,8 @@ def run(cfg: DictConfig) -> dict:
     ids = [q.question_id for q in questions]
     meta = {
         "model": cfg.model.name, "dataset": cfg.dataset.name, "dtype": dtype_name,
-        "device": str(bench.device), "hardware": env["gpu"] or env["cpu"], "environment": env,
+        "device": str(bench.device), "hardware": env["gpu"] or f"{env['cpu']} ({env['cpu_isa']})", "environment": env,
+        "engine": bench.engine_record(),
         "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling),
         "categories": sorted({q.category for q in questions}),
         "lossless": bench.decoders[method].lossless,

@@ -93,9 +93,11 @@ class Decoder(ABC):
         generator: torch.Generator | None = None,
     ) -> DecodeOutput: ...
 
+    sizing: dict | None = None  # how an `auto` size was derived from the hardware profile
+
     def describe(self) -> dict[str, Any]:
         """Method parameters for the results record."""
-        return {"method": self.name, "lossless": self.lossless}
+        return {"method": self.name, "lossless": self.lossless, **({"sizing": self.sizing} if self.sizing else {})}
 
 
 # ------------------------------------------------------------------------------------------
@@ -124,6 +126,47 @@ class BuildContext:
                 f"or pass method.draft.path=/path/to/draft"
             )
         return dict(spec)
+
+    def latency_curve(self, target) -> dict[int, float]:
+        """The target's forward-latency curve from the hardware profile (measured once, cached)."""
+        from .engine.hardware import latency_curve
+
+        return latency_curve(target, self.model_name)
+
+    def tree_budget(self, target, what: str) -> tuple[int, dict]:
+        """`auto` tree sizes: the most tokens one verification may hold on this machine."""
+        from .engine.sizing import VERIFY_BUDGET, relative, tree_budget
+
+        curve = self.latency_curve(target)
+        budget = tree_budget(curve)
+        return budget, {what: "auto", "verify_tokens": budget, "verify_budget_t1": VERIFY_BUDGET,
+                        "curve_t1": {n: round(v, 3) for n, v in relative(curve).items()}}
+
+    def draft_vocabulary(self, params: dict, projection_rows: int | None = None):
+        """The FR-Spec subset a draft proposes from (`engine/vocab.py`), or None for the full vocabulary.
+        `method.draft_vocab`: `auto` (the model config's `draft_vocabulary.size` when it names a
+        token-frequency file, else the full vocabulary), `full`, or a number of tokens."""
+        from .engine.vocab import DraftVocabulary
+        from .models.specs import ModelSpec
+
+        choice = params.get("draft_vocab", "auto")
+        setting = self.model_config.get("draft_vocabulary") or {}
+        if choice in (None, "full") or (choice == "auto" and not setting.get("frequencies")):
+            return None
+        size = setting.get("size") if choice == "auto" else choice
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"method.draft_vocab={choice!r}; valid: auto, full, or a positive number of tokens")
+        if not setting.get("frequencies"):
+            raise ValueError(f"method.draft_vocab={size}: model {self.model_name!r} names no token-frequency file; "
+                             "set model.draft_vocabulary.frequencies=/path/to/frequencies.json or method.draft_vocab=full")
+        file = ModelSpec.from_mapping({"path": setting["frequencies"]}).path
+        config = self.target_model.config
+        full = self.target_model.get_output_embeddings().out_features
+        eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+        vocabulary = DraftVocabulary.most_frequent(file, size, full, always=tuple(t for t in eos if t is not None))
+        if projection_rows is not None and projection_rows < full:  # a draft LM with a shorter vocabulary
+            vocabulary = DraftVocabulary(vocabulary.ids[vocabulary.ids < projection_rows], full, vocabulary.source)
+        return vocabulary
 
 
 # A factory builds a decoder: factory(target: ModelRunner, params: dict, context: BuildContext)
@@ -207,6 +250,10 @@ class DraftVerifyDecoder(Decoder):
         prompt = list(prompt)
         if not prompt:
             raise ValueError("empty prompt")
+        with self.target.linear.active():  # draft heads and models run on the same linear path
+            return self._generate(prompt, stop, sampling, generator)
+
+    def _generate(self, prompt, stop, sampling, generator) -> DecodeOutput:
         self.sampling, self.generator = sampling, generator
         self.target.reset()
         self.target.check_room(len(prompt) + stop.max_new_tokens)

@@ -32,16 +32,18 @@ from .base import BuildContext, DraftVerifyDecoder, register
 from .models.heads.eagle import EagleHead, load_eagle_head
 from .engine.kv_cache import TreeKVCache
 from .models.heads.checkpoints import head_spec
+from .engine.hardware import latency_curve
 from .engine.runner import forward_latency
 from .engine.static_trees import StaticTree
 from .engine.tree import Tree, ancestors_of, attention_mask, level_mask
 
 
 class EagleDrafter:
-    """The head, its KV cache (committed pairs + the current tree's entries) and the target's lm_head."""
+    """The head, its KV cache (committed pairs + the current tree's entries) and the target's lm_head
+    (over the draft vocabulary's tokens only, when one is given)."""
 
-    def __init__(self, head: EagleHead, lm_head):
-        self.head, self.lm_head = head, lm_head
+    def __init__(self, head: EagleHead, lm_head, vocabulary=None):
+        self.head, self.lm_head, self.vocabulary = head, lm_head, vocabulary
         self.device = head.fc.weight.device
         self.dtype = head.fc.weight.dtype
         self.reset()
@@ -58,6 +60,8 @@ class EagleDrafter:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
+            if self.vocabulary is not None:
+                return self.vocabulary.project(hidden, self.lm_head.weight)
             return self.lm_head(hidden).float()
 
     def follow(self, tokens: Sequence[int], features: torch.Tensor) -> None:
@@ -86,9 +90,14 @@ class EagleDrafter:
 
 
 class _EagleBase(DraftVerifyDecoder):
-    def __init__(self, target, head: EagleHead):
+    def __init__(self, target, head: EagleHead, vocabulary=None):
         super().__init__(target)
-        self.drafter = EagleDrafter(head, target.lm_head)
+        self.drafter = EagleDrafter(head, target.lm_head, vocabulary)
+        target.cover(head, *([vocabulary.head(target.lm_head.weight)] if vocabulary else []))
+
+    def describe(self):
+        vocabulary = self.drafter.vocabulary
+        return {**super().describe(), "draft_vocab": len(vocabulary) if vocabulary else None}
 
     def start(self, prompt, prefill) -> None:
         self.drafter.reset()
@@ -104,8 +113,8 @@ class _EagleBase(DraftVerifyDecoder):
 class EagleDecoder(_EagleBase):
     name = "eagle"
 
-    def __init__(self, target, head: EagleHead, tree: StaticTree):
-        super().__init__(target, head)
+    def __init__(self, target, head: EagleHead, tree: StaticTree, vocabulary=None):
+        super().__init__(target, head, vocabulary)
         self.tree = tree
 
     def describe(self):
@@ -147,8 +156,9 @@ class EagleDecoder(_EagleBase):
 class Eagle2Decoder(_EagleBase):
     name = "eagle2"
 
-    def __init__(self, target, head: EagleHead, total_tokens: int = 60, depth: int = 5, top_k: int = 10):
-        super().__init__(target, head)
+    def __init__(self, target, head: EagleHead, total_tokens: int = 60, depth: int = 5, top_k: int = 10,
+                 vocabulary=None):
+        super().__init__(target, head, vocabulary)
         if total_tokens < 2 or depth < 0 or top_k < 1:
             raise ValueError(f"eagle2 needs total_tokens >= 2, depth >= 0, top_k >= 1; got {total_tokens}, {depth}, {top_k}")
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
@@ -246,9 +256,10 @@ class Eagle2Decoder(_EagleBase):
         slope = (self.verify_seconds[high] - self.verify_seconds[low]) / (high - low)
         return self.verify_seconds[high] + slope * (tokens - high)
 
-    def measure_verify_latency(self, sizes=(1, 2, 4, 8, 16, 32, 64), prefix: int = 128, repeats: int = 3) -> None:
-        """`total_tokens: adaptive`: the target's forward latency curve, measured once."""
-        self.verify_seconds = forward_latency(self.target, sizes, prefix, repeats)
+    def measure_verify_latency(self, model_name: str, sizes=(1, 2, 4, 8, 16, 32, 64)) -> None:
+        """`total_tokens: adaptive`: the target's forward latency curve from the hardware profile
+        (measured once per machine, model and dtype, then reused)."""
+        self.verify_seconds = latency_curve(self.target, model_name, sizes)
         self.total_tokens = max(self.total_tokens, max(sizes))
         self.total_tokens_timing = {"adaptive": True, "seconds_by_size": self.verify_seconds}
 
@@ -266,19 +277,28 @@ class Eagle2Decoder(_EagleBase):
 @register("eagle")
 def build_eagle(target, params: dict, context: BuildContext) -> EagleDecoder:
     head = load_eagle_head(head_spec(params, context, "eagle"), context.target_model)
-    return EagleDecoder(target, head, StaticTree.build(params.get("tree", "eagle_mc_sim_7b_63")))
+    tree, sizing = params.get("tree", "auto"), None
+    if tree == "auto":  # EAGLE's own tree, cut to what one verification may hold on this machine
+        budget, sizing = context.tree_budget(target, "tree")
+        tree = StaticTree.build("eagle_mc_sim_7b_63", nodes=budget - 1)
+        sizing["chosen"] = f"eagle_mc_sim_7b_63, first {len(tree) - 1} nodes"
+    decoder = EagleDecoder(target, head, tree if isinstance(tree, StaticTree) else StaticTree.build(tree),
+                           vocabulary=context.draft_vocabulary(params))
+    decoder.sizing = sizing
+    return decoder
 
 
 @register("eagle2")
 def build_eagle2(target, params: dict, context: BuildContext) -> Eagle2Decoder:
     head = load_eagle_head(head_spec(params, context, "eagle"), context.target_model)
-    total = params.get("total_tokens", 60)
+    total = params.get("total_tokens", "adaptive")
     if isinstance(total, str) and total not in ("auto", "adaptive"):
         raise ValueError(f"eagle2 total_tokens={total!r}; valid: an integer >= 2, auto (EAGLE-2's -1), adaptive")
     decoder = Eagle2Decoder(target, head, total_tokens=60 if isinstance(total, str) else int(total),
-                            depth=int(params.get("depth", 5)), top_k=int(params.get("top_k", 10)))
+                            depth=int(params.get("depth", 5)), top_k=int(params.get("top_k", 10)),
+                            vocabulary=context.draft_vocabulary(params))
     if total == "auto":
         decoder.auto_total_tokens()
     elif total == "adaptive":
-        decoder.measure_verify_latency()
+        decoder.measure_verify_latency(context.model_name)
     return decoder

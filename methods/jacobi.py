@@ -82,7 +82,13 @@ class JacobiDecoder(DraftVerifyDecoder):
 
 @register("jacobi")
 def build(target, params: dict, context: BuildContext) -> JacobiDecoder:
-    block = params.get("block_size") or context.model_config.get("jacobi_block_size") or 16
+    # a CLLM's own block size wins over `auto` (it was trained for it); else the machine's verify budget
+    block, sizing = params.get("block_size") or context.model_config.get("jacobi_block_size") or "auto", None
+    if block == "auto":
+        block, sizing = context.tree_budget(target, "block_size")
+        sizing["chosen"] = block
     pad = getattr(context.target_model.config, "pad_token_id", None) or 0
-    return JacobiDecoder(target, block_size=int(block), initial_guess=params.get("initial_guess", "prompt"),
-                         pad_token=int(pad), seed=int(params.get("seed", 0)))
+    decoder = JacobiDecoder(target, block_size=int(block), initial_guess=params.get("initial_guess", "prompt"),
+                            pad_token=int(pad), seed=int(params.get("seed", 0)))
+    decoder.sizing = sizing
+    return decoder

@@ -23,16 +23,19 @@ from .engine.tree import Tree
 class MultiCandidateDecoder(DraftVerifyDecoder):
     name = "mcsd"
 
-    def __init__(self, target, draft_model, k_config: Sequence[int] = (4, 2, 1), replacement: bool = False):
+    def __init__(self, target, draft_model, k_config: Sequence[int] = (4, 2, 1), replacement: bool = False,
+                 vocabulary=None):
         super().__init__(target)
         k_config = tuple(int(k) for k in k_config)
         if not k_config or min(k_config) < 1:
             raise ValueError(f"k_config must be a non-empty list of positive integers, got {list(k_config)}")
         self.k_config, self.replacement = k_config, replacement
-        self.draft = DraftLM(draft_model, target.vocab_size)
+        self.draft = DraftLM(draft_model, target.vocab_size, vocabulary, target.skinny_gemm)
+        self.vocabulary = vocabulary
 
     def describe(self):
-        return {**super().describe(), "k_config": list(self.k_config), "replacement": self.replacement}
+        return {**super().describe(), "k_config": list(self.k_config), "replacement": self.replacement,
+                "draft_vocab": len(self.vocabulary) if self.vocabulary else None}
 
     def start(self, prompt, prefill) -> None:
         self.draft.reset()
@@ -60,9 +63,30 @@ def parse_k_config(value) -> tuple[int, ...]:
         raise ValueError(f"k_config must look like 4,2,1 (children per depth), got {value!r}") from None
 
 
+# `k_config: auto`: the largest of these whose tree (root included) fits the machine's verify budget
+AUTO_K_CONFIGS = [(1, 1), (2, 1), (2, 1, 1), (2, 2, 1), (3, 2, 1), (4, 2, 1), (4, 2, 2, 1), (5, 3, 2, 1), (8, 4, 2, 1)]
+
+
+def tree_nodes(k_config) -> int:
+    nodes, width = 0, 1
+    for k in k_config:
+        width *= k
+        nodes += width
+    return nodes
+
+
 @register("mcsd")
 def build(target, params: dict, context: BuildContext) -> MultiCandidateDecoder:
     spec = params.get("draft") or context.draft_spec("sps", "mcsd")
-    return MultiCandidateDecoder(target, load_draft_lm(spec, context.target_model),
-                                 k_config=parse_k_config(params.get("k_config", "4,2,1")),
-                                 replacement=bool(params.get("replacement", False)))
+    choice, sizing = params.get("k_config", "auto"), None
+    if choice == "auto":
+        budget, sizing = context.tree_budget(target, "k_config")
+        fitting = [k for k in AUTO_K_CONFIGS if tree_nodes(k) + 1 <= budget] or AUTO_K_CONFIGS[:1]
+        choice = fitting[-1]
+        sizing["chosen"] = list(choice)
+    draft = load_draft_lm(spec, context.target_model)
+    decoder = MultiCandidateDecoder(target, draft, k_config=parse_k_config(choice),
+                                    replacement=bool(params.get("replacement", False)),
+                                    vocabulary=context.draft_vocabulary(params, draft.get_output_embeddings().out_features))
+    decoder.sizing = sizing
+    return decoder

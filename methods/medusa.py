@@ -16,7 +16,7 @@ from .base import BuildContext, DraftVerifyDecoder, register
 from .models.heads.medusa import MedusaHeads, load_medusa_heads
 from .models.heads.checkpoints import head_spec
 from .engine.sampling import logits_to_probs
-from .engine.static_trees import StaticTree
+from .engine.static_trees import MEDUSA_MC_SIM_7B_63, StaticTree
 from .engine.tree import Tree
 
 ACCEPTANCE = ("exact", "typical")
@@ -26,8 +26,10 @@ class MedusaDecoder(DraftVerifyDecoder):
     name = "medusa"
 
     def __init__(self, target, heads: MedusaHeads, tree: StaticTree, acceptance: str = "exact",
-                 typical_epsilon: float = 0.09, typical_delta: float = 0.3):
+                 typical_epsilon: float = 0.09, typical_delta: float = 0.3, vocabulary=None):
         super().__init__(target)
+        self.vocabulary = vocabulary
+        target.cover(heads, *([vocabulary.head(heads[0][-1].weight)] if vocabulary else []))
         if acceptance not in ACCEPTANCE:
             raise ValueError(f"unknown medusa acceptance {acceptance!r}; valid: {', '.join(ACCEPTANCE)}")
         if tree.max_depth > len(heads):
@@ -39,7 +41,8 @@ class MedusaDecoder(DraftVerifyDecoder):
 
     def describe(self):
         return {**super().describe(), "lossless": self.lossless, "acceptance": self.acceptance,
-                "tree_nodes": len(self.tree), "tree_depth": self.tree.max_depth, "heads": len(self.heads)}
+                "tree_nodes": len(self.tree), "tree_depth": self.tree.max_depth, "heads": len(self.heads),
+                "draft_vocab": len(self.vocabulary) if self.vocabulary else None}
 
     def start(self, prompt, prefill) -> None:
         self.hidden = prefill.hidden[-1]
@@ -48,7 +51,10 @@ class MedusaDecoder(DraftVerifyDecoder):
     def propose(self, root: int, budget: int) -> Tree:
         depth = min(self.tree.max_depth, budget)
         count = sum(1 for d in self.tree.depths if d <= depth)  # nodes are sorted by depth
-        candidates = [torch.topk(self.heads[d](self.hidden), self.tree.top_k(d + 1)).indices for d in range(depth)]
+        if depth == 0:
+            return Tree(torch.tensor([root]), [-1])
+        logits = self.heads.draft_logits(self.hidden, depth, self.vocabulary)  # [depth, V]
+        candidates = [torch.topk(logits[d], self.tree.top_k(d + 1)).indices for d in range(depth)]
         tokens = [root] + [int(candidates[self.tree.depths[n] - 1][self.tree.ranks[n]]) for n in range(1, count)]
         return Tree(torch.tensor(tokens), self.tree.parents[:count])
 
@@ -64,7 +70,15 @@ class MedusaDecoder(DraftVerifyDecoder):
 @register("medusa")
 def build(target, params: dict, context: BuildContext) -> MedusaDecoder:
     heads = load_medusa_heads(head_spec(params, context, "medusa"), context.target_model)
-    return MedusaDecoder(target, heads, StaticTree.build(params.get("tree", "medusa_mc_sim_7b_63")),
-                         acceptance=params.get("acceptance", "exact"),
-                         typical_epsilon=float(params.get("typical_epsilon", 0.09)),
-                         typical_delta=float(params.get("typical_delta", 0.3)))
+    tree, sizing = params.get("tree", "auto"), None
+    if tree == "auto":  # Medusa's tree (listed by estimated acceptance), cut to the machine's verify budget
+        budget, sizing = context.tree_budget(target, "tree")
+        tree = StaticTree.build([p for p in MEDUSA_MC_SIM_7B_63 if len(p) <= len(heads)], nodes=budget - 1)
+        sizing["chosen"] = f"medusa_mc_sim_7b_63, first {len(tree) - 1} nodes"
+    decoder = MedusaDecoder(target, heads, tree if isinstance(tree, StaticTree) else StaticTree.build(tree),
+                            acceptance=params.get("acceptance", "exact"),
+                            typical_epsilon=float(params.get("typical_epsilon", 0.09)),
+                            typical_delta=float(params.get("typical_delta", 0.3)),
+                            vocabulary=context.draft_vocabulary(params))
+    decoder.sizing = sizing
+    return decoder

@@ -9,6 +9,8 @@ code with that configuration.
 from __future__ import annotations
 
 from .base import BuildContext, Decoder, register
+from .engine.sizing import chain_length, draft_cost, held_out_acceptance
+from .models.specs import ModelSpec
 from .models.loading import load_draft_lm
 from .mcsd import MultiCandidateDecoder
 
@@ -16,17 +18,34 @@ from .mcsd import MultiCandidateDecoder
 class SpeculativeSamplingDecoder(MultiCandidateDecoder):
     name = "sps"
 
-    def __init__(self, target, draft_model, gamma: int = 4):
+    def __init__(self, target, draft_model, gamma: int = 4, vocabulary=None):
+        super().__init__(target, draft_model, k_config=(1,), replacement=True, vocabulary=vocabulary)
+        self.set_gamma(gamma)
+
+    def set_gamma(self, gamma: int) -> None:
         if gamma < 1:
             raise ValueError(f"gamma (draft length) must be >= 1, got {gamma}")
-        super().__init__(target, draft_model, k_config=(1,) * gamma, replacement=True)
-        self.gamma = gamma
+        self.gamma, self.k_config = gamma, (1,) * gamma
 
     def describe(self):
-        return {**Decoder.describe(self), "gamma": self.gamma}
+        return {**Decoder.describe(self), "gamma": self.gamma,
+                "draft_vocab": len(self.vocabulary) if self.vocabulary else None}
 
 
 @register("sps")
 def build(target, params: dict, context: BuildContext) -> SpeculativeSamplingDecoder:
+    gamma = params.get("gamma", "auto")
+    if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int)):
+        raise ValueError(f"sps gamma={gamma!r}; valid: auto or a draft length >= 1")
     spec = params.get("draft") or context.draft_spec("sps", "sps")
-    return SpeculativeSamplingDecoder(target, load_draft_lm(spec, context.target_model), gamma=int(params.get("gamma", 4)))
+    draft = load_draft_lm(spec, context.target_model)
+    decoder = SpeculativeSamplingDecoder(target, draft, gamma=1 if gamma == "auto" else gamma,
+                                         vocabulary=context.draft_vocabulary(params, draft.get_output_embeddings().out_features))
+    if gamma == "auto":  # the chain length with the most expected tokens per second on this machine
+        curve = context.latency_curve(target)
+        cost = draft_cost(decoder.draft.runner, curve)
+        alpha = held_out_acceptance(ModelSpec.from_mapping(spec).path if spec.get("path") else None)
+        best, record = chain_length(curve, cost, alpha)
+        decoder.set_gamma(best)
+        decoder.sizing = {"gamma": "auto", "chosen": best, **record}
+    return decoder

@@ -14,6 +14,7 @@ from harness.metrics import bootstrap_median_interval, summarize
 from harness.results import RunFolder, read_jsonl
 from harness.run import run
 from methods.base import available_methods, get_method
+from methods.engine.hardware import auto_dtype
 from methods.models.loading import load_model, resolve_dtype
 from methods.models.specs import ModelSpec, ModelUnavailableError
 from tests.conftest import REPO
@@ -59,6 +60,7 @@ def test_bench_writes_a_complete_results_folder(tiny_model_dir, questions_file, 
     assert (folder / "config.yaml").is_file()
     env = json.loads((folder / "environment.json").read_text())
     assert env["torch"] == torch.__version__ and env["cpu"] and "commit" in env["git"]
+    assert env["cpu_isa"] and env["engine"]["skinny_gemm"] == "auto" and env["engine"]["dtype_reason"]
     baseline = Path(summary["baseline_results"])
     assert baseline.parent == tmp_path / "tiny" / "spec_bench" / "ar"
     sps, ar = read_jsonl(folder / "answers" / "sps.jsonl"), read_jsonl(baseline / "answers" / "ar.jsonl")
@@ -77,6 +79,9 @@ def test_bench_writes_a_complete_results_folder(tiny_model_dir, questions_file, 
     fractions = summary["decoder"]["time_fractions"]
     assert set(fractions) == {"prefill", "draft", "verify", "accept", "commit", "other"}
     assert sum(fractions.values()) == pytest.approx(1.0) and fractions["verify"] > 0 and fractions["draft"] > 0
+    explained = summary["explained"]  # the speedup, explained in units of AR's decoding step
+    parts = explained["verify"] + explained["draft"] + explained["other"]
+    assert explained["predicted_decode_speedup"] == pytest.approx(explained["tau"] / parts)
     stored = json.loads((folder / "summary.json").read_text())
     assert stored["decoder"]["tau"] == pytest.approx(summary["decoder"]["tau"])
     assert stored["decoder"]["acceptance_per_position"]
@@ -135,7 +140,9 @@ def test_resume_refuses_results_from_other_hardware(tmp_path):
 def test_default_config_runs_the_embedded_model(tmp_path, spec_bench_file):
     summary = run(config(f"results_dir={tmp_path}", f"dataset.path={spec_bench_file}", "limit=1", "max_new_tokens=6", "warmup=0",
                          "dataset.categories=[qa]", "method=ar"))
-    assert summary["model"] == "smollm2-135m" and summary["dtype"] == "bfloat16"
+    expected, reason = auto_dtype(torch.device("cpu"))
+    assert summary["model"] == "smollm2-135m" and summary["dtype"] == str(expected).replace("torch.", "")
+    assert summary["engine"]["dtype_reason"] == reason and summary["engine"]["skinny_gemm"] == "auto"
     record = read_jsonl(Path(summary["results"]) / "answers" / "ar.jsonl")[0]
     assert record["category"] == "qa" and record["choices"][0]["new_tokens"][0] <= 6
     assert "speedup" not in summary  # AR alone has no baseline to compare with
@@ -213,6 +220,23 @@ def test_summary_numbers_recomputed_from_records():
     assert summary["fidelity"]["differing_questions"] == 0
     low, high = summary["speedup"]["median_ratio_ci95"]
     assert 1.5 <= low <= high <= 2.0
+
+
+def test_speedup_decomposition_explains_the_decoding_speedup():
+    """Per decoding step, in AR steps: τ / (verify + draft + other) is the decoding speedup."""
+    ar = record(1, 11, 0.0, 11)  # 1 turn: a prefill + 10 decoding steps of 1 token
+    ar["choices"][0]["stats"][0]["phase_time"] = {"prefill": 1.0, "verify": 9.0, "other": 1.0}  # AR step: 1.0 s
+    method = record(1, 13, 0.0, 5)  # a prefill + 4 steps emitting 12 tokens: τ 3
+    method["choices"][0]["stats"][0]["phase_time"] = {"prefill": 1.0, "verify": 4.8, "draft": 0.8, "accept": 0.2,
+                                                      "commit": 0.1, "other": 0.1}
+    for r in (ar, method):
+        r["choices"][0]["wall_time"] = [sum(r["choices"][0]["stats"][0]["phase_time"].values())]
+    explained = summarize("x", [method], [ar], {})["explained"]
+    assert explained["tau"] == pytest.approx(3.0) and explained["ar_step_seconds"] == pytest.approx(1.0)
+    assert (explained["verify"], explained["draft"], explained["other"]) == (
+        pytest.approx(1.2), pytest.approx(0.2), pytest.approx(0.1))
+    assert explained["predicted_decode_speedup"] == pytest.approx(3.0 / 1.5)
+    assert explained["prefill_fraction"] == pytest.approx(1.0 / 7.0)
 
 
 def test_bootstrap_interval_brackets_the_median():
@@ -353,5 +377,5 @@ def test_headline_runs_each_method_against_one_baseline_and_reports_them(tiny_mo
     assert all(s["fidelity"]["differing_questions"] == 0 for s in summaries)  # fp32 greedy
     speedup_table = (results / "report").rglob("speedup*.md")
     text = "".join(p.read_text() for p in speedup_table)
-    assert "sps (gamma=3)" in text and "jacobi" in text
+    assert "sps (draft_vocab=8192, gamma=3)" in text and "jacobi" in text  # the model config's reduced draft vocabulary
     assert any(plots.rglob("*.png"))

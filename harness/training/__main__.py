@@ -35,7 +35,9 @@ DEFAULTS = {  # kind: (epochs, lr, batch, noise)
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m harness.training", description=RECIPES_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kind", choices=["data", *DEFAULTS])
+    parser.add_argument("kind", choices=["data", "vocab", *DEFAULTS],
+                        help="data: the target's answers; vocab: their token frequencies (reduced-vocabulary drafting); "
+                             "then a draft recipe")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--prompts", type=int, default=800)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -77,6 +79,10 @@ def main(argv=None) -> None:
 
     if not data_file.is_file():
         raise SystemExit(f"no training data at {data_file}: run `python -m harness.training data --model {args.model}` first")
+    if args.kind == "vocab":
+        write_token_frequencies(data_file, args.out or ROOT / "drafts" / args.model / "token_frequencies.json",
+                                target.get_output_embeddings().out_features)
+        return
     epochs, lr, batch, noise = DEFAULTS[args.kind]
     args.epochs, args.lr, args.batch = args.epochs or epochs, args.lr or lr, args.batch or batch
     examples = load_examples(data_file)
@@ -94,6 +100,22 @@ def main(argv=None) -> None:
     recipe.save(out)
     model_card(out, args.kind, args, data_file, len(train_set), len(val_set), result, before)
     print(json.dumps({k: v for k, v in result.items()}, indent=2))
+
+
+def write_token_frequencies(data_file: Path, out: Path, vocab_size: int) -> None:
+    """The answer tokens' frequencies of the drafts' training corpus: the ranking a reduced draft
+    vocabulary (`methods/engine/vocab.py`, FR-Spec) keeps the top of."""
+    from methods.engine.vocab import token_frequencies
+
+    examples = load_examples(data_file)
+    answers = [e.ids[e.answer_start:] for e in examples]
+    counts = token_frequencies(answers, vocab_size)
+    total = sum(c for _, c in counts)
+    source = (f"answer tokens of {len(examples)} self-distilled answers in "
+              f"{data_file.relative_to(ROOT) if data_file.is_relative_to(ROOT) else data_file}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"source": source, "tokens": total, "counts": counts}, separators=(",", ":")) + "\n")
+    print(f"wrote {out}: {len(counts)} distinct tokens of {total}")
 
 
 if __name__ == "__main__":

@@ -95,6 +95,6 @@ Trained by `python -m harness.training {kind} --model {args.model} --seed {args.
 
 
 def _machine() -> str:
-    from harness.environment import cpu_name
+    from methods.engine.hardware import cpu_isa, cpu_model
 
-    return f"{cpu_name()} ({torch.get_num_threads()} threads), torch {torch.__version__}"
+    return f"{cpu_model()} {cpu_isa()} ({torch.get_num_threads()} threads), torch {torch.__version__}"

@@ -8,7 +8,9 @@
 
 Models are `transformers` models used as they are (Llama, Qwen2, Mistral, ...): the runner calls the
 decoder stack with a custom float mask and explicit position ids, and applies the LM head only to
-the positions whose logits are needed.
+the positions whose logits are needed. Every linear runs through the machine's linear path
+(`linear.py`: the fastest measured formulation per weight shape and token count; `skinny_gemm="off"`
+for stock `F.linear`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from .hardware import linear_path
 from .kv_cache import TreeKVCache
 from .tree import Tree, attention_mask
 
@@ -31,8 +34,10 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    def __init__(self, model):
+    def __init__(self, model, skinny_gemm: str = "auto"):
         self.model = model
+        self.skinny_gemm = skinny_gemm
+        self.linear = linear_path([model], skinny_gemm)
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.config = model.config
@@ -42,6 +47,17 @@ class ModelRunner:
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.cache = TreeKVCache()
         self.forward_passes = 0  # target forwards since the last reset (the steps of τ)
+        self.vocabulary = None  # a DraftVocabulary: a draft LM's logits over a subset only (vocab.py)
+
+    def restrict_vocabulary(self, vocabulary) -> None:
+        """Project onto `vocabulary`'s tokens only (a draft LM's FR-Spec subset): -inf elsewhere."""
+        self.vocabulary = vocabulary
+        if vocabulary is not None:
+            self.cover(vocabulary.head(self.lm_head.weight))
+
+    def cover(self, *modules) -> None:
+        """Measure the linear path for other modules this runner's decoder drives (draft heads)."""
+        self.linear = linear_path([self.model, *modules], self.skinny_gemm)
 
     # ---------------------------------------------------------------------------------------
     @property
@@ -80,16 +96,22 @@ class ModelRunner:
             # Causal continuation over a non-empty cache: state the mask rather than rely on the
             # model's own construction from cache lengths.
             mask = attention_mask(torch.ones(n, n, dtype=torch.bool).tril_(), start, self.dtype, self.device)
-        out = self.decoder(
-            input_ids=ids,
-            position_ids=positions.view(1, -1),
-            attention_mask=mask,
-            past_key_values=self.cache,
-            use_cache=True,
-        )
+        with self.linear.active():
+            out = self.decoder(
+                input_ids=ids,
+                position_ids=positions.view(1, -1),
+                attention_mask=mask,
+                past_key_values=self.cache,
+                use_cache=True,
+            )
+            hidden = out.last_hidden_state[0]  # [n, H]
+            if logits_for is None:
+                logits = None
+            elif self.vocabulary is not None:
+                logits = self.vocabulary.project(hidden[logits_for], self.lm_head.weight)
+            else:
+                logits = self.lm_head(hidden[logits_for]).float()
         self.forward_passes += 1
-        hidden = out.last_hidden_state[0]  # [n, H]
-        logits = None if logits_for is None else self.lm_head(hidden[logits_for]).float()
         return ForwardOutput(logits=logits, hidden=hidden)
 
     def prefill(self, prompt: Sequence[int], *, all_logits: bool = False) -> ForwardOutput:

@@ -42,11 +42,16 @@ class StaticTree:
     paths: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def build(cls, spec: str | Sequence[Sequence[int]]) -> "StaticTree":
+    def build(cls, spec: str | Sequence[Sequence[int]], nodes: int | None = None) -> "StaticTree":
+        """A named tree or a list of paths; with `nodes`, only the first `nodes` paths in the list's
+        own order (the published trees list nodes by estimated acceptance or by depth, so a prefix
+        is the best smaller tree of the same shape)."""
         if isinstance(spec, str):
             if spec not in NAMED_TREES:
                 raise ValueError(f"unknown tree {spec!r}; valid: {', '.join(sorted(NAMED_TREES))} or a list of paths")
             spec = NAMED_TREES[spec]
+        if nodes is not None:
+            spec = list(spec)[:max(1, nodes)]
         paths = sorted({tuple(int(i) for i in p) for p in spec}, key=lambda p: (len(p), p))
         if not paths:
             raise ValueError("a static tree needs at least one path")

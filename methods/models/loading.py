@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine.hardware import auto_dtype
 from ..engine.storage import cache_root
 from .specs import ModelSpec, ModelUnavailableError, hub_reachable, unavailable_error
 
@@ -33,9 +34,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is bfloat16 on CPU and float16 on CUDA."""
+    """`auto` follows the hardware (`engine.hardware.auto_dtype`): on CUDA bf16 where supported,
+    else fp16; on CPU bf16 only with native bf16 matmul (AVX512-BF16, AMX), else fp32."""
     if name == "auto":
-        return torch.float16 if device.type == "cuda" else torch.bfloat16
+        return auto_dtype(device)[0]
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; valid: auto, {', '.join(DTYPES)}")
     return DTYPES[name]

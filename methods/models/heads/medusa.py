@@ -49,6 +49,22 @@ class MedusaHeads(nn.ModuleList):
         """[H] or [n, H] -> [num_heads, ..., V]"""
         return torch.stack([head(hidden) for head in self])
 
+    def draft_logits(self, hidden: torch.Tensor, heads: int, vocabulary=None) -> torch.Tensor:
+        """[H] -> [heads, V] fp32 logits of the first `heads` heads. Heads that share one vocab
+        projection (the target's lm_head) are projected together: one pass over its weight for
+        all of them (a skinny GEMM) instead of one per head; over `vocabulary`'s tokens only
+        when one is given (-inf elsewhere)."""
+        used = [self[i] for i in range(heads)]
+        features = torch.stack([head[:-1](hidden) for head in used])  # [heads, H]
+        weights = [head[-1].weight for head in used]
+        if all(w is weights[0] for w in weights):
+            if vocabulary is not None:
+                return vocabulary.project(features, weights[0])
+            return self[0][-1](features).float()
+        if vocabulary is not None:
+            return torch.cat([vocabulary.project(f[None], w) for f, w in zip(features, weights)])
+        return torch.stack([head[-1](f) for head, f in zip(used, features)]).float()
+
 
 def count_heads_and_layers(state: dict[str, torch.Tensor]) -> tuple[int, int]:
     heads, layers = set(), set()

@@ -1,0 +1,210 @@
+"""The hardware profile: what this machine is, the dtype it should run, and what it measured.
+
+Measurements that decide how the engine runs (the linear plan, the target's forward-latency
+curve) are made once per (machine, torch version, threads, dtype) and kept in
+`cache_root()/profiles/<machine key>/`, so every later run reuses them; `make perf` shows them.
+
+The machine key names the CPU model and its ISA class (two machines sold as "AMD EPYC" can differ:
+one with AVX2 only, emulating bf16 matmuls; one with AVX512 + AVX512-BF16), or the GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+from pathlib import Path
+
+import torch
+
+from .storage import cache_root
+from .linear import LinearPath, LinearPlan, linear_shapes, measure_plan
+
+SKINNY_GEMM_MODES = ("auto", "off")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_isa(flags: set[str] | None = None) -> str:
+    """The CPU class that decides GEMM speed: amx, avx512-bf16, avx512, avx2 or other."""
+    flags = cpu_flags() if flags is None else flags
+    if "amx_bf16" in flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512-bf16"
+    if "avx512f" in flags:
+        return "avx512"
+    if "avx2" in flags:
+        return "avx2"
+    return "other"
+
+
+def native_bf16(flags: set[str] | None = None) -> bool:
+    flags = cpu_flags() if flags is None else flags
+    return bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+def auto_dtype(device: torch.device, flags: set[str] | None = None) -> tuple[torch.dtype, str]:
+    """`dtype=auto`, with the reason recorded beside every result."""
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "CUDA device with bf16 support"
+        return torch.float16, "CUDA device without bf16 support"
+    if native_bf16(flags):
+        return torch.bfloat16, f"CPU with native bf16 matmul ({cpu_isa(flags)})"
+    return torch.float32, (f"CPU without native bf16 matmul ({cpu_isa(flags)}): bf16 would be emulated, "
+                           "slower and worse with more tokens per forward")
+
+
+def machine(device: torch.device) -> dict:
+    """What a measurement's speed depends on."""
+    if device.type == "cuda":
+        hw = {"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
+    else:
+        hw = {"cpu": cpu_model(), "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count()}
+    return {**hw, "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def machine_key(device: torch.device) -> str:
+    info = machine(device)
+    name = info.get("gpu") or f"{info['cpu']}-{info['cpu_isa']}"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:48]
+    digest = hashlib.sha1(json.dumps(info, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{slug}-{digest}"
+
+
+def profile_dir(device: torch.device) -> Path:
+    return cache_root() / "profiles" / machine_key(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# The linear plan (one per process, machine and dtype; shapes added as models appear)
+
+_PATHS: dict[tuple, LinearPath] = {}
+
+
+def linear_path(models, mode: str = "auto", progress=None) -> LinearPath:
+    """The linear path for these models: `off` is stock `F.linear`; `auto` uses the measured
+    plan of this machine, measuring (once, cached on disk) the shapes it does not know yet."""
+    if mode not in SKINNY_GEMM_MODES:
+        raise ValueError(f"engine.skinny_gemm={mode!r}; valid: {', '.join(SKINNY_GEMM_MODES)}")
+    models = [m for m in models if m is not None]
+    param = next(models[0].parameters())
+    device, dtype = param.device, param.dtype
+    if mode == "off" or device.type != "cpu":  # cuBLAS handles skinny GEMMs; measure there when a GPU is lent
+        return _PATHS.setdefault(("off",), LinearPath(None))
+    key = (str(device), str(dtype))
+    path = _PATHS.get(key)
+    if path is None:
+        path = _PATHS[key] = LinearPath(_load_plan(device, dtype))
+    shapes = {k: v for k, v in linear_shapes(*models).items() if k not in path.plan.kernels}
+    if shapes:
+        measured = measure_plan(shapes, progress=progress)
+        path.plan.kernels.update(measured.kernels)
+        path.plan.seconds.update(measured.seconds)
+        _save_plan(device, dtype, path.plan)
+    return path
+
+
+def _plan_file(device: torch.device, dtype: torch.dtype) -> Path:
+    return profile_dir(device) / f"linear-{str(dtype).replace('torch.', '')}.json"
+
+
+def _load_plan(device: torch.device, dtype: torch.dtype) -> LinearPlan:
+    file = _plan_file(device, dtype)
+    if file.is_file():
+        try:
+            return LinearPlan.from_dict(json.loads(file.read_text()))
+        except (ValueError, KeyError, AttributeError):
+            pass  # a damaged file is measured again
+    return LinearPlan()
+
+
+def _save_plan(device: torch.device, dtype: torch.dtype, plan: LinearPlan) -> None:
+    file = _plan_file(device, dtype)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    (file.parent / "machine.json").write_text(json.dumps(machine(device), indent=2))
+    tmp = file.with_suffix(f".{os.getpid()}.tmp")  # concurrent jobs of a sweep may write at once
+    tmp.write_text(json.dumps(plan.to_dict(), indent=1))
+    tmp.replace(file)
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory bandwidth and the roofline
+
+
+def read_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
+    """Bytes per second of streaming a large tensor of random values (`x.sum()`), median of
+    `repeats`. Random values matter: a never-written tensor reads the zero page and fakes speed."""
+    import statistics
+    import time
+
+    x = torch.rand(megabytes * (1 << 20) // 4)
+    x.sum()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        samples.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(samples)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one forward streams: every parameter once, except an input embedding that
+    is not tied to the LM head (its lookup reads a few rows; a tied matrix is read whole by the head)."""
+    embedding = model.get_input_embeddings().weight
+    tied = embedding is model.get_output_embeddings().weight
+    seen, total = set() if tied else {id(embedding)}, 0
+    for param in model.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            total += param.numel() * param.element_size()
+    return total
+
+
+# ------------------------------------------------------------------------------------------------
+# The target's forward-latency curve, cached
+
+
+def latency_curve(runner, model_name: str, sizes=(1, 2, 4, 8, 16, 32, 64), prefix: int = 256,
+                  repeats: int = 5, refresh: bool = False) -> dict[int, float]:
+    """Median seconds of one forward of n tokens after a `prefix`-token prefix, for each n: measured
+    once per (machine, model, dtype, linear path) and kept in the profile folder. It decides how
+    large a draft tree can be before verifying it stops paying (EAGLE-2 `adaptive`, `make perf`)."""
+    from .runner import forward_latency
+
+    mode = runner.skinny_gemm
+    shape = hashlib.sha1(json.dumps(runner.config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:8]
+    dtype = str(runner.dtype).replace("torch.", "")
+    file = profile_dir(runner.device) / f"curve-{model_name}-{shape}-{dtype}-{mode}.json"
+    if file.is_file() and not refresh:
+        stored = json.loads(file.read_text())
+        if stored.get("prefix") == prefix and set(map(int, stored["seconds"])) >= set(sizes):
+            return {int(n): s for n, s in stored["seconds"].items() if int(n) in sizes}
+    seconds = forward_latency(runner, sizes, prefix, repeats)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"model": model_name, "prefix": prefix, "repeats": repeats,
+                               "seconds": {str(n): s for n, s in seconds.items()}}, indent=1))
+    tmp.replace(file)
+    return seconds

@@ -1,0 +1,190 @@
+"""The linear path: how the engine computes every `nn.Linear` of the models it runs.
+
+A 135M model on a CPU is memory-bound: a forward streams every weight once, so a forward over
+2-32 tokens (verification, tree drafting, Medusa heads) should cost about what one token costs.
+Stock `F.linear` does not get there on CPUs: MKL's GEMM for a few rows streams the weights at
+about half the bandwidth of its one-row GEMV. Which formulation is fastest depends on the
+machine, the weight's shape and the number of rows, so it is measured, not assumed:
+
+    f_linear   torch.nn.functional.linear (MKL on CPU, cuBLAS on CUDA): the reference
+    w_xt       (W @ x.T).T: MKL's GEMM with the weight as the left operand
+    onednn     oneDNN with the weight prepacked once for this machine (batch hint 8)
+
+`measure_plan` times every candidate for each weight shape of a model and each row bucket
+(1, 2, 4, 8, 16, 32; larger forwards, prefills, stay on `f_linear`) with the weights cycled
+through copies larger than the caches, interleaved in rounds, and keeps the median's winner.
+`LinearPath.active()` routes linears through the plan while the engine runs a model: outside
+it (e.g. `transformers.generate` in tests) every linear is stock `F.linear`; under autograd too. All kernels compute in the weight's dtype (fp32 stays fp32); `off` keeps `f_linear`.
+
+Inputs may carry a batch dimension: rows = every leading dimension together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KERNELS = ("f_linear", "w_xt", "onednn")
+BUCKETS = (1, 2, 4, 8, 16, 32)
+ONEDNN_BATCH_HINT = 8
+_ACTIVE: contextvars.ContextVar["LinearPath | None"] = contextvars.ContextVar("linear_path", default=None)
+
+
+def onednn_available(device: torch.device) -> bool:
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_BATCH_HINT)
+
+
+def run_kernel(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               packed: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b by the named formulation; x [..., in], weight [out, in] -> [..., out]."""
+    if kernel == "f_linear":
+        return F.linear(x, weight, bias)
+    if kernel == "w_xt":
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.mm(weight, rows.T).T
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+    if kernel == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    raise ValueError(f"unknown linear kernel {kernel!r}; valid: {', '.join(KERNELS)}")
+
+
+def bucket_of(rows: int) -> int | None:
+    """The plan bucket of a forward with `rows` rows: the smallest bucket >= rows; None above."""
+    for bucket in BUCKETS:
+        if rows <= bucket:
+            return bucket
+    return None
+
+
+def shape_key(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    return f"{weight.shape[0]}x{weight.shape[1]}{'+b' if bias is not None else ''}"
+
+
+@dataclass
+class LinearPlan:
+    """The kernel per weight shape and row bucket, with what was measured to choose it."""
+
+    kernels: dict[str, dict[int, str]] = field(default_factory=dict)  # shape key -> bucket -> kernel
+    seconds: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)  # ... -> kernel -> median s
+
+    def kernel(self, key: str, rows: int) -> str:
+        bucket = bucket_of(rows)
+        if bucket is None:
+            return "f_linear"
+        return self.kernels.get(key, {}).get(bucket, "f_linear")
+
+    def to_dict(self) -> dict:
+        return {"kernels": {k: {str(b): v for b, v in d.items()} for k, d in self.kernels.items()},
+                "seconds": {k: {str(b): v for b, v in d.items()} for k, d in self.seconds.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LinearPlan":
+        return cls({k: {int(b): v for b, v in d.items()} for k, d in data.get("kernels", {}).items()},
+                   {k: {int(b): v for b, v in d.items()} for k, d in data.get("seconds", {}).items()})
+
+
+def linear_shapes(*models: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """One (weight, bias) per distinct linear shape of the models."""
+    shapes = {}
+    for model in models:
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                shapes.setdefault(shape_key(module.weight, module.bias), (module.weight, module.bias))
+    return shapes
+
+
+@torch.inference_mode()
+def measure_plan(shapes: dict[str, tuple[torch.Tensor, torch.Tensor | None]], kernels=KERNELS,
+                 buckets=BUCKETS, rounds: int = 5, cache_bytes: int = 96 << 20, max_copies: int = 64,
+                 progress=None) -> LinearPlan:
+    """Time each kernel for each shape and bucket, interleaved in `rounds`, on copies of the
+    weight whose total exceeds `cache_bytes` (so every call streams its weight from memory, as in
+    a real forward; at most `max_copies`: tiny weights stay in cache in real forwards too); keep
+    the kernel with the lowest median."""
+    plan = LinearPlan()
+    for done, (key, (weight, bias)) in enumerate(shapes.items()):
+        device = weight.device
+        usable = [k for k in kernels if k != "onednn" or onednn_available(device)]
+        copies = min(max_copies, max(2, -(-cache_bytes // (weight.numel() * weight.element_size()))))
+        weights = [weight.detach().clone() for _ in range(copies)]
+        packed = [prepack(w) for w in weights] if "onednn" in usable else [None] * copies
+        samples: dict[int, dict[str, list[float]]] = {b: {k: [] for k in usable} for b in buckets}
+        for _ in range(rounds):
+            for bucket in buckets:
+                x = torch.randn(bucket, weight.shape[1], dtype=weight.dtype, device=device)
+                for kernel in usable:
+                    run_kernel(kernel, x, weights[0], bias, packed[0])  # warm the kernel, not the weights
+                    start = time.perf_counter()
+                    for w, p in zip(weights, packed):
+                        run_kernel(kernel, x, w, bias, p)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    samples[bucket][kernel].append((time.perf_counter() - start) / copies)
+        plan.seconds[key] = {b: {k: statistics.median(v) for k, v in s.items()} for b, s in samples.items()}
+        plan.kernels[key] = {b: min(s, key=s.get) for b, s in plan.seconds[key].items()}
+        del weights, packed
+        if progress:
+            progress(done + 1, len(shapes), key)
+    return plan
+
+
+class LinearPath:
+    """Routes every `nn.Linear` through a plan while active (`with path.active(): ...`).
+
+    `nn.Linear.forward` is replaced once, process-wide, by a dispatcher that computes stock
+    `F.linear` unless a path is active in the current context: code outside the engine, and
+    every linear whose shape the plan does not name, runs exactly as before."""
+
+    def __init__(self, plan: LinearPlan | None):
+        self.plan = plan  # None: off (f_linear everywhere)
+        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, prepacked)
+
+    @contextlib.contextmanager
+    def active(self):
+        _install_dispatcher()
+        token = _ACTIVE.set(self if self.plan is not None else None)
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+
+    def packed(self, weight: torch.Tensor) -> torch.Tensor:
+        """The prepacked copy of `weight`, made on first use (warm-up pays it) and kept."""
+        entry = self._packed.get(id(weight))
+        if entry is None or entry[0] is not weight:
+            entry = self._packed[id(weight)] = (weight, prepack(weight))
+        return entry[1]
+
+    def describe(self) -> dict:
+        if self.plan is None:
+            return {"skinny_gemm": "off"}
+        return {"skinny_gemm": "measured", "buckets": list(BUCKETS), **self.plan.to_dict()}
+
+
+def _dispatch(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    path = _ACTIVE.get()
+    weight, bias = module.weight, module.bias
+    if path is None or x.dtype != weight.dtype or torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    kernel = path.plan.kernel(shape_key(weight, bias), x.numel() // x.shape[-1])
+    if kernel == "f_linear":
+        return F.linear(x, weight, bias)
+    return run_kernel(kernel, x, weight, bias, path.packed(weight) if kernel == "onednn" else None)
+
+
+def _install_dispatcher() -> None:
+    if nn.Linear.forward is not _dispatch:
+        nn.Linear.forward = _dispatch

@@ -1,0 +1,79 @@
+"""Method sizes that fit the machine: derived from the hardware profile when a method's size is `auto`.
+
+The profile (`hardware.latency_curve`) gives v(n) = t(n) / t(1), the cost of verifying n tokens in
+one target forward in units of a one-token forward; a drafter's cost per drafted token (or level),
+c, is measured on the spot in the same unit. With a per-position acceptance estimate α:
+
+* a chain of γ drafted tokens (SpS) yields on average E(γ) = (1 - α^(γ+1)) / (1 - α) tokens per step
+  (Leviathan et al. 2023) and costs γ·c + v(γ + 1): γ maximises E / cost;
+* a tree (EAGLE, Medusa static trees, MCSD, Jacobi blocks) is kept to the largest size whose
+  verification costs at most `VERIFY_BUDGET` one-token forwards: trees grow while verifying stays
+  nearly free, and stop where the curve bends.
+
+An explicit value in the config always wins; the chosen size and the numbers behind it go into
+the method's description (and so into every results folder).
+"""
+
+from __future__ import annotations
+
+VERIFY_BUDGET = 1.3  # a tree may cost at most this many one-token forwards to verify
+DEFAULT_ALPHA = 0.6  # per-position acceptance assumed for a draft without a model card
+
+
+def relative(curve: dict[int, float]) -> dict[int, float]:
+    one = curve[min(curve)]
+    return {n: s / one for n, s in sorted(curve.items())}
+
+
+def verify_cost(curve: dict[int, float], tokens: int) -> float:
+    """v(tokens), linearly interpolated between the measured sizes (extrapolated past the last)."""
+    rel = relative(curve)
+    sizes = sorted(rel)
+    if tokens <= sizes[0]:
+        return rel[sizes[0]]
+    for low, high in zip(sizes, sizes[1:]):
+        if tokens <= high:
+            w = (tokens - low) / (high - low)
+            return (1 - w) * rel[low] + w * rel[high]
+    low, high = sizes[-2], sizes[-1]
+    return rel[high] + (rel[high] - rel[low]) / (high - low) * (tokens - high)
+
+
+def chain_length(curve: dict[int, float], draft_cost: float, alpha: float, longest: int = 8) -> tuple[int, dict]:
+    """SpS γ: the chain length with the most expected tokens per unit of time."""
+    alpha = min(max(alpha, 0.0), 0.99)
+    rates = {}
+    for gamma in range(1, longest + 1):
+        expected = (1 - alpha ** (gamma + 1)) / (1 - alpha)
+        rates[gamma] = expected / (gamma * draft_cost + verify_cost(curve, gamma + 1))
+    best = max(rates, key=rates.get)
+    return best, {"alpha": alpha, "draft_cost": draft_cost, "expected_tokens_per_t1": rates}
+
+
+def tree_budget(curve: dict[int, float], budget: float = VERIFY_BUDGET, largest: int = 64) -> int:
+    """The most tokens one verification may hold: the largest n with v(n) <= budget (at least 2)."""
+    best = 2
+    for n in range(2, largest + 1):
+        if verify_cost(curve, n) <= budget:
+            best = n
+    return best
+
+
+def draft_cost(draft_runner, target_curve: dict[int, float], prefix: int = 256, repeats: int = 5) -> float:
+    """One draft forward of one token (its projection included), in units of the target's t(1)."""
+    from .runner import forward_latency
+
+    seconds = forward_latency(draft_runner, (1,), prefix, repeats)[1]
+    return seconds / target_curve[min(target_curve)]
+
+
+def held_out_acceptance(draft_folder: str | None, default: float = DEFAULT_ALPHA) -> float:
+    """A draft's first-position acceptance estimate: its model card's held-out teacher-forced
+    agreement (`training.json`, the suite's recipes write it), else `default`."""
+    import json
+    from pathlib import Path
+
+    file = Path(draft_folder or "") / "training.json"
+    if draft_folder and file.is_file():
+        return float(json.loads(file.read_text()).get("held_out_acceptance", {}).get("acc_1", default))
+    return default

@@ -1,0 +1,82 @@
+"""The engine's linear path: every kernel computes F.linear's result (same dtype class) for every
+shape and token count, the plan routes by measured choice, and nothing changes outside the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from methods.engine import hardware
+from methods.engine.linear import BUCKETS, KERNELS, LinearPath, LinearPlan, measure_plan, onednn_available, prepack, run_kernel, shape_key
+from methods.engine.runner import ModelRunner
+from tests.conftest import tiny_model
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("shape", [(576, 576), (192, 576), (1536, 576), (576, 1536), (4096, 64), (17, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_kernel_equals_f_linear(kernel, shape, bias):
+    if kernel == "onednn" and not onednn_available(torch.device("cpu")):
+        pytest.skip("oneDNN not available in this torch build")
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
+    b = torch.randn(shape[0], generator=gen) if bias else None
+    packed = prepack(weight) if kernel == "onednn" else None
+    for rows in (1, 2, 3, 4, 7, 8, 16, 24, 32, 40):
+        for lead in ((rows,), (1, rows)):  # with and without a batch dimension
+            x = torch.randn(*lead, shape[1], generator=gen)
+            got = run_kernel(kernel, x, weight, b, packed)
+            assert got.shape == (*lead, shape[0]) and got.dtype == torch.float32
+            torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_measured_plan_names_a_kernel_per_shape_and_bucket():
+    layer = nn.Linear(64, 48)
+    plan = measure_plan({shape_key(layer.weight, layer.bias): (layer.weight, layer.bias)}, rounds=1, cache_bytes=1 << 16)
+    chosen = plan.kernels["48x64+b"]
+    assert set(chosen) == set(BUCKETS) and set(chosen.values()) <= set(KERNELS)
+    assert all(set(plan.seconds["48x64+b"][b]) >= {"f_linear", "w_xt"} for b in BUCKETS)
+    assert LinearPlan.from_dict(plan.to_dict()).kernels == plan.kernels
+
+
+def test_the_path_routes_inside_the_engine_only(monkeypatch):
+    layer = nn.Linear(16, 8)
+    calls = []
+    original = run_kernel
+
+    def spy(kernel, *args):
+        calls.append(kernel)
+        return original(kernel, *args)
+
+    monkeypatch.setattr("methods.engine.linear.run_kernel", spy)
+    path = LinearPath(LinearPlan({"8x16+b": {b: "w_xt" for b in BUCKETS}}))
+    x = torch.randn(3, 16)
+    expected = F.linear(x, layer.weight, layer.bias)
+    with torch.inference_mode():
+        with path.active():
+            torch.testing.assert_close(layer(x), expected)
+            layer(torch.randn(40, 16))  # above the largest bucket: a prefill stays on F.linear
+        assert calls == ["w_xt"]
+        layer(x)  # outside: stock
+    assert calls == ["w_xt"]
+    with LinearPath(None).active(), torch.inference_mode():  # off
+        layer(x)
+    assert calls == ["w_xt"]
+
+
+def test_off_switch_and_bad_mode():
+    model = tiny_model("llama", seed=3, vocab_size=32, hidden=32, layers=1)
+    assert ModelRunner(model, skinny_gemm="off").linear.plan is None
+    with pytest.raises(ValueError, match="engine.skinny_gemm='fast'; valid: auto, off"):
+        ModelRunner(model, skinny_gemm="fast")
+
+
+def test_auto_dtype_follows_the_cpu_and_says_why():
+    cpu = torch.device("cpu")
+    assert hardware.auto_dtype(cpu, {"avx2", "fma"}) == (torch.float32, hardware.auto_dtype(cpu, {"avx2"})[1])
+    dtype, why = hardware.auto_dtype(cpu, {"avx2", "avx512f", "avx512_bf16"})
+    assert dtype == torch.bfloat16 and "native bf16" in why
+    assert "emulated" in hardware.auto_dtype(cpu, {"avx2"})[1]
+    assert hardware.cpu_isa({"avx2", "avx512f"}) == "avx512" and hardware.cpu_isa({"amx_bf16"}) == "amx"

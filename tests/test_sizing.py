@@ -1,0 +1,65 @@
+"""Sizes from the hardware profile: `auto` picks what the measured latency curve says fits, an
+explicit value wins, and every choice is recorded with the numbers behind it."""
+
+from __future__ import annotations
+
+import pytest
+
+from methods.base import BuildContext, get_method
+from methods.engine import hardware
+from methods.engine.runner import ModelRunner
+from methods.engine.sizing import chain_length, tree_budget, verify_cost
+from methods.engine.static_trees import MEDUSA_MC_SIM_7B_63, StaticTree
+from tests.conftest import tiny_model
+
+FLAT = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0, 64: 1.0}  # a GPU-like curve
+CPU = {1: 1.0, 2: 1.1, 4: 1.15, 8: 1.25, 16: 1.6, 32: 2.3, 64: 4.6}  # a 2-core CPU's
+
+
+def test_tree_budget_follows_the_curve():
+    assert tree_budget(FLAT) == 64
+    assert tree_budget(CPU) == 9  # v(9) = 1.25 + 0.35 / 8 < 1.3 < v(10)
+    assert tree_budget({1: 1.0, 2: 2.0, 4: 4.0}) == 2
+    assert verify_cost(CPU, 12) == pytest.approx(1.425) and verify_cost(CPU, 128) == pytest.approx(9.2)
+
+
+def test_chain_length_trades_acceptance_against_draft_and_verify_cost():
+    cheap_flat, _ = chain_length(FLAT, draft_cost=0.02, alpha=0.8)
+    costly_cpu, record = chain_length(CPU, draft_cost=0.3, alpha=0.5)
+    assert cheap_flat >= 6 and costly_cpu <= 2
+    assert record["alpha"] == 0.5 and set(record["expected_tokens_per_t1"]) == set(range(1, 9))
+    assert chain_length(CPU, 0.1, 0.9)[0] > chain_length(CPU, 0.1, 0.3)[0]
+
+
+def test_static_tree_prefix_keeps_the_published_order():
+    tree = StaticTree.build("medusa_mc_sim_7b_63", nodes=5)
+    assert [list(p) for p in sorted(tree.paths)] == sorted(MEDUSA_MC_SIM_7B_63[:5])
+
+
+@pytest.mark.parametrize("method, params, key", [
+    ("sps", {"draft": {"target_layers": 1}}, "gamma"), ("mcsd", {"draft": {"target_layers": 1}}, "k_config"),
+    ("jacobi", {}, "block_size"),
+])
+def test_auto_sizes_come_from_the_cached_profile_and_explicit_values_win(tmp_path, monkeypatch, method, params, key):
+    monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
+    target = tiny_model("llama", seed=70, vocab_size=32, layers=2)
+    context = BuildContext(target, "tiny", {})
+    decoder = get_method(method)(ModelRunner(target), {"name": method, **params}, context)
+    sizing = decoder.describe()["sizing"]
+    assert sizing[key] == "auto" and "chosen" in sizing
+    curves = list((tmp_path / "profiles").glob("*/curve-tiny-*.json"))
+    assert len(curves) == 1  # measured once, cached ...
+    before = curves[0].stat().st_mtime_ns
+    get_method(method)(ModelRunner(target), {"name": method, **params}, context)
+    assert curves[0].stat().st_mtime_ns == before  # ... and reused
+    explicit = {"sps": {"gamma": 2}, "mcsd": {"k_config": [2, 1]}, "jacobi": {"block_size": 3}}[method]
+    decoder = get_method(method)(ModelRunner(target), {"name": method, **params, **explicit}, context)
+    assert "sizing" not in decoder.describe()
+
+
+def test_latency_curve_cache_is_per_model_shape(tmp_path, monkeypatch):
+    monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
+    small, large = tiny_model("llama", seed=1, hidden=32, layers=1), tiny_model("llama", seed=1, hidden=64, layers=1)
+    hardware.latency_curve(ModelRunner(small), "tiny", sizes=(1, 2), repeats=1)
+    hardware.latency_curve(ModelRunner(large), "tiny", sizes=(1, 2), repeats=1)
+    assert len(list((tmp_path / "profiles").glob("*/curve-tiny-*.json"))) == 2
