@@ -8,6 +8,8 @@ decoder's own previous answer); both records are appended as soon as the questio
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -23,14 +25,17 @@ from harness.metrics import format_summary, summarize
 from harness.quality import score_records
 from harness.prompts import ChatTemplate, Message
 from harness.results import RunFolder, settings_hash, write_json
-from methods.base import BuildContext, Decoder, available_methods, get_method
+from harness.validate import validate
+from methods.base import BuildContext, Decoder, get_method
 from methods.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
-from methods.models.specs import ModelSpec
+from methods.models.specs import ModelSpec, ModelUnavailableError
 from methods.engine.hardware import auto_dtype
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 
 log = logging.getLogger("harness")
+# Errors that a user's setting or missing file causes: one line and exit code 2, not a traceback
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, ModelUnavailableError)
 BASELINE = "ar"
 TEMPLATE_ALLOWANCE = 64  # tokens left for the chat template around a truncated prompt
 
@@ -40,8 +45,6 @@ class Benchmark:
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
-        if cfg.method.name not in available_methods():
-            raise ValueError(f"unknown method {cfg.method.name!r}; valid methods: {', '.join(available_methods())}")
         if cfg.threads:
             torch.set_num_threads(int(cfg.threads))
         self.device = resolve_device(cfg.device)
@@ -132,6 +135,7 @@ SELECTION_KEYS = ("categories", "sample", "path", "fallback_paths", "prepare_hin
 
 
 def run(cfg: DictConfig) -> dict:
+    validate(cfg)  # before anything loads: a bad value costs seconds, not a model load
     bench = Benchmark(cfg)
     questions = load_questions(cfg.dataset, cfg.limit)
     env = environment(bench.device)
@@ -220,7 +224,13 @@ def main(cfg: DictConfig) -> None:
 
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:
-        run(cfg)
+        try:
+            run(cfg)
+        except USER_ERRORS as err:
+            if os.environ.get("DECODEBENCH_DEBUG"):
+                raise
+            print(f"error: {err} (DECODEBENCH_DEBUG=1 shows the traceback)", file=sys.stderr)
+            sys.exit(2)
         return
     job_file = Path(hydra_cfg.runtime.output_dir) / "job.json"
     record = {"job": hydra_cfg.job.num, "overrides": list(hydra_cfg.overrides.task)}

@@ -22,6 +22,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 
 from .engine.acceptance import Acceptance, greedy_accept, sample_accept
+from .engine.params import Check, ConfigError, check_params
 from .engine.runner import ForwardOutput, ModelRunner
 from .engine.sampling import SamplingConfig, logits_to_probs, sample
 from .engine.stopping import StopCondition
@@ -172,16 +173,28 @@ class BuildContext:
 # A factory builds a decoder: factory(target: ModelRunner, params: dict, context: BuildContext)
 DecoderFactory = Callable[..., Decoder]
 _REGISTRY: dict[str, DecoderFactory] = {}
+_PARAMS: dict[str, dict[str, Check]] = {}
 
 
-def register(name: str) -> Callable[[DecoderFactory], DecoderFactory]:
+def register(name: str, params: dict[str, Check] | None = None) -> Callable[[DecoderFactory], DecoderFactory]:
+    """Register a method's factory by name, with the schema of its settings (`engine/params.py`):
+    the harness checks a run's `method.*` keys against it before loading any model."""
     def wrap(factory: DecoderFactory) -> DecoderFactory:
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} registered twice")
         _REGISTRY[name] = factory
+        _PARAMS[name] = dict(params or {})
         return factory
 
     return wrap
+
+
+def check_method_params(name: str, params: dict) -> None:
+    """Raise ConfigError naming the key, the bad value and the valid ones (unknown method included)."""
+    methods = available_methods()
+    if name not in _REGISTRY:
+        raise ConfigError("method", name, ", ".join(methods))
+    check_params("method", params, _PARAMS[name])
 
 
 def available_methods() -> list[str]:
@@ -198,10 +211,17 @@ def available_methods() -> list[str]:
 
 
 def get_method(name: str) -> DecoderFactory:
+    """The method's factory; its settings are checked against the method's schema first."""
     methods = available_methods()
     if name not in _REGISTRY:
         raise KeyError(f"unknown method {name!r}; valid methods: {', '.join(methods)}")
-    return _REGISTRY[name]
+    factory = _REGISTRY[name]
+
+    def build(target, params: dict | None = None, context: BuildContext | None = None) -> Decoder:
+        check_params("method", params or {}, _PARAMS[name])
+        return factory(target, params or {}, context)
+
+    return build
 
 
 # ------------------------------------------------------------------------------------------

@@ -34,7 +34,9 @@ from .engine.kv_cache import TreeKVCache
 from .models.heads.checkpoints import head_spec
 from .engine.hardware import latency_curve
 from .engine.runner import forward_latency
-from .engine.static_trees import StaticTree
+from .engine.params import integer, mapping, null, one_of, paths
+from .engine.static_trees import NAMED_TREES, StaticTree
+from .engine.vocab import DRAFT_VOCAB
 from .engine.tree import Tree, ancestors_of, attention_mask, level_mask
 
 
@@ -274,7 +276,8 @@ class Eagle2Decoder(_EagleBase):
         return best
 
 
-@register("eagle")
+@register("eagle", params={"tree": one_of("auto", *NAMED_TREES) | paths(), "head": null() | mapping(),
+                           "draft_vocab": DRAFT_VOCAB})
 def build_eagle(target, params: dict, context: BuildContext) -> EagleDecoder:
     head = load_eagle_head(head_spec(params, context, "eagle"), context.target_model)
     tree, sizing = params.get("tree", "auto"), None
@@ -288,12 +291,11 @@ def build_eagle(target, params: dict, context: BuildContext) -> EagleDecoder:
     return decoder
 
 
-@register("eagle2")
+@register("eagle2", params={"total_tokens": one_of("adaptive", "auto") | integer(2), "depth": integer(0),
+                            "top_k": integer(1), "head": null() | mapping(), "draft_vocab": DRAFT_VOCAB})
 def build_eagle2(target, params: dict, context: BuildContext) -> Eagle2Decoder:
     head = load_eagle_head(head_spec(params, context, "eagle"), context.target_model)
     total = params.get("total_tokens", "adaptive")
-    if isinstance(total, str) and total not in ("auto", "adaptive"):
-        raise ValueError(f"eagle2 total_tokens={total!r}; valid: an integer >= 2, auto (EAGLE-2's -1), adaptive")
     decoder = Eagle2Decoder(target, head, total_tokens=60 if isinstance(total, str) else int(total),
                             depth=int(params.get("depth", 5)), top_k=int(params.get("top_k", 10)),
                             vocabulary=context.draft_vocabulary(params))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .base import BuildContext, DraftVerifyDecoder, register
+from .engine.params import integer, null, one_of
 from .engine.sampling import SamplingConfig
 from .engine.tree import Tree
 
@@ -80,7 +81,8 @@ class JacobiDecoder(DraftVerifyDecoder):
             self.guess += [self.pad_token] * (self.remaining - len(self.guess))
 
 
-@register("jacobi")
+@register("jacobi", params={"block_size": null() | one_of("auto") | integer(2),
+                            "initial_guess": one_of(*INITIAL_GUESSES), "seed": integer()})
 def build(target, params: dict, context: BuildContext) -> JacobiDecoder:
     # a CLLM's own block size wins over `auto` (it was trained for it); else the machine's verify budget
     block, sizing = params.get("block_size") or context.model_config.get("jacobi_block_size") or "auto", None

@@ -27,6 +27,7 @@ import torch
 
 from .ar import AutoregressiveDecoder
 from .base import BuildContext, register
+from .engine.params import Check
 from .engine.runner import ForwardOutput, ModelRunner
 from .engine.sampling import SamplingConfig
 
@@ -201,7 +202,9 @@ class LazyLLMDecoder(AutoregressiveDecoder):
         return out
 
 
-@register("lazyllm")
+@register("lazyllm", params={"schedule": Check(
+    lambda v: len(v) > 0 and all(len(p) == 2 and 0 <= p[0] and 0 < p[1] <= 1 for p in v),
+    "a list of [layer, keep] pairs: layer an index or a fraction of the depth, keep in (0, 1]")})
 def build(target, params: dict, context: BuildContext) -> LazyLLMDecoder:
     schedule = params.get("schedule") or DEFAULT_SCHEDULE
     return LazyLLMDecoder(context.target_model, [tuple(entry) for entry in schedule])

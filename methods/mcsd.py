@@ -17,7 +17,9 @@ import torch
 from .base import BuildContext, DraftVerifyDecoder, register
 from .models.draft_lm import DraftLM
 from .models.loading import load_draft_lm
+from .engine.params import BOOL, int_list, integer, mapping, null, one_of
 from .engine.tree import Tree
+from .engine.vocab import DRAFT_VOCAB
 
 
 class MultiCandidateDecoder(DraftVerifyDecoder):
@@ -75,7 +77,8 @@ def tree_nodes(k_config) -> int:
     return nodes
 
 
-@register("mcsd")
+@register("mcsd", params={"k_config": one_of("auto") | int_list(1) | integer(1), "replacement": BOOL,
+                          "draft": null() | mapping(), "draft_vocab": DRAFT_VOCAB})
 def build(target, params: dict, context: BuildContext) -> MultiCandidateDecoder:
     spec = params.get("draft") or context.draft_spec("sps", "mcsd")
     choice, sizing = params.get("k_config", "auto"), None

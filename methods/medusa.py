@@ -16,7 +16,9 @@ from .base import BuildContext, DraftVerifyDecoder, register
 from .models.heads.medusa import MedusaHeads, load_medusa_heads
 from .models.heads.checkpoints import head_spec
 from .engine.sampling import logits_to_probs
-from .engine.static_trees import MEDUSA_MC_SIM_7B_63, StaticTree
+from .engine.params import mapping, null, number, one_of, paths
+from .engine.static_trees import MEDUSA_MC_SIM_7B_63, NAMED_TREES, StaticTree
+from .engine.vocab import DRAFT_VOCAB
 from .engine.tree import Tree
 
 ACCEPTANCE = ("exact", "typical")
@@ -67,7 +69,9 @@ class MedusaDecoder(DraftVerifyDecoder):
         return super()._accept(tree, logits)
 
 
-@register("medusa")
+@register("medusa", params={
+    "tree": one_of("auto", *NAMED_TREES) | paths(), "acceptance": one_of(*ACCEPTANCE),
+    "typical_epsilon": number(0, 1), "typical_delta": number(0), "head": null() | mapping(), "draft_vocab": DRAFT_VOCAB})
 def build(target, params: dict, context: BuildContext) -> MedusaDecoder:
     heads = load_medusa_heads(head_spec(params, context, "medusa"), context.target_model)
     tree, sizing = params.get("tree", "auto"), None

@@ -9,7 +9,9 @@ code with that configuration.
 from __future__ import annotations
 
 from .base import BuildContext, Decoder, register
+from .engine.params import integer, mapping, null, one_of
 from .engine.sizing import chain_length, draft_cost, held_out_acceptance
+from .engine.vocab import DRAFT_VOCAB
 from .models.specs import ModelSpec
 from .models.loading import load_draft_lm
 from .mcsd import MultiCandidateDecoder
@@ -32,11 +34,9 @@ class SpeculativeSamplingDecoder(MultiCandidateDecoder):
                 "draft_vocab": len(self.vocabulary) if self.vocabulary else None}
 
 
-@register("sps")
+@register("sps", params={"gamma": one_of("auto") | integer(1), "draft": null() | mapping(), "draft_vocab": DRAFT_VOCAB})
 def build(target, params: dict, context: BuildContext) -> SpeculativeSamplingDecoder:
     gamma = params.get("gamma", "auto")
-    if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int)):
-        raise ValueError(f"sps gamma={gamma!r}; valid: auto or a draft length >= 1")
     spec = params.get("draft") or context.draft_spec("sps", "sps")
     draft = load_draft_lm(spec, context.target_model)
     decoder = SpeculativeSamplingDecoder(target, draft, gamma=1 if gamma == "auto" else gamma,

@@ -11,6 +11,7 @@ import torch
 from harness.results import read_jsonl
 from harness.run import run
 from methods.base import DraftVerifyDecoder, available_methods, register
+from methods.engine.params import integer
 from methods.engine.tree import Tree
 from tests.test_harness import config, tiny_overrides
 
@@ -29,7 +30,7 @@ class RepeatDecoder(DraftVerifyDecoder):
         return Tree(torch.tensor([root] * (count + 1)), list(range(-1, count)))
 
 
-@register("toy-repeat")
+@register("toy-repeat", params={"length": integer(1)})
 def build(target, params, context) -> RepeatDecoder:
     return RepeatDecoder(target, int(params.get("length", 3)))
 

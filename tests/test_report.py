@@ -131,7 +131,7 @@ def test_sweep_through_submitit_local_reports_results_and_failures(tmp_path, tin
     assert done.returncode != 0
     jobs = job_status(sweep_dir)
     assert [j["status"] for j in jobs] == ["failed", "ok", "ok"]
-    assert "gamma (draft length) must be >= 1" in jobs[0]["error"]
+    assert "method.gamma=0: valid: auto or an integer >= 1" in jobs[0]["error"]
     for job in jobs[1:]:
         assert (Path(job["results"]) / "summary.json").is_file()
     listing = subprocess.run([sys.executable, "-m", "harness.report", "--jobs", str(sweep_dir)], cwd=REPO,

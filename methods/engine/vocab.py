@@ -22,6 +22,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .params import integer, one_of
+
+DRAFT_VOCAB = one_of("auto", "full") | integer(1)  # method.draft_vocab
+
 
 class DraftVocabulary:
     """The target ids a draft may propose, and its projection onto them."""

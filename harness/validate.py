@@ -1,0 +1,51 @@
+"""The composed config, checked before anything loads: types, ranges, choices and the method's own
+settings (each method's schema, registered with it), so that a bad value stops a run in seconds
+with one line naming the key, the bad value and the valid ones (`python -m harness.run` exits 2).
+
+Every key a run accepts, and what it accepts, is in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from methods.base import check_method_params
+from methods.engine.hardware import SKINNY_GEMM_MODES
+from methods.engine.params import BOOL, Check, ConfigError, integer, null, number, one_of
+from methods.models.loading import DTYPES
+
+TEXT = Check(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
+SCHEMA: dict[str, Check] = {
+    "limit": null() | integer(1),
+    "max_new_tokens": null() | integer(1),
+    "temperature": number(0),
+    "top_p": number(0, 1, low_open=True),
+    "top_k": integer(0),
+    "seed": integer(),
+    "dtype": one_of("auto", *DTYPES),
+    "device": Check(lambda v: v in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", v) is not None, "auto, cpu, cuda or cuda:N"),
+    "threads": null() | integer(1),
+    "warmup": integer(0),
+    "baseline": BOOL,
+    "resume": BOOL,
+    "results_dir": TEXT,
+    "run_name": null() | Check(lambda v: isinstance(v, str) and v.strip() != "" and "/" not in v, "a folder name"),
+    "engine.skinny_gemm": one_of(*SKINNY_GEMM_MODES),
+}
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError for the first bad value."""
+    for key, check in SCHEMA.items():
+        value = OmegaConf.select(cfg, key)
+        if not check(value):
+            raise ConfigError(key, value, check.valid)
+    path = cfg.model.get("path")
+    if path and str(path).startswith(("/", "./", "../", "~")) and not Path(str(path)).expanduser().exists():
+        raise ConfigError("model.path", path, "an existing local folder (a Hugging Face model, or one holding the "
+                          "model's gguf_file) or a Hugging Face Hub id")
+    params = OmegaConf.to_container(cfg.method, resolve=True)
+    check_method_params(params.get("name"), params)
