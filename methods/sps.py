@@ -4,17 +4,26 @@ The draft proposes a chain of γ tokens, one draft forward each; the target veri
 one forward; acceptance is greedy (argmax match) or speculative sampling with the residual
 distribution. A chain is the multi-candidate tree with k-config (1, ..., 1), so SpS is MCSD's
 code with that configuration.
+
+`gamma: auto` sizes the chain for the most expected tokens per unit of time on this machine
+(`engine/sizing.py`: the target's latency curve, the draft's measured cost per token) and keeps
+doing so as the run goes: the acceptance estimate starts at the draft's model-card value (worth
+`PRIOR_TESTS` tested positions) and follows the positions actually tested and accepted, so a
+draft that accepts less on the benchmark than on its training answers gets shorter chains.
 """
 
 from __future__ import annotations
 
 from .base import BuildContext, Decoder, register
 from .engine.params import integer, mapping, null, one_of
-from .engine.sizing import chain_length, draft_cost, held_out_acceptance
+from .engine.sizing import chain_length, draft_cost, held_out_acceptance, relative
 from .engine.vocab import DRAFT_VOCAB
 from .models.specs import ModelSpec
 from .models.loading import load_draft_lm
 from .mcsd import MultiCandidateDecoder
+
+
+PRIOR_TESTS = 20  # weight of the model card's acceptance in the running estimate, in tested positions
 
 
 class SpeculativeSamplingDecoder(MultiCandidateDecoder):
@@ -23,6 +32,25 @@ class SpeculativeSamplingDecoder(MultiCandidateDecoder):
     def __init__(self, target, draft_model, gamma: int = 4, vocabulary=None):
         super().__init__(target, draft_model, k_config=(1,), replacement=True, vocabulary=vocabulary)
         self.set_gamma(gamma)
+        self.auto: dict | None = None  # gamma=auto: the curve, the draft's cost, the acceptance counts
+
+    def size_automatically(self, curve: dict[int, float], cost: float, alpha: float) -> None:
+        self.auto = {"curve": curve, "cost": cost, "prior": alpha, "tested": 0, "accepted": 0, "steps": {}}
+        self.set_gamma(chain_length(curve, cost, alpha)[0])
+
+    def advance(self, tree, acceptance, verified) -> None:
+        super().advance(tree, acceptance, verified)
+        if self.auto is not None and len(tree) > 1:
+            auto = self.auto
+            drafted = len(tree) - 1
+            auto["accepted"] += acceptance.accepted_drafts
+            auto["tested"] += min(acceptance.accepted_drafts + 1, drafted)
+            auto["steps"][self.gamma] = auto["steps"].get(self.gamma, 0) + 1
+            self.set_gamma(chain_length(auto["curve"], auto["cost"], self.alpha_estimate())[0])
+
+    def alpha_estimate(self) -> float:
+        auto = self.auto
+        return (auto["prior"] * PRIOR_TESTS + auto["accepted"]) / (PRIOR_TESTS + auto["tested"])
 
     def set_gamma(self, gamma: int) -> None:
         if gamma < 1:
@@ -30,8 +58,16 @@ class SpeculativeSamplingDecoder(MultiCandidateDecoder):
         self.gamma, self.k_config = gamma, (1,) * gamma
 
     def describe(self):
-        return {**Decoder.describe(self), "gamma": self.gamma,
-                "draft_vocab": len(self.vocabulary) if self.vocabulary else None}
+        described = {**Decoder.describe(self), "gamma": self.gamma,
+                     "draft_vocab": len(self.vocabulary) if self.vocabulary else None}
+        if self.auto is not None:
+            auto = self.auto
+            described["gamma"] = "auto"
+            described["sizing"] = {"gamma": "auto", "draft_cost": auto["cost"], "alpha_prior": auto["prior"],
+                                   "alpha_measured": self.alpha_estimate(), "tested": auto["tested"],
+                                   "steps_by_gamma": dict(sorted(auto["steps"].items())),
+                                   "curve_t1": {n: round(v, 3) for n, v in relative(auto["curve"]).items()}}
+        return described
 
 
 @register("sps", params={"gamma": one_of("auto") | integer(1), "draft": null() | mapping(), "draft_vocab": DRAFT_VOCAB})
@@ -43,9 +79,6 @@ def build(target, params: dict, context: BuildContext) -> SpeculativeSamplingDec
                                          vocabulary=context.draft_vocabulary(params, draft.get_output_embeddings().out_features))
     if gamma == "auto":  # the chain length with the most expected tokens per second on this machine
         curve = context.latency_curve(target)
-        cost = draft_cost(decoder.draft.runner, curve)
-        alpha = held_out_acceptance(ModelSpec.from_mapping(spec).path if spec.get("path") else None)
-        best, record = chain_length(curve, cost, alpha)
-        decoder.set_gamma(best)
-        decoder.sizing = {"gamma": "auto", "chosen": best, **record}
+        decoder.size_automatically(curve, draft_cost(decoder.draft.runner, curve),
+                                   held_out_acceptance(ModelSpec.from_mapping(spec).path if spec.get("path") else None))
     return decoder

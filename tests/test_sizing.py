@@ -46,7 +46,7 @@ def test_auto_sizes_come_from_the_cached_profile_and_explicit_values_win(tmp_pat
     context = BuildContext(target, "tiny", {})
     decoder = get_method(method)(ModelRunner(target), {"name": method, **params}, context)
     sizing = decoder.describe()["sizing"]
-    assert sizing[key] == "auto" and "chosen" in sizing
+    assert sizing[key] == "auto" and ("chosen" in sizing or "alpha_measured" in sizing)
     curves = list((tmp_path / "profiles").glob("*/curve-tiny-*.json"))
     assert len(curves) == 1  # measured once, cached ...
     before = curves[0].stat().st_mtime_ns
@@ -63,3 +63,19 @@ def test_latency_curve_cache_is_per_model_shape(tmp_path, monkeypatch):
     hardware.latency_curve(ModelRunner(small), "tiny", sizes=(1, 2), repeats=1)
     hardware.latency_curve(ModelRunner(large), "tiny", sizes=(1, 2), repeats=1)
     assert len(list((tmp_path / "profiles").glob("*/curve-tiny-*.json"))) == 2
+
+
+def test_sps_auto_gamma_follows_the_acceptance_it_measures():
+    """A draft that accepts far less than its model card says gets shorter chains as the run goes."""
+    from methods.engine.stopping import StopCondition
+    from methods.sps import SpeculativeSamplingDecoder
+
+    target = tiny_model("llama", seed=71, vocab_size=256, layers=2)
+    stranger = tiny_model("llama", seed=72, vocab_size=256, layers=1)  # an unrelated draft: accepts ~nothing
+    decoder = SpeculativeSamplingDecoder(ModelRunner(target), stranger)
+    decoder.size_automatically(CPU, cost=0.05, alpha=0.9)
+    assert decoder.gamma >= 4
+    decoder.generate([1, 2, 3, 4, 5], StopCondition(60))
+    sizing = decoder.describe()["sizing"]
+    assert sizing["alpha_measured"] < 0.5 and decoder.gamma <= 2
+    assert sum(sizing["steps_by_gamma"].values()) > 10 and min(sizing["steps_by_gamma"]) <= 2
