@@ -34,6 +34,7 @@ from .engine.kv_cache import TreeKVCache
 from .models.heads.checkpoints import head_spec
 from .engine.hardware import latency_curve
 from .engine.runner import forward_latency
+from .engine.sizing import verify_cost
 from .engine.params import integer, mapping, null, one_of, paths
 from .engine.static_trees import NAMED_TREES, StaticTree
 from .engine.vocab import DRAFT_VOCAB
@@ -247,16 +248,7 @@ class Eagle2Decoder(_EagleBase):
 
     def verify_time(self, tokens: int) -> float:
         """Seconds of a target forward of `tokens` tokens, interpolated from the measured sizes."""
-        sizes = sorted(self.verify_seconds)
-        if tokens <= sizes[0]:
-            return self.verify_seconds[sizes[0]]
-        for low, high in zip(sizes, sizes[1:]):
-            if tokens <= high:
-                weight = (tokens - low) / (high - low)
-                return (1 - weight) * self.verify_seconds[low] + weight * self.verify_seconds[high]
-        low, high = sizes[-2], sizes[-1]
-        slope = (self.verify_seconds[high] - self.verify_seconds[low]) / (high - low)
-        return self.verify_seconds[high] + slope * (tokens - high)
+        return verify_cost(self.verify_seconds, tokens) * self.verify_seconds[min(self.verify_seconds)]
 
     def measure_verify_latency(self, model_name: str, sizes=(1, 2, 4, 8, 16, 32, 64)) -> None:
         """`total_tokens: adaptive`: the target's forward latency curve from the hardware profile
