@@ -168,13 +168,19 @@ def run(cfg: DictConfig) -> dict:
     todo = [q for q in questions if any(q.question_id not in done for done in finished.values())]
     log.info("results in %s: %d questions, %d already finished", folders[method].path, len(questions),
              len(questions) - len(todo))
-    if todo:
-        bench.warm_up(todo[0])
-    for question in tqdm(todo, desc=f"{method} on {cfg.dataset.name}", unit="q"):
-        for name, decoder in bench.decoders.items():  # AR first, then the method, per question
-            if question.question_id not in finished[name]:
-                folders[name].append(bench.answer(decoder, question))
     ids = [q.question_id for q in questions]
+    try:
+        if todo:
+            log.info("warming up: %d untimed generation(s) per decoder", int(cfg.warmup))
+            bench.warm_up(todo[0])
+        for question in tqdm(todo, desc=f"{method} on {cfg.dataset.name}", unit="q"):
+            for name, decoder in bench.decoders.items():  # AR first, then the method, per question
+                if question.question_id not in finished[name]:
+                    folders[name].append(bench.answer(decoder, question))
+    except KeyboardInterrupt:
+        saved = len(folders[method].records(ids))
+        raise Interrupted(f"interrupted: {saved} of {len(ids)} questions saved in {folders[method].path}; "
+                          "run the same command again to resume") from None
     meta = {
         "model": cfg.model.name, "dataset": cfg.dataset.name, "dtype": dtype_name,
         "device": str(bench.device), "hardware": env["gpu"] or f"{env['cpu']} ({env['cpu_isa']})", "environment": env,
@@ -197,6 +203,10 @@ def run(cfg: DictConfig) -> dict:
     print(format_summary(summary))
     print(f"results: {folders[method].path}")
     return summary
+
+
+class Interrupted(RuntimeError):
+    """Ctrl-C during a run: what is saved and how to resume, in one line."""
 
 
 def check_baseline_prompts(bench: Benchmark, folder: RunFolder, questions: list[Question], finished: set) -> None:
@@ -226,6 +236,9 @@ def main(cfg: DictConfig) -> None:
     if hydra_cfg.mode != RunMode.MULTIRUN:
         try:
             run(cfg)
+        except Interrupted as err:
+            print(err, file=sys.stderr)
+            sys.exit(130)
         except USER_ERRORS as err:
             if os.environ.get("DECODEBENCH_DEBUG"):
                 raise

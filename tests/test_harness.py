@@ -108,6 +108,25 @@ def test_interrupted_run_resumes_without_duplicates(tiny_model_dir, questions_fi
     assert {r["question_id"]: r["tstamp"] for r in read_jsonl(baseline_file)} == baseline_stamps
 
 
+def test_ctrl_c_says_what_is_saved_and_how_to_resume(tiny_model_dir, questions_file, tmp_path, monkeypatch):
+    from harness.run import Benchmark, Interrupted
+
+    overrides = tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=sps", "limit=3", "warmup=0")
+    answer, calls = Benchmark.answer, []
+
+    def interrupted_on_the_second_question(self, decoder, question, max_new_tokens=None):
+        calls.append(question.question_id)
+        if len(calls) == 3:  # AR and SpS answered the first question; Ctrl-C during the second
+            raise KeyboardInterrupt
+        return answer(self, decoder, question, max_new_tokens)
+
+    monkeypatch.setattr(Benchmark, "answer", interrupted_on_the_second_question)
+    with pytest.raises(Interrupted, match=r"interrupted: 1 of 3 questions saved in .*sps.*run the same command again"):
+        run(config(*overrides))
+    monkeypatch.setattr(Benchmark, "answer", answer)
+    assert run(config(*overrides))["questions"] == 3  # and it resumes
+
+
 def test_methods_share_one_baseline_per_setting(tiny_model_dir, questions_file, tmp_path):
     first = run(config(*tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=sps", "limit=2")))
     baseline_file = Path(first["baseline_results"]) / "answers" / "ar.jsonl"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import re
@@ -23,6 +24,7 @@ from .storage import cache_root
 from .linear import LinearPath, LinearPlan, linear_shapes, measure_plan
 
 SKINNY_GEMM_MODES = ("auto", "off")
+log = logging.getLogger(__name__)
 
 
 def cpu_flags() -> set[str]:
@@ -119,6 +121,7 @@ def linear_path(models, mode: str = "auto", progress=None) -> LinearPath:
         path = _PATHS[key] = LinearPath(_load_plan(device, dtype))
     shapes = {k: v for k, v in linear_shapes(*models).items() if k not in path.plan.kernels}
     if shapes:
+        log.info("measuring the linear path for %d weight shape(s) (once per machine and dtype, then cached)", len(shapes))
         measured = measure_plan(shapes, progress=progress)
         path.plan.kernels.update(measured.kernels)
         path.plan.seconds.update(measured.seconds)
@@ -201,6 +204,8 @@ def latency_curve(runner, model_name: str, sizes=(1, 2, 4, 8, 16, 32, 64), prefi
         stored = json.loads(file.read_text())
         if stored.get("prefix") == prefix and set(map(int, stored["seconds"])) >= set(sizes):
             return {int(n): s for n, s in stored["seconds"].items() if int(n) in sizes}
+    log.info("measuring %s's forward latency at %s tokens (once per machine, model and dtype, then cached)",
+             model_name, ", ".join(map(str, sizes)))
     seconds = forward_latency(runner, sizes, prefix, repeats)
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_suffix(f".{os.getpid()}.tmp")
