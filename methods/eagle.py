@@ -32,8 +32,7 @@ from .base import BuildContext, DraftVerifyDecoder, register
 from .models.heads.eagle import EagleHead, load_eagle_head
 from .engine.kv_cache import TreeKVCache
 from .models.heads.checkpoints import head_spec
-from .engine.hardware import latency_curve
-from .engine.runner import forward_latency
+from .engine.hardware import forward_latency, latency_curve
 from .engine.sizing import verify_cost
 from .engine.params import integer, mapping, null, one_of, paths
 from .engine.static_trees import NAMED_TREES, StaticTree

@@ -16,7 +16,10 @@ import logging
 import os
 import platform
 import re
+import statistics
+import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -189,13 +192,33 @@ def weight_bytes(model) -> int:
 # The target's forward-latency curve, cached
 
 
+def forward_latency(runner, sizes: Sequence[int], prefix_length: int = 256, repeats: int = 5) -> dict[int, float]:
+    """Median seconds of one forward of `size` tokens after a `prefix_length`-token prefix, per
+    size: the hardware curve that decides how large a draft tree can be before it stops paying.
+    Leaves the runner empty."""
+    runner.reset()
+    runner.prefill([0] * prefix_length)
+    seconds = {}
+    for size in sizes:
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            runner.forward([0] * size)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - start)
+            runner.rollback(prefix_length)
+        seconds[size] = statistics.median(samples)
+    runner.reset()
+    return seconds
+
+
+
 def latency_curve(runner, model_name: str, sizes=(1, 2, 4, 8, 16, 32, 64), prefix: int = 256,
                   repeats: int = 5, refresh: bool = False) -> dict[int, float]:
     """Median seconds of one forward of n tokens after a `prefix`-token prefix, for each n: measured
     once per (machine, model, dtype, linear path) and kept in the profile folder. It decides how
     large a draft tree can be before verifying it stops paying (EAGLE-2 `adaptive`, `make perf`)."""
-    from .runner import forward_latency
-
     mode = runner.skinny_gemm
     shape = hashlib.sha1(json.dumps(runner.config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:8]
     dtype = str(runner.dtype).replace("torch.", "")

@@ -15,8 +15,6 @@ for stock `F.linear`).
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -133,24 +131,3 @@ class ModelRunner:
 
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
-
-
-def forward_latency(runner: ModelRunner, sizes: Sequence[int], prefix_length: int = 256, repeats: int = 5) -> dict[int, float]:
-    """Median seconds of one forward of `size` tokens after a `prefix_length`-token prefix, per
-    size: the hardware curve that decides how large a draft tree can be before it stops paying.
-    Leaves the runner empty."""
-    runner.reset()
-    runner.prefill([0] * prefix_length)
-    seconds = {}
-    for size in sizes:
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            runner.forward([0] * size)
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize()
-            samples.append(time.perf_counter() - start)
-            runner.rollback(prefix_length)
-        seconds[size] = statistics.median(samples)
-    runner.reset()
-    return seconds

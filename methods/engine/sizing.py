@@ -61,7 +61,7 @@ def tree_budget(curve: dict[int, float], budget: float = VERIFY_BUDGET, largest:
 
 def draft_cost(draft_runner, target_curve: dict[int, float], prefix: int = 256, repeats: int = 5) -> float:
     """One draft forward of one token (its projection included), in units of the target's t(1)."""
-    from .runner import forward_latency
+    from .hardware import forward_latency
 
     seconds = forward_latency(draft_runner, (1,), prefix, repeats)[1]
     return seconds / target_curve[min(target_curve)]
