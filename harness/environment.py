@@ -53,6 +53,11 @@ def hardware_key(env: dict) -> dict:
     return {k: env.get(k) for k in ("cpu", "cpu_isa", "gpu", "device", "torch", "transformers", "torch_threads")}
 
 
+def hardware_name(env: dict) -> str:
+    """The GPU, else the CPU with its ISA class, as tables and figures name a machine."""
+    return env.get("gpu") or f"{env.get('cpu')} ({env.get('cpu_isa')})"
+
+
 def hardware_slug(env: dict) -> str:
     name = env.get("gpu") or " ".join(filter(None, (env.get("cpu"), env.get("cpu_isa")))) or "unknown"
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")

@@ -27,7 +27,7 @@ import torch
 from omegaconf import OmegaConf
 
 from harness.datasets import load_questions
-from harness.environment import environment, hardware_slug
+from harness.environment import environment, hardware_name, hardware_slug
 from harness.prompts import ChatTemplate, Message
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
@@ -130,7 +130,7 @@ def main(argv=None) -> dict:
     tokenizer = load_tokenizer(spec)
     model = load_model(spec, dtype, device)
     env = environment(device)
-    hardware = env["gpu"] or f"{env['cpu']} ({env['cpu_isa']})"
+    hardware = hardware_name(env)
     dtype_name = str(dtype).replace("torch.", "")
     print(f"{hardware}, {dtype_name}, {torch.get_num_threads()} threads, torch {torch.__version__}")
 

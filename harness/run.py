@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from harness.datasets import Question, load_questions, truncate_middle
-from harness.environment import environment, hardware_key, hardware_slug
+from harness.environment import environment, hardware_key, hardware_name, hardware_slug
 from harness.metrics import format_summary, summarize
 from harness.quality import score_records
 from harness.prompts import ChatTemplate, Message
@@ -157,7 +157,8 @@ def run(cfg: DictConfig) -> dict:
     folders = {name: RunFolder(root / name / (cfg.run_name or (baseline_name if name == BASELINE
                                                                else f"{slug}-{settings_hash(settings)}")), name)
                for name in bench.decoders}
-    environment_record, key = {**env, "dtype": dtype_name, "engine": bench.engine_record()}, hardware_key(env)
+    engine = bench.engine_record()
+    environment_record, key = {**env, "dtype": dtype_name, "engine": engine}, hardware_key(env)
     finished = {}
     for name, folder in folders.items():
         is_method = name == method
@@ -183,8 +184,7 @@ def run(cfg: DictConfig) -> dict:
                           "run the same command again to resume") from None
     meta = {
         "model": cfg.model.name, "dataset": cfg.dataset.name, "dtype": dtype_name,
-        "device": str(bench.device), "hardware": env["gpu"] or f"{env['cpu']} ({env['cpu_isa']})", "environment": env,
-        "engine": bench.engine_record(),
+        "device": str(bench.device), "hardware": hardware_name(env), "environment": env, "engine": engine,
         "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling),
         "categories": sorted({q.category for q in questions}),
         "lossless": bench.decoders[method].lossless,

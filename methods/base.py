@@ -143,6 +143,20 @@ class BuildContext:
         return budget, {what: "auto", "verify_tokens": budget, "verify_budget_t1": VERIFY_BUDGET,
                         "curve_t1": {n: round(v, 3) for n, v in relative(curve).items()}}
 
+    def static_tree(self, params: dict, target, published: str, max_depth: int | None = None):
+        """`method.tree`: a built-in name or a list of paths; `auto` is the `published` tree (paths
+        deeper than `max_depth` left out) cut, in its own order, to this machine's tree budget.
+        Returns the tree and, for `auto`, how it was sized."""
+        from .engine.static_trees import NAMED_TREES, StaticTree
+
+        tree = params.get("tree", "auto")
+        if tree != "auto":
+            return StaticTree.build(tree), None
+        budget, sizing = self.tree_budget(target, "tree")
+        paths = [p for p in NAMED_TREES[published] if max_depth is None or len(p) <= max_depth]
+        chosen = StaticTree.build(paths, nodes=budget - 1)
+        return chosen, {**sizing, "chosen": f"{published}, first {len(chosen) - 1} nodes"}
+
     def draft_vocabulary(self, params: dict, projection_rows: int | None = None):
         """The FR-Spec subset a draft proposes from (`engine/vocab.py`), or None for the full vocabulary.
         `method.draft_vocab`: `auto` (the model config's `draft_vocabulary.size` when it names a

@@ -271,13 +271,9 @@ class Eagle2Decoder(_EagleBase):
                            "draft_vocab": DRAFT_VOCAB})
 def build_eagle(target, params: dict, context: BuildContext) -> EagleDecoder:
     head = load_eagle_head(head_spec(params, context, "eagle"), context.target_model)
-    tree, sizing = params.get("tree", "auto"), None
-    if tree == "auto":  # EAGLE's own tree, cut to what one verification may hold on this machine
-        budget, sizing = context.tree_budget(target, "tree")
-        tree = StaticTree.build("eagle_mc_sim_7b_63", nodes=budget - 1)
-        sizing["chosen"] = f"eagle_mc_sim_7b_63, first {len(tree) - 1} nodes"
-    decoder = EagleDecoder(target, head, tree if isinstance(tree, StaticTree) else StaticTree.build(tree),
-                           vocabulary=context.draft_vocabulary(params))
+    # auto: EAGLE's own tree, cut to what one verification may hold on this machine
+    tree, sizing = context.static_tree(params, target, "eagle_mc_sim_7b_63")
+    decoder = EagleDecoder(target, head, tree, vocabulary=context.draft_vocabulary(params))
     decoder.sizing = sizing
     return decoder
 

@@ -17,7 +17,7 @@ from .models.heads.medusa import MedusaHeads, load_medusa_heads
 from .models.heads.checkpoints import head_spec
 from .engine.sampling import logits_to_probs
 from .engine.params import mapping, null, number, one_of, paths
-from .engine.static_trees import MEDUSA_MC_SIM_7B_63, NAMED_TREES, StaticTree
+from .engine.static_trees import NAMED_TREES, StaticTree
 from .engine.vocab import DRAFT_VOCAB
 from .engine.tree import Tree
 
@@ -74,12 +74,9 @@ class MedusaDecoder(DraftVerifyDecoder):
     "typical_epsilon": number(0, 1), "typical_delta": number(0), "head": null() | mapping(), "draft_vocab": DRAFT_VOCAB})
 def build(target, params: dict, context: BuildContext) -> MedusaDecoder:
     heads = load_medusa_heads(head_spec(params, context, "medusa"), context.target_model)
-    tree, sizing = params.get("tree", "auto"), None
-    if tree == "auto":  # Medusa's tree (listed by estimated acceptance), cut to the machine's verify budget
-        budget, sizing = context.tree_budget(target, "tree")
-        tree = StaticTree.build([p for p in MEDUSA_MC_SIM_7B_63 if len(p) <= len(heads)], nodes=budget - 1)
-        sizing["chosen"] = f"medusa_mc_sim_7b_63, first {len(tree) - 1} nodes"
-    decoder = MedusaDecoder(target, heads, tree if isinstance(tree, StaticTree) else StaticTree.build(tree),
+    # auto: Medusa's tree (listed by estimated acceptance) cut to the machine's verify budget
+    tree, sizing = context.static_tree(params, target, "medusa_mc_sim_7b_63", max_depth=len(heads))
+    decoder = MedusaDecoder(target, heads, tree,
                             acceptance=params.get("acceptance", "exact"),
                             typical_epsilon=float(params.get("typical_epsilon", 0.09)),
                             typical_delta=float(params.get("typical_delta", 0.3)),

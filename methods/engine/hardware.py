@@ -108,7 +108,7 @@ def profile_dir(device: torch.device) -> Path:
 _PATHS: dict[tuple, LinearPath] = {}
 
 
-def linear_path(models, mode: str = "auto", progress=None) -> LinearPath:
+def linear_path(models, mode: str = "auto") -> LinearPath:
     """The linear path for these models: `off` is stock `F.linear`; `auto` uses the measured
     plan of this machine, measuring (once, cached on disk) the shapes it does not know yet."""
     if mode not in SKINNY_GEMM_MODES:
@@ -125,7 +125,7 @@ def linear_path(models, mode: str = "auto", progress=None) -> LinearPath:
     shapes = {k: v for k, v in linear_shapes(*models).items() if k not in path.plan.kernels}
     if shapes:
         log.info("measuring the linear path for %d weight shape(s) (once per machine and dtype, then cached)", len(shapes))
-        measured = measure_plan(shapes, progress=progress)
+        measured = measure_plan(shapes)
         path.plan.kernels.update(measured.kernels)
         path.plan.seconds.update(measured.seconds)
         _save_plan(device, dtype, path.plan)
@@ -148,10 +148,15 @@ def _load_plan(device: torch.device, dtype: torch.dtype) -> LinearPlan:
 
 def _save_plan(device: torch.device, dtype: torch.dtype, plan: LinearPlan) -> None:
     file = _plan_file(device, dtype)
+    _write_json(file.parent / "machine.json", machine(device))
+    _write_json(file, plan.to_dict())
+
+
+def _write_json(file: Path, data) -> None:
+    """Write whole or not at all: concurrent jobs of a sweep may write the same profile file."""
     file.parent.mkdir(parents=True, exist_ok=True)
-    (file.parent / "machine.json").write_text(json.dumps(machine(device), indent=2))
-    tmp = file.with_suffix(f".{os.getpid()}.tmp")  # concurrent jobs of a sweep may write at once
-    tmp.write_text(json.dumps(plan.to_dict(), indent=1))
+    tmp = file.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(file)
 
 
@@ -162,9 +167,6 @@ def _save_plan(device: torch.device, dtype: torch.dtype, plan: LinearPlan) -> No
 def read_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
     """Bytes per second of streaming a large tensor of random values (`x.sum()`), median of
     `repeats`. Random values matter: a never-written tensor reads the zero page and fakes speed."""
-    import statistics
-    import time
-
     x = torch.rand(megabytes * (1 << 20) // 4)
     x.sum()
     samples = []
@@ -213,7 +215,6 @@ def forward_latency(runner, sizes: Sequence[int], prefix_length: int = 256, repe
     return seconds
 
 
-
 def latency_curve(runner, model_name: str, sizes=(1, 2, 4, 8, 16, 32, 64), prefix: int = 256,
                   repeats: int = 5, refresh: bool = False) -> dict[int, float]:
     """Median seconds of one forward of n tokens after a `prefix`-token prefix, for each n: measured
@@ -230,9 +231,6 @@ def latency_curve(runner, model_name: str, sizes=(1, 2, 4, 8, 16, 32, 64), prefi
     log.info("measuring %s's forward latency at %s tokens (once per machine, model and dtype, then cached)",
              model_name, ", ".join(map(str, sizes)))
     seconds = forward_latency(runner, sizes, prefix, repeats)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"model": model_name, "prefix": prefix, "repeats": repeats,
-                               "seconds": {str(n): s for n, s in seconds.items()}}, indent=1))
-    tmp.replace(file)
+    _write_json(file, {"model": model_name, "prefix": prefix, "repeats": repeats,
+                       "seconds": {str(n): s for n, s in seconds.items()}})
     return seconds

@@ -14,7 +14,8 @@ machine, the weight's shape and the number of rows, so it is measured, not assum
 (1, 2, 4, 8, 16, 32; larger forwards, prefills, stay on `f_linear`) with the weights cycled
 through copies larger than the caches, interleaved in rounds, and keeps the median's winner.
 `LinearPath.active()` routes linears through the plan while the engine runs a model: outside
-it (e.g. `transformers.generate` in tests) every linear is stock `F.linear`; under autograd too. All kernels compute in the weight's dtype (fp32 stays fp32); `off` keeps `f_linear`.
+it (e.g. `transformers.generate` in tests) every linear is stock `F.linear`; under autograd too.
+All kernels compute in the weight's dtype (fp32 stays fp32); `off` keeps `f_linear`.
 
 Inputs may carry a batch dimension: rows = every leading dimension together.
 """
@@ -108,14 +109,13 @@ def linear_shapes(*models: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Ten
 
 @torch.inference_mode()
 def measure_plan(shapes: dict[str, tuple[torch.Tensor, torch.Tensor | None]], kernels=KERNELS,
-                 buckets=BUCKETS, rounds: int = 5, cache_bytes: int = 96 << 20, max_copies: int = 64,
-                 progress=None) -> LinearPlan:
+                 buckets=BUCKETS, rounds: int = 5, cache_bytes: int = 96 << 20, max_copies: int = 64) -> LinearPlan:
     """Time each kernel for each shape and bucket, interleaved in `rounds`, on copies of the
     weight whose total exceeds `cache_bytes` (so every call streams its weight from memory, as in
     a real forward; at most `max_copies`: tiny weights stay in cache in real forwards too); keep
     the kernel with the lowest median."""
     plan = LinearPlan()
-    for done, (key, (weight, bias)) in enumerate(shapes.items()):
+    for key, (weight, bias) in shapes.items():
         device = weight.device
         usable = [k for k in kernels if k != "onednn" or onednn_available(device)]
         copies = min(max_copies, max(2, -(-cache_bytes // (weight.numel() * weight.element_size()))))
@@ -136,8 +136,6 @@ def measure_plan(shapes: dict[str, tuple[torch.Tensor, torch.Tensor | None]], ke
         plan.seconds[key] = {b: {k: statistics.median(v) for k, v in s.items()} for b, s in samples.items()}
         plan.kernels[key] = {b: min(s, key=s.get) for b, s in plan.seconds[key].items()}
         del weights, packed
-        if progress:
-            progress(done + 1, len(shapes), key)
     return plan
 
 
