@@ -312,7 +312,7 @@ class DraftVerifyDecoder(Decoder):
             prefix = self.target.length
             verified = self.target.verify(tree)
             clock.lap("verify")
-            acceptance = self._accept(tree, verified.logits)
+            acceptance = self._accept(tree, verified.logits[: len(tree)])  # extra rows are never accepted
             clock.lap("accept")
             self.target.commit(prefix, acceptance.path)
             clock.lap("commit")

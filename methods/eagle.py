@@ -94,8 +94,16 @@ class EagleDrafter:
 class _EagleBase(DraftVerifyDecoder):
     def __init__(self, target, head: EagleHead, vocabulary=None):
         super().__init__(target)
-        self.drafter = EagleDrafter(head, target.lm_head, vocabulary)
-        target.cover(head, *([vocabulary.head(target.lm_head.weight)] if vocabulary else []))
+        self.drafter = self.make_drafter(head, vocabulary)
+
+    def make_drafter(self, head, vocabulary) -> EagleDrafter:
+        self.target.cover(head, *([vocabulary.head(self.target.lm_head.weight)] if vocabulary else []))
+        return EagleDrafter(head, self.target.lm_head, vocabulary)
+
+    def features(self, out) -> torch.Tensor:
+        """[n, .] the target features the head reads at each position of a target forward: EAGLE's
+        last hidden state (EAGLE-3 overrides: three layers' inputs)."""
+        return out.hidden
 
     def describe(self):
         vocabulary = self.drafter.vocabulary
@@ -104,12 +112,12 @@ class _EagleBase(DraftVerifyDecoder):
     def start(self, prompt, prefill) -> None:
         self.drafter.reset()
         # pairs (x_{i+1}, f_i) for every prompt position: the tokens are shifted by one
-        self.drafter.follow(self.sequence[1:], prefill.hidden)
+        self.drafter.follow(self.sequence[1:], self.features(prefill))
 
     def advance(self, tree, acceptance, verified) -> None:
         path = acceptance.path
         tokens = tree.tokens[path[1:]].tolist() + [acceptance.next_token]
-        self.drafter.follow(tokens, verified.hidden[path])
+        self.drafter.follow(tokens, self.features(verified)[path])
 
 
 class EagleDecoder(_EagleBase):
@@ -278,16 +286,25 @@ def build_eagle(target, params: dict, context: BuildContext) -> EagleDecoder:
     return decoder
 
 
-@register("eagle2", params={"total_tokens": one_of("adaptive", "auto") | integer(2), "depth": integer(0),
-                            "top_k": integer(1), "head": null() | mapping(), "draft_vocab": DRAFT_VOCAB})
-def build_eagle2(target, params: dict, context: BuildContext) -> Eagle2Decoder:
-    head = load_eagle_head(head_spec(params, context, "eagle"), context.target_model)
+# EAGLE-2's dynamic tree settings (EAGLE-3 drafts the same tree)
+DYNAMIC_TREE = {"total_tokens": one_of("adaptive", "auto") | integer(2), "depth": integer(0), "top_k": integer(1),
+                "head": null() | mapping()}
+
+
+def build_dynamic(decoder_class, target, head, params: dict, context: BuildContext, depth: int, **extra) -> Eagle2Decoder:
+    """An EAGLE-2-tree decoder with `method.total_tokens` (a number, `auto` or `adaptive`), `depth`, `top_k`."""
     total = params.get("total_tokens", "adaptive")
-    decoder = Eagle2Decoder(target, head, total_tokens=60 if isinstance(total, str) else int(total),
-                            depth=int(params.get("depth", 5)), top_k=int(params.get("top_k", 10)),
-                            vocabulary=context.draft_vocabulary(params))
+    decoder = decoder_class(target, head, total_tokens=60 if isinstance(total, str) else int(total),
+                            depth=int(params.get("depth", depth)), top_k=int(params.get("top_k", 10)), **extra)
     if total == "auto":
         decoder.auto_total_tokens()
     elif total == "adaptive":
         decoder.measure_verify_latency(context.model_name)
     return decoder
+
+
+@register("eagle2", params={**DYNAMIC_TREE, "draft_vocab": DRAFT_VOCAB})
+def build_eagle2(target, params: dict, context: BuildContext) -> Eagle2Decoder:
+    head = load_eagle_head(head_spec(params, context, "eagle"), context.target_model)
+    return build_dynamic(Eagle2Decoder, target, head, params, context, depth=5,
+                         vocabulary=context.draft_vocabulary(params))

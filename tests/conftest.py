@@ -134,3 +134,15 @@ def tiny_chat_model_dir(tmp_path_factory, embedded):
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def write_checkpoint(folder: Path, config: dict, state: dict, safetensors: bool) -> None:
+    """A head checkpoint as released: config.json beside model.safetensors or pytorch_model.bin."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    if safetensors:
+        from safetensors.torch import save_file
+
+        save_file(state, str(folder / "model.safetensors"))
+    else:
+        torch.save(state, folder / "pytorch_model.bin")

@@ -1,7 +1,7 @@
 """Recipes that train the suite's own drafts for a target by self-distillation.
 
     python -m harness.training data    --model smollm2-135m      # prompts + the target's answers
-    python -m harness.training draft-lm|eagle|medusa --model smollm2-135m
+    python -m harness.training draft-lm|eagle|medusa|eagle3 --model smollm2-135m
 
 Each recipe is seeded, logs its loss to `<out>/train_log.jsonl`, writes its weights in the format
 its loader reads (tensors that copy the target's, embeddings and lm_head, left out: the loaders
@@ -19,4 +19,9 @@ the measured teacher-forced acceptance on held-out prompts.
   unscaled regression from the target's last layer as is, reached only 0.08 held-out agreement in 380 steps.)
 - Medusa heads: `heads` ResBlocks on the last hidden state, head k trained on the target's token
   k+2 ahead (loss weight 0.8^k), vocab projection frozen to the target's lm_head and left out.
+- EAGLE-3 head: fc over the inputs of the target's layers 2, L//2, L-3 + one decoder layer over
+  [embedding; feature] + its own lm_head over the model config's reduced draft vocabulary (d2t/t2d),
+  trained with EAGLE-3's training-time test (the head unrolled `--ttt-steps` times on its own
+  outputs; loss 0.8^j-weighted cross-entropy on the target's distribution over the draft vocabulary).
+  `--train-examples N` and `--epochs` set the budget (`harness/training/eagle3.py`).
 """

@@ -1,4 +1,4 @@
-"""`python -m harness.training data|draft-lm|eagle|medusa --model <name>`: the CLI of the recipes
+"""`python -m harness.training data|vocab|draft-lm|eagle|eagle3|medusa --model <name>`: the CLI of the recipes
 (see `harness/training/__init__.py`)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from . import __doc__ as RECIPES_DOC
 from .draft_lm import DraftLMRecipe
 from .eagle import EagleRecipe
+from .eagle3 import Eagle3Recipe, attach_features
 from .examples import attach_hidden, feature_spread, load_examples, split
 from .loop import ROOT, evaluate, model_card, train
 from .medusa import MedusaRecipe
@@ -30,7 +31,12 @@ DEFAULTS = {  # kind: (epochs, lr, batch, noise)
     "draft-lm": (4.0, 1e-3, 8, 0.0),
     "eagle": (4.0, 3e-4, 8, 0.1),
     "medusa": (1.0, 1e-3, 8, 0.0),
+    "eagle3": (2.0, 2e-3, 4, 0.0),
 }
+# Recipes whose committed draft is a short run on part of the training set (`--train-examples`
+# overrides; a number >= the set's size takes all): EAGLE-3's head, ~14 min of one core with the
+# target's three-layer features (the long run on a larger corpus is a later step).
+TRAIN_EXAMPLES = {"eagle3": 240}
 
 
 def main(argv=None) -> None:
@@ -51,6 +57,10 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=2, help="draft LM: decoder layers")
     parser.add_argument("--heads", type=int, default=4, help="Medusa: number of heads")
     parser.add_argument("--held-out", type=float, default=0.05)
+    parser.add_argument("--train-examples", type=int, default=None,
+                        help="train on the first N training conversations only (a shorter budget; the held-out set is "
+                             "unchanged); default: all, eagle3: 240 (its committed short run)")
+    parser.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3: training-time test steps (upstream: 7)")
     parser.add_argument("--questions", type=Path, default=ROOT.parent / "shared/data/spec_bench/question.jsonl",
                         help="evaluation questions the prompts must not overlap")
     args = parser.parse_args(argv)
@@ -84,14 +94,23 @@ def main(argv=None) -> None:
                                 target.get_output_embeddings().out_features)
         return
     epochs, lr, batch, noise = DEFAULTS[args.kind]
+    if args.train_examples is None:
+        args.train_examples = TRAIN_EXAMPLES.get(args.kind)
     args.epochs, args.lr, args.batch = args.epochs or epochs, args.lr or lr, args.batch or batch
     examples = load_examples(data_file)
     train_set, val_set = split(examples, args.held_out, args.seed)
-    if args.kind != "draft-lm":
+    train_set = train_set[: args.train_examples]
+    if args.kind == "eagle3":  # three layers' inputs too: computed for the examples used, not cached
+        from methods.models.heads.eagle3 import feature_layers
+
+        attach_features(target, train_set + val_set, feature_layers(target.config.num_hidden_layers), progress=True)
+    elif args.kind != "draft-lm":
         attach_hidden(target, examples, cache=data_file.with_name("hidden_states.pt"), progress=True)
     recipe = {"draft-lm": lambda: DraftLMRecipe(target, args.layers),
               "eagle": lambda: EagleRecipe(target, args.seed, cls_weight=1.0, feature_scale=feature_spread(train_set)),
-              "medusa": lambda: MedusaRecipe(target, args.heads)}[args.kind]()
+              "medusa": lambda: MedusaRecipe(target, args.heads),
+              "eagle3": lambda: Eagle3Recipe(target, args.seed, draft_vocabulary(args.model, cfg, target), args.ttt_steps),
+              }[args.kind]()
     out = args.out or ROOT / "drafts" / args.model / args.kind
     out.mkdir(parents=True, exist_ok=True)
     before = evaluate(recipe, val_set)
@@ -100,6 +119,19 @@ def main(argv=None) -> None:
     recipe.save(out)
     model_card(out, args.kind, args, data_file, len(train_set), len(val_set), result, before)
     print(json.dumps({k: v for k, v in result.items()}, indent=2))
+
+
+def draft_vocabulary(model_name: str, cfg, target):
+    """The model config's reduced draft vocabulary (`draft_vocabulary`: frequencies + size), as methods read it."""
+    from omegaconf import OmegaConf
+
+    from methods.base import BuildContext
+
+    vocabulary = BuildContext(target, model_name, OmegaConf.to_container(cfg, resolve=True)).draft_vocabulary({})
+    if vocabulary is None:
+        raise SystemExit(f"model {model_name!r} names no draft_vocabulary (frequencies, size): EAGLE-3 needs one; "
+                         f"run `python -m harness.training vocab --model {model_name}` and add it to conf/model/{model_name}.yaml")
+    return vocabulary
 
 
 def write_token_frequencies(data_file: Path, out: Path, vocab_size: int) -> None:

@@ -15,6 +15,7 @@ for stock `F.linear`).
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -29,6 +30,28 @@ from .tree import Tree, attention_mask
 class ForwardOutput:
     logits: torch.Tensor  # [n, V] fp32 (only the positions asked for)
     hidden: torch.Tensor  # [n, H] last hidden state after the final norm (the LM head's input)
+    # [n, len(layers) * H] the hidden states entering the decoder layers named by `capture_inputs`
+    # (EAGLE-3's features), concatenated in that order; None when none were asked for
+    layers: torch.Tensor | None = None
+
+
+@contextmanager
+def layer_inputs(decoder, layers: Sequence[int]):
+    """Within the block, collect the hidden state entering each `decoder.layers[i]`, i in `layers`:
+    yields a dict i -> [batch, n, H] that the forward fills (forward pre-hooks, removed on exit)."""
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook(index: int):
+        def pre(module, args, kwargs):
+            captured[index] = args[0] if args else kwargs["hidden_states"]
+        return pre
+
+    handles = [decoder.layers[i].register_forward_pre_hook(hook(i), with_kwargs=True) for i in layers]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class ModelRunner:
@@ -46,12 +69,22 @@ class ModelRunner:
         self.cache = TreeKVCache()
         self.forward_passes = 0  # target forwards since the last reset (the steps of τ)
         self.vocabulary = None  # a DraftVocabulary: a draft LM's logits over a subset only (vocab.py)
+        self.feature_layers: tuple[int, ...] = ()  # decoder layers whose inputs forward() also returns
 
     def restrict_vocabulary(self, vocabulary) -> None:
         """Project onto `vocabulary`'s tokens only (a draft LM's FR-Spec subset): -inf elsewhere."""
         self.vocabulary = vocabulary
         if vocabulary is not None:
             self.cover(vocabulary.head(self.lm_head.weight))
+
+    def capture_inputs(self, layers: Sequence[int]) -> None:
+        """Also return, as `ForwardOutput.layers`, the hidden states entering these decoder layers
+        (EAGLE-3 reads three). Hooks exist only during this runner's forwards, and only when asked:
+        a runner that captures nothing (AR, every other method) runs exactly as before."""
+        count = len(self.decoder.layers)
+        if any(not 0 <= i < count for i in layers):
+            raise ValueError(f"layers {list(layers)}: the target has {count} decoder layers")
+        self.feature_layers = tuple(layers)
 
     def cover(self, *modules) -> None:
         """Measure the linear path for other modules this runner's decoder drives (draft heads)."""
@@ -94,7 +127,8 @@ class ModelRunner:
             # Causal continuation over a non-empty cache: state the mask rather than rely on the
             # model's own construction from cache lengths.
             mask = attention_mask(torch.ones(n, n, dtype=torch.bool).tril_(), start, self.dtype, self.device)
-        with self.linear.active():
+        capturing = layer_inputs(self.decoder, self.feature_layers) if self.feature_layers else nullcontext()
+        with self.linear.active(), capturing as captured:
             out = self.decoder(
                 input_ids=ids,
                 position_ids=positions.view(1, -1),
@@ -109,8 +143,9 @@ class ModelRunner:
                 logits = self.vocabulary.project(hidden[logits_for], self.lm_head.weight)
             else:
                 logits = self.lm_head(hidden[logits_for]).float()
+            layers = torch.cat([captured[i][0] for i in self.feature_layers], -1) if self.feature_layers else None
         self.forward_passes += 1
-        return ForwardOutput(logits=logits, hidden=hidden)
+        return ForwardOutput(logits=logits, hidden=hidden, layers=layers)
 
     def prefill(self, prompt: Sequence[int], *, all_logits: bool = False) -> ForwardOutput:
         """Fill the cache with the prompt; logits of the last position only, unless asked."""
@@ -119,11 +154,13 @@ class ModelRunner:
         return self.forward(prompt, logits_for=slice(None) if all_logits else slice(-1, None))
 
     def verify(self, tree: Tree) -> ForwardOutput:
-        """One forward over all tree nodes; node i sees the prefix, its ancestors and itself."""
+        """One forward over all tree nodes; node i sees the prefix, its ancestors and itself. A tree's
+        `extra_rows` follow its nodes in the same forward (their logits after the nodes')."""
         start = self.length
-        depths = torch.tensor(tree.depths, device=self.device)
-        mask = None if len(tree) == 1 else attention_mask(tree.ancestors, start, self.dtype, self.device)
-        return self.forward(tree.tokens, positions=start + depths, mask=mask)
+        tokens, depths, visible = tree.forward_rows()
+        depths = torch.tensor(depths, device=self.device)
+        mask = None if len(tokens) == 1 else attention_mask(visible, start, self.dtype, self.device)
+        return self.forward(tokens, positions=start + depths, mask=mask)
 
     def commit(self, start: int, path: Sequence[int]) -> None:
         """After `verify` at cache length `start`, keep the KV of tree nodes `path` only."""

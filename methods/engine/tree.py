@@ -7,6 +7,11 @@ chain (SpS) is the tree with `parents == [-1, 0, 1, 2, ...]`; AR is the root alo
 
 From the parents follow, once per tree: the depth of each node (its position offset), the
 ancestors-and-self attention mask, the children of each node, and the root-to-leaf paths.
+
+A tree may carry `extra_rows`: inputs of the same verify forward that are not candidates (Lookahead
+decoding's window of Jacobi guesses). They follow the tree nodes in the forward, with their own
+positions and visibility; their logits come back after the nodes' and are never accepted, and
+since `commit` keeps only accepted nodes their KV is dropped. Tree nodes never see them.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class Tree:
     # Whether the children of a node were drawn without replacement (MCSD variant).
     without_replacement: bool = False
     extras: dict = field(default_factory=dict)  # drafter-specific data (e.g. EAGLE features)
+    extra_rows: "ExtraRows | None" = None  # non-candidate inputs of the verify forward (Lookahead's window)
 
     def __post_init__(self):
         parents = list(self.parents)
@@ -39,6 +45,8 @@ class Tree:
         if self.tokens.numel() != len(parents):
             raise ValueError(f"{self.tokens.numel()} tokens for {len(parents)} parents")
         self.parents = parents
+        if self.extra_rows is not None:
+            self.extra_rows.check(len(parents))
 
     @classmethod
     def chain(cls, tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> "Tree":
@@ -86,6 +94,39 @@ class Tree:
         while self.parents[path[-1]] != -1:
             path.append(self.parents[path[-1]])
         return path[::-1]
+
+    def forward_rows(self) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """What one verify forward feeds: tokens, position offsets from the root and the [T, T] bool
+        visibility (self included) of the tree nodes followed by the extra rows, if any."""
+        if self.extra_rows is None:
+            return self.tokens, self.depths, self.ancestors
+        extra, n = self.extra_rows, len(self)
+        visible = torch.zeros(n + len(extra), n + len(extra), dtype=torch.bool)
+        visible[:n, :n] = self.ancestors
+        visible[n:] = extra.visible
+        return torch.cat([self.tokens, extra.tokens]), self.depths + list(extra.depths), visible
+
+
+@dataclass
+class ExtraRows:
+    """Inputs a drafter adds to the verify forward besides its candidates (a Lookahead window):
+    row i holds `tokens[i]` at position prefix + `depths[i]` and attends to the prefix and to the
+    forward's rows j (tree nodes first, then extra rows) where `visible[i, j]` (itself included)."""
+
+    tokens: torch.Tensor  # [M] long
+    depths: Sequence[int]  # [M] position offsets from the root
+    visible: torch.Tensor  # [M, N + M] bool over the tree's N nodes and these M rows
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    def check(self, nodes: int) -> None:
+        m = len(self)
+        if len(self.depths) != m or tuple(self.visible.shape) != (m, nodes + m):
+            raise ValueError(f"extra rows: {m} tokens, {len(self.depths)} depths, visibility {tuple(self.visible.shape)}; "
+                             f"expected [{m}, {nodes + m}] for a tree of {nodes} nodes")
+        if not bool(self.visible[:, nodes:].diagonal().all()):
+            raise ValueError("extra rows must see themselves")
 
 
 def ancestor_matrix(parents: Sequence[int]) -> torch.Tensor:

@@ -72,7 +72,11 @@ class DraftVocabulary:
 
     def project(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] logits (fp32) with -inf outside the subset."""
-        sub = self.head(weight)(hidden).float()
+        return self.scatter(self.head(weight)(hidden).float())
+
+    def scatter(self, sub: torch.Tensor) -> torch.Tensor:
+        """[..., K] logits over the subset (in id order) -> [..., V] with -inf elsewhere (EAGLE-3's
+        own draft-vocabulary lm_head comes through here too)."""
         out = sub.new_full((*sub.shape[:-1], self.full_size), float("-inf"))
         out[..., self.ids.to(sub.device)] = sub
         return out

@@ -45,6 +45,46 @@ def read_state_dict(folder: Path, weight_files: tuple[str, ...]) -> tuple[dict[s
     raise ModelUnavailableError(f"{folder} holds none of {', '.join(weight_files)}")
 
 
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def read_prefixed(folder: Path, prefix: str) -> dict[str, torch.Tensor] | None:
+    """The tensors under `prefix` (prefix removed) of a full model saved in `folder` (one weights
+    file or shards with an index), read without loading the rest; None when there are none."""
+    files = []
+    for index in SHARD_INDEXES:
+        if (folder / index).is_file():
+            weight_map = json.loads((folder / index).read_text())["weight_map"]
+            files = sorted({name for key, name in weight_map.items() if key.startswith(prefix)})
+            break
+    else:
+        files = [name for name in ("model.safetensors", "pytorch_model.bin") if (folder / name).is_file()][:1]
+    state = {}
+    for name in files:
+        if name.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(str(folder / name), framework="pt") as f:
+                state.update({k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)})
+        else:
+            shard = torch.load(folder / name, map_location="cpu", weights_only=True, mmap=True)
+            state.update({k[len(prefix):]: v for k, v in shard.items() if k.startswith(prefix)})
+    return state or None
+
+
+def place_like_target(head: torch.nn.Module, target_model, shared_embedding=None) -> torch.nn.Module:
+    """A loaded head on the target's device and dtype, frozen; parameters only (a rotary inv_freq
+    buffer stays fp32 as in the target, integer buffers keep their types). `shared_embedding`: the
+    target's embedding module, tied in place of a copy when the checkpoint left it out."""
+    param = next(target_model.parameters())
+    head = head.to(param.device).eval().requires_grad_(False)
+    for weight in head.parameters():
+        weight.data = weight.data.to(param.dtype)
+    if shared_embedding is not None:
+        head.embed_tokens.weight = shared_embedding.weight
+    return head
+
+
 def read_config(folder: Path) -> dict:
     file = folder / "config.json"
     return json.loads(file.read_text()) if file.is_file() else {}

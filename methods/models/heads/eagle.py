@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..specs import ModelSpec
-from .checkpoints import checkpoint_folder, read_config, read_state_dict
+from .checkpoints import checkpoint_folder, place_like_target, read_config, read_state_dict
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -94,11 +94,4 @@ def load_eagle_head(spec: ModelSpec, target_model) -> EagleHead:
     missing = [k for k in missing if not k.startswith("rotary_emb")]
     if missing or unexpected:
         raise ValueError(f"{folder / file}: not an EAGLE checkpoint (missing {missing[:4]}, unexpected {unexpected[:4]})")
-    param = next(target_model.parameters())
-    # Parameters only: the rotary inv_freq buffer stays fp32, as in the target.
-    head = head.to(param.device).eval().requires_grad_(False)
-    for weight in head.parameters():
-        weight.data = weight.data.to(param.dtype)
-    if share_embedding:
-        head.embed_tokens.weight = target_embed.weight
-    return head
+    return place_like_target(head, target_model, target_embed if share_embedding else None)

@@ -1,4 +1,4 @@
-"""Randomly initialized Medusa / EAGLE heads written in the released file formats, for models that
+"""Randomly initialized Medusa / EAGLE / EAGLE-3 heads written in the released file formats, for models that
 have no trained heads yet: decoding stays exact, acceptance is near zero."""
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ from ...engine.storage import cache_root
 def random_head_folder(kind: str, target_model, seed: int) -> Path:
     embed = target_model.get_input_embeddings()
     hidden, vocab = embed.embedding_dim, embed.num_embeddings
+    if kind == "eagle3":
+        from .eagle3 import feature_layers
+
+        feature_layers(target_model.config.num_hidden_layers)  # the target can feed an EAGLE-3 head
     folder = cache_root() / "heads" / f"{kind}-random-h{hidden}-v{vocab}-seed{seed}"
     if (folder / "config.json").is_file():
         return folder
@@ -44,8 +48,27 @@ def random_head_folder(kind: str, target_model, seed: int) -> Path:
             "layers.0.post_attention_layernorm.weight": torch.ones(hidden),
         }
         torch.save(state, folder / "pytorch_model.bin")  # embed_tokens left out: the target's
+    elif kind == "eagle3":
+        draft_vocab = min(vocab, 32000)  # the first ids (upstream keeps the most frequent; none are known here)
+        config = eagle3_config(target_model, draft_vocab)
+        heads = config["num_attention_heads"]
+        head_dim, inter = hidden // heads, config["intermediate_size"]
+        q, kv = heads * head_dim, config["num_key_value_heads"] * head_dim
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[:draft_vocab] = True
+        state = {
+            "fc.weight": normal(hidden, 3 * hidden),
+            "midlayer.self_attn.q_proj.weight": normal(q, 2 * hidden), "midlayer.self_attn.k_proj.weight": normal(kv, 2 * hidden),
+            "midlayer.self_attn.v_proj.weight": normal(kv, 2 * hidden), "midlayer.self_attn.o_proj.weight": normal(hidden, q),
+            "midlayer.mlp.gate_proj.weight": normal(inter, hidden), "midlayer.mlp.up_proj.weight": normal(inter, hidden),
+            "midlayer.mlp.down_proj.weight": normal(hidden, inter),
+            "midlayer.hidden_norm.weight": torch.ones(hidden), "midlayer.input_layernorm.weight": torch.ones(hidden),
+            "midlayer.post_attention_layernorm.weight": torch.ones(hidden), "norm.weight": torch.ones(hidden),
+            "lm_head.weight": normal(draft_vocab, hidden), "d2t": torch.zeros(draft_vocab, dtype=torch.long), "t2d": t2d,
+        }
+        torch.save(state, folder / "pytorch_model.bin")  # embed_tokens left out: the target's
     else:
-        raise ValueError(f"no random initialization for head kind {kind!r}; valid: medusa, eagle")
+        raise ValueError(f"no random initialization for head kind {kind!r}; valid: medusa, eagle, eagle3")
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
@@ -64,3 +87,11 @@ def eagle_config(target_model) -> dict:
         "max_position_embeddings": cfg.max_position_embeddings,
         "rope_theta": (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0),
     }
+
+
+def eagle3_config(target_model, draft_vocab_size: int) -> dict:
+    """config.json of an EAGLE-3 head for this target, as released heads write it: a one-layer
+    LlamaConfig with the target's shapes and `draft_vocab_size` (no `bias`: fc has none)."""
+    config = {**eagle_config(target_model), "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab_size}
+    del config["bias"], config["head_dim"]
+    return config

@@ -1,0 +1,204 @@
+"""Lookahead decoding (Fu et al. 2024, arXiv 2402.02057; hao-ai-lab/LookaheadDecoding `lade/decoding.py`
+`jacobi_greedy_search_multilevel`, `lade/models/modeling_llama.py` `jforward_multilevel` and
+`j_make_causal_mask_multilevel`).
+
+Every step is ONE target forward holding two branches beside the root (the last emitted token):
+
+* the lookahead branch: a 2-D window of Jacobi guesses, N - 1 levels of W columns (level 0 is the
+  root and W - 1 guesses; level l, column k sits at position root + l + k). A token at level l,
+  column k sees the prefix, level 0's columns 0..k and column k of levels 1..l (its own Jacobi
+  trajectory) - the mask of the paper's Figure 5 / upstream's `j_make_causal_mask_multilevel`. The
+  argmax of the last level becomes a new level; the window slides one column per step whatever was
+  accepted (upstream's ALWAYS_FWD_ONE). Each column's trajectory (the token before it, the
+  tokens of levels 1..N-2 and the new prediction) is an N-gram for the pool.
+* the verification branch: the up to G pool n-grams that start with the root (N - 1 tokens after
+  it), verified as candidates. Upstream verifies each n-gram as its own chain; here they are merged
+  into a trie (shared prefixes once; same accepted tokens, fewer rows).
+
+The window rows are `Tree.extra_rows` (engine/tree.py): in the verify forward, never accepted,
+their KV dropped by the commit. The pool is an LRU list of at most G n-grams per first token, kept
+across the steps of one generation and reset per prompt (as upstream). The window starts as random
+prompt tokens and fills one level per step (N - 2 warm-up steps, the first one inside the prefill,
+as upstream's first forward); the verification branch starts once it is full.
+
+Differences from upstream, none affecting the output: the n-grams are a trie; when a whole n-gram
+is accepted the target's next token is emitted too (upstream drops it); with `pool_from_prompt`
+the generated n-grams are the text's (upstream appends a repeated token there). Greedy output
+equals AR's; sampling is verified by the engine's rejection sampling with the n-grams as point
+masses (lossless), the window still follows the argmax as upstream's (TEMP_FOR_GUESS = 0).
+
+Defaults N = 5, W = 15, G = 15: upstream's 7B setting (`applications/run_mtbench.sh` LEVEL=5
+WIN=15 GUESS=15 for llama-2-7b-chat; `applications/chatbot.py` "A100"). Spec-Bench ran 5/7/7.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import BuildContext, DraftVerifyDecoder, register
+from .engine.params import BOOL, integer, one_of
+from .engine.runner import ForwardOutput
+from .engine.tree import ExtraRows, Tree
+from .pld import trie
+
+
+class LookaheadDecoder(DraftVerifyDecoder):
+    name = "lookahead"
+
+    def __init__(self, target, window: int = 15, level: int = 5, guess: int = 15, pool_from_prompt: bool = False,
+                 seed: int = 0):
+        super().__init__(target)
+        if level < 3 or window < 1 or guess < 0:
+            raise ValueError(f"lookahead needs level >= 3, window >= 1, guess >= 0; got {level}, {window}, {guess}")
+        self.window, self.level, self.guess = window, level, guess
+        self.pool_from_prompt, self.seed = pool_from_prompt, seed
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}
+
+    def describe(self):
+        return {**super().describe(), "level": self.level, "window": self.window, "guess": self.guess,
+                "pool_from_prompt": self.pool_from_prompt}
+
+    # --------------------------------------------------------------------------------------
+    def generate(self, prompt, stop, sampling=None, generator=None):
+        from .engine.sampling import SamplingConfig
+
+        self.pool: dict[int, list[tuple[int, ...]]] = {}
+        self.rows = self.candidates = self.with_guesses = 0
+        out = super().generate(prompt, stop, sampling or SamplingConfig(), generator)
+        steps = max(out.stats.steps - 1, 1)
+        out.stats.extra.update({
+            "window_rows_per_step": self.rows / steps,  # lookahead-branch rows besides the root
+            "candidate_rows_per_step": self.candidates / steps,  # verification-branch rows (trie nodes)
+            "steps_with_ngrams": self.with_guesses / steps,
+            "pool_ngrams": sum(len(v) for v in self.pool.values()),
+        })
+        return out
+
+    def prefill(self, prompt) -> ForwardOutput:
+        """The prompt and level 0 of the window in one causal forward (upstream's first step); the
+        cache keeps the prompt only."""
+        rng = torch.Generator().manual_seed(self.seed)
+        picks = torch.randint(len(prompt), (self.window + self.level - 3,), generator=rng).tolist()
+        self.levels: list[list[int] | None] = [[prompt[i] for i in picks]] + [None] * (self.level - 2)
+        out = self.target.forward(list(prompt) + self.levels[0], logits_for=slice(len(prompt) - 1, None))
+        self.target.rollback(len(prompt))
+        self._first_window = out.logits[1:].argmax(-1).tolist()
+        if self.pool_from_prompt:
+            for end in range(self.level, len(prompt) + 1):
+                self._remember(prompt[end - self.level], tuple(prompt[end - self.level + 1 : end]))
+        return ForwardOutput(logits=out.logits[:1], hidden=out.hidden[: len(prompt)])
+
+    def start(self, prompt, prefill) -> None:
+        self.levels[0] = self.levels[0][1:]
+        self.levels[1] = self._first_window
+        self.filled = 1  # index of the last filled level
+
+    # --------------------------------------------------------------------------------------
+    def _remember(self, first: int, ngram: tuple[int, ...]) -> None:
+        """Upstream's LRU pool: at most G n-grams per first token, a repeated one moves to the end."""
+        if self.guess <= 0:
+            return
+        entries = self.pool.setdefault(first, [])
+        if ngram in entries:
+            entries.remove(ngram)
+        elif len(entries) >= self.guess:
+            del entries[0]
+        entries.append(ngram)
+
+    def _window_mask(self, size0: int, filled: int) -> torch.Tensor:
+        """[M, 1 + M] visibility of the window rows over (root, window rows): level 0 (`size0`
+        guesses after the root) causal; level l >= 1, column k: root, level 0's columns < k and
+        column k of levels 1..l."""
+        key = (size0, filled)
+        if key not in self._masks:
+            width = size0 + 1  # the columns of every level >= 1
+            m = size0 + filled * width
+            visible = torch.zeros(m, 1 + m, dtype=torch.bool)
+            visible[:, 0] = True  # the root
+            visible[:size0, 1 : 1 + size0] = torch.ones(size0, size0, dtype=torch.bool).tril()
+            for level in range(1, filled + 1):
+                rows = size0 + (level - 1) * width + torch.arange(width)
+                for column in range(width):
+                    visible[rows[column], 1 : 1 + min(column, size0)] = True
+                    for earlier in range(1, level + 1):
+                        visible[rows[column], 1 + size0 + (earlier - 1) * width + column] = True
+            self._masks[key] = visible
+        return self._masks[key]
+
+    def propose(self, root: int, budget: int) -> Tree:
+        full = self.levels[-1] is not None
+        ngrams = self.pool.get(root, []) if full and self.guess > 0 else []
+        self.with_guesses += bool(ngrams and budget > 0)
+        tree = trie(root, [list(g[:budget]) for g in ngrams] if budget > 0 else [])
+        size0 = len(self.levels[0])
+        width = size0 + 1
+        tokens = list(self.levels[0])
+        depths = list(range(1, size0 + 1))
+        for level in range(1, self.filled + 1):
+            tokens += self.levels[level]
+            depths += [level + k for k in range(width)]
+        n, m = len(tree), len(tokens)
+        limit = self.target.max_positions
+        if limit and self.target.length + n + m > limit:  # no room for the window near the model's end
+            return tree
+        window = self._window_mask(size0, self.filled)
+        visible = torch.zeros(m, n + m, dtype=torch.bool)
+        visible[:, 0] = window[:, 0]
+        visible[:, n:] = window[:, 1:]
+        tree.extra_rows = ExtraRows(torch.tensor(tokens, dtype=torch.long), depths, visible)
+        tree.extra_rows.check(n)
+        self.rows += m
+        self.candidates += n - 1
+        return tree
+
+    def advance(self, tree, acceptance, verified) -> None:
+        if tree.extra_rows is not None:
+            self._slide(tree, verified)
+        if self.pool_from_prompt:
+            emitted = len(acceptance.path)  # accepted drafts and the next token
+            text = self.sequence
+            for end in range(len(text) - emitted + 1, len(text) + 1):
+                if end >= self.level:
+                    self._remember(text[end - self.level], tuple(text[end - self.level + 1 : end]))
+
+    def _slide(self, tree, verified) -> None:
+        """The last level's argmax becomes a new level (warm-up) or, once warm, each column's
+        trajectory goes to the pool and the window slides one column."""
+        width = len(self.levels[0]) + 1
+        newest = verified.logits[len(tree) + len(tree.extra_rows) - width :].argmax(-1).tolist()  # the last level's
+        if self.levels[-1] is None:  # warm-up: one more level
+            for level in range(self.filled + 1):
+                self.levels[level] = self.levels[level][1:]
+            self.filled += 1
+            self.levels[self.filled] = newest[1:]
+        else:
+            root = int(tree.tokens[0])
+            for column in range(self.window):
+                first = root if column == 0 else self.levels[0][column - 1]
+                self._remember(first, tuple(self.levels[l][column] for l in range(1, self.level - 1)) + (newest[column],))
+            self.levels[0] = self.levels[1][1:]
+            for level in range(1, self.level - 2):
+                self.levels[level] = self.levels[level + 1]
+            self.levels[-1] = newest
+
+
+AUTO = one_of("auto")
+
+
+@register("lookahead", params={"window": AUTO | integer(1), "level": integer(3), "guess": AUTO | integer(0),
+                               "pool_from_prompt": BOOL, "seed": integer()})
+def build(target, params: dict, context: BuildContext) -> LookaheadDecoder:
+    level = int(params.get("level", 5))
+    window, guess, sizing = params.get("window", 15), params.get("guess", 15), None
+    if "auto" in (window, guess):
+        # auto: the window and the n-grams share this machine's verify budget, (N-1)(W + G) rows
+        budget, sizing = context.tree_budget(target, "window/guess")
+        share = max(1, budget // (2 * (level - 1)))
+        window = share if window == "auto" else window
+        guess = share if guess == "auto" else guess
+        sizing["chosen"] = {"window": window, "guess": guess, "level": level}
+    decoder = LookaheadDecoder(target, window=int(window), level=level, guess=int(guess),
+                               pool_from_prompt=bool(params.get("pool_from_prompt", False)),
+                               seed=int(params.get("seed", 0)))
+    decoder.sizing = sizing
+    return decoder

@@ -1,0 +1,109 @@
+"""Prompt lookup decoding (PLD; apoorvumang/prompt-lookup-decoding, `transformers`'
+`PromptLookupCandidateGenerator`, Spec-Bench's `model/pld/pld.py`): the draft is copied from the text.
+
+The last n tokens of prompt + output (n = `max_ngram` down to 1) are searched for earlier in the same
+text; at the first (leftmost) occurrence with at least one token after it, the up to `num_draft`
+tokens that followed it are the draft (a chain), cut before the first EOS token. No match: the step
+is an AR step. This is `transformers`' rule (`generate(prompt_lookup_num_tokens=10,
+max_matching_ngram_size=3)` proposes the same tokens; the tests check it token for token).
+
+Upstream proposes ONE match (a chain). `branches: b > 1` (not upstream) also takes the next
+matches (left to right, longest n-gram first) until b distinct continuations are found, merged
+into a trie rooted at the last token. Verification is the engine's: greedy match, or rejection
+sampling with the draft as a point mass (lossless at any temperature).
+
+Defaults: `num_draft: 10` (`prompt_lookup_num_tokens=10` in the transformers docs and
+`draft_num_candidate_tokens=10` in Spec-Bench's `evaluation/inference_pld.py`), `max_ngram: 3`
+(Spec-Bench's `draft_matching_window_size=3`; `transformers`' own default is 2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import DraftVerifyDecoder, register
+from .engine.params import integer
+from .engine.tree import Tree
+
+
+def lookup_continuations(sequence: torch.Tensor, max_ngram: int, num_draft: int, eos: frozenset[int] = frozenset(),
+                         branches: int = 1) -> list[list[int]]:
+    """Up to `branches` distinct continuations of the last n-gram of `sequence` ([L] long), in
+    `transformers`' order: the longest n-gram first, then leftmost occurrence first. The first one
+    is exactly what `PromptLookupCandidateGenerator.get_candidates` proposes."""
+    length = sequence.numel()
+    found: list[list[int]] = []
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        windows = sequence.unfold(0, n, 1)  # [L - n + 1, n]
+        matches = (windows == sequence[-n:]).all(dim=1).nonzero().flatten().tolist()
+        for index in matches:
+            start = index + n
+            end = min(start + num_draft, length)
+            if start >= end:  # the n-gram itself, at the end of the text
+                continue
+            continuation = sequence[start:end].tolist()
+            for i, token in enumerate(continuation):  # transformers cuts the draft before an EOS
+                if token in eos:
+                    continuation = continuation[:i]
+                    break
+            if not found and not continuation:
+                return []  # transformers stops at the first match even when the EOS cut empties it
+            if continuation and continuation not in found:
+                found.append(continuation)
+            if len(found) >= branches:
+                return found
+    return found
+
+
+def trie(root: int, continuations: list[list[int]]) -> Tree:
+    """The continuations merged into a token trie rooted at `root` (shared prefixes once)."""
+    tokens, parents, children = [root], [-1], [{}]
+    for continuation in continuations:
+        node = 0
+        for token in continuation:
+            child = children[node].get(token)
+            if child is None:
+                child = len(tokens)
+                tokens.append(token)
+                parents.append(node)
+                children.append({})
+                children[node][token] = child
+            node = child
+    return Tree(torch.tensor(tokens), parents)
+
+
+class PromptLookupDecoder(DraftVerifyDecoder):
+    name = "pld"
+
+    def __init__(self, target, max_ngram: int = 3, num_draft: int = 10, branches: int = 1):
+        super().__init__(target)
+        if max_ngram < 1 or num_draft < 1 or branches < 1:
+            raise ValueError(f"pld needs max_ngram, num_draft, branches >= 1; got {max_ngram}, {num_draft}, {branches}")
+        self.max_ngram, self.num_draft, self.branches = max_ngram, num_draft, branches
+
+    def describe(self):
+        return {**super().describe(), "max_ngram": self.max_ngram, "num_draft": self.num_draft, "branches": self.branches}
+
+    def generate(self, prompt, stop, sampling=None, generator=None):
+        from .engine.sampling import SamplingConfig
+
+        self.eos = stop.eos_token_ids
+        self.matched_steps = 0
+        out = super().generate(prompt, stop, sampling or SamplingConfig(), generator)
+        steps = out.stats.steps - 1  # verifications (the prefill proposes nothing)
+        out.stats.extra["match_rate"] = self.matched_steps / steps if steps else 0.0  # steps with a draft
+        return out
+
+    def propose(self, root: int, budget: int) -> Tree:
+        if budget <= 0:
+            return Tree(torch.tensor([root]), [-1])
+        sequence = torch.tensor(self.sequence, dtype=torch.long)
+        found = lookup_continuations(sequence, self.max_ngram, min(self.num_draft, budget), self.eos, self.branches)
+        self.matched_steps += bool(found)
+        return trie(root, found)
+
+
+@register("pld", params={"max_ngram": integer(1), "num_draft": integer(1), "branches": integer(1)})
+def build(target, params: dict, context) -> PromptLookupDecoder:
+    return PromptLookupDecoder(target, max_ngram=int(params.get("max_ngram", 3)),
+                               num_draft=int(params.get("num_draft", 10)), branches=int(params.get("branches", 1)))

@@ -1,0 +1,124 @@
+"""Token Recycling (Luo et al. 2024, arXiv 2408.08696, ACL 2025; Luowaterbi/TokenRecycling
+`evaluation/inference_recycling.py`, `model/recycling/tree_template_.py`; the same code in Spec-Bench).
+
+An adjacency matrix keeps, for every token of the vocabulary, the top-k tokens the target predicted
+after it (k = 8): after every target forward, each forwarded token's row becomes the top-k of the
+target's logits at that token (all tree nodes, accepted or not: the "trash" is recycled; a token
+forwarded twice keeps its last node's). A draft is read off the matrix by BFS over a static tree
+template: the node for path [i, j, ...] holds entry i of the root's row, then entry j of that
+token's row, and so on (upstream's template "2.2.2": 80 nodes, depth 6). Verification is the
+engine's: greedy match or rejection sampling with the draft as point masses (lossless; upstream
+runs greedy only). The prefill's last-token logits fill that token's row as upstream's first tree
+forward does.
+
+The matrix starts as zeros (upstream) and PERSISTS ACROSS PROMPTS (upstream keeps one matrix for
+the whole benchmark run, its warm-up included): `persist: false` resets it for every prompt, and
+`reset()` clears it. Results record `adjacency_persists` and, per prompt, the rows filled before it.
+
+Defaults: k = 8 (`--output-id-topk 8`, `topk(k=8)`), tree "2.2.2" (`--tree_version 2.2.2`).
+`tree: auto` keeps the template's first nodes (its own, level-by-level order) up to what this
+machine verifies nearly free (engine/sizing.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import BuildContext, DraftVerifyDecoder, register
+from .engine.params import BOOL, integer, one_of, paths
+from .engine.static_trees import StaticTree
+from .engine.tree import Tree
+
+# Luowaterbi/TokenRecycling, model/recycling/tree_template_.py, version "2.2.2" (verbatim): 80 nodes,
+# 8/21/25/15/8/3 per depth.
+TEMPLATE_2_2_2 = [
+    [0], [1], [2], [3], [4], [5], [6], [7],
+    [0, 0], [0, 1], [0, 2], [0, 3], [0, 4], [0, 5], [0, 6], [0, 7], [1, 0], [1, 1], [1, 2], [1, 3], [2, 0], [2, 1],
+    [2, 2], [3, 0], [3, 1], [4, 0], [5, 0], [6, 0], [7, 0],
+    [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 3], [0, 0, 4], [0, 0, 5], [0, 0, 6], [0, 0, 7], [0, 1, 0], [0, 1, 1],
+    [0, 1, 2], [0, 2, 0], [0, 2, 1], [0, 3, 0], [0, 4, 0], [0, 5, 0], [0, 6, 0], [0, 7, 0], [1, 0, 0], [1, 0, 1],
+    [1, 1, 0], [2, 0, 0], [3, 0, 0], [4, 0, 0], [5, 0, 0],
+    [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 3], [0, 0, 0, 4], [0, 0, 1, 0], [0, 0, 1, 1], [0, 0, 2, 0],
+    [0, 0, 3, 0], [0, 0, 4, 0], [0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [3, 0, 0, 0],
+    [0, 0, 0, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 1, 0, 0],
+    [0, 1, 0, 0, 0], [1, 0, 0, 0, 0],
+    [0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1], [0, 0, 0, 1, 0, 0],
+]
+TEMPLATES = {"2.2.2": TEMPLATE_2_2_2}
+
+
+class TokenRecyclingDecoder(DraftVerifyDecoder):
+    name = "recycling"
+
+    def __init__(self, target, tree: StaticTree, top_k: int = 8, persist: bool = True):
+        super().__init__(target)
+        if tree.top_k() > top_k:
+            raise ValueError(f"tree template uses successor rank {tree.top_k() - 1}; the matrix keeps top_k={top_k}")
+        if top_k > target.vocab_size:
+            raise ValueError(f"recycling top_k={top_k} exceeds the vocabulary ({target.vocab_size} tokens)")
+        self.tree, self.top_k, self.persist = tree, top_k, persist
+        self.parents = torch.tensor(tree.parents[1:], dtype=torch.long)
+        self.ranks = torch.tensor(tree.ranks[1:], dtype=torch.long)
+        self.levels = [[n for n in range(1, len(tree)) if tree.depths[n] == d] for d in range(1, tree.max_depth + 1)]
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every recycled successor: the matrix of zeros upstream starts from."""
+        self.adjacency = torch.zeros(self.target.vocab_size, self.top_k, dtype=torch.long)
+        self.filled = torch.zeros(self.target.vocab_size, dtype=torch.bool)
+
+    def describe(self):
+        return {**super().describe(), "tree_nodes": len(self.tree), "tree_depth": self.tree.max_depth,
+                "top_k": self.top_k, "adjacency_persists": self.persist}
+
+    def generate(self, prompt, stop, sampling=None, generator=None):
+        from .engine.sampling import SamplingConfig
+
+        if not self.persist:
+            self.reset()
+        rows_before = int(self.filled.sum())
+        out = super().generate(prompt, stop, sampling or SamplingConfig(), generator)
+        out.stats.extra.update({"adjacency_persists": self.persist, "adjacency_rows_before": rows_before,
+                                "adjacency_rows_after": int(self.filled.sum())})
+        return out
+
+    def _recycle(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """Row of each token <- the top-k after it; for a repeated token the last node's wins."""
+        successors = torch.topk(logits, self.top_k, dim=-1).indices.cpu()
+        tokens = tokens.cpu()
+        last = {int(t): i for i, t in enumerate(tokens.tolist())}  # last occurrence of each token
+        keep = torch.tensor(sorted(last.values()), dtype=torch.long)
+        self.adjacency[tokens[keep]] = successors[keep]
+        self.filled[tokens[keep]] = True
+
+    def start(self, prompt, prefill) -> None:
+        self._recycle(torch.tensor(prompt[-1:]), prefill.logits[-1:])
+
+    def propose(self, root: int, budget: int) -> Tree:
+        depth = min(self.tree.max_depth, budget)
+        count = 1 + sum(len(level) for level in self.levels[:depth])  # nodes are sorted by depth
+        tokens = torch.empty(count, dtype=torch.long)
+        tokens[0] = root
+        for level in self.levels[:depth]:  # BFS: one gather per depth
+            nodes = torch.tensor(level)
+            tokens[nodes] = self.adjacency[tokens[self.parents[nodes - 1]], self.ranks[nodes - 1]]
+        return Tree(tokens, self.tree.parents[:count])
+
+    def advance(self, tree, acceptance, verified) -> None:
+        self._recycle(tree.tokens, verified.logits)
+
+
+@register("recycling", params={"tree": one_of("auto", *TEMPLATES) | paths(), "top_k": integer(1),
+                               "persist": BOOL})
+def build(target, params: dict, context: BuildContext) -> TokenRecyclingDecoder:
+    choice, sizing = params.get("tree", "2.2.2"), None
+    if choice == "auto":  # upstream's template cut, in its own order, to this machine's verify budget
+        budget, sizing = context.tree_budget(target, "tree")
+        tree = StaticTree.build(TEMPLATE_2_2_2, nodes=budget - 1)
+        sizing["chosen"] = f"2.2.2, first {len(tree) - 1} nodes"
+    else:
+        tree = StaticTree.build(TEMPLATES[choice] if isinstance(choice, str) else choice)
+    decoder = TokenRecyclingDecoder(target, tree, top_k=int(params.get("top_k", 8)),
+                                    persist=bool(params.get("persist", True)))
+    decoder.sizing = sizing
+    return decoder
