@@ -21,13 +21,15 @@ from .engine.params import integer, null, one_of
 from .engine.sampling import SamplingConfig
 from .engine.tree import Tree
 
-INITIAL_GUESSES = ("prompt", "repeat", "pad")
+# sequence: random tokens of the prompt and the output so far, as upstream's chat and speedup
+# scripts draw them (`random.choices(generation[0], k=n-1)`); prompt: of the prompt only
+INITIAL_GUESSES = ("sequence", "prompt", "repeat", "pad")
 
 
 class JacobiDecoder(DraftVerifyDecoder):
     name = "jacobi"
 
-    def __init__(self, target, block_size: int = 16, initial_guess: str = "prompt", pad_token: int = 0, seed: int = 0):
+    def __init__(self, target, block_size: int = 16, initial_guess: str = "sequence", pad_token: int = 0, seed: int = 0):
         super().__init__(target)
         if block_size < 2:
             raise ValueError(f"jacobi block_size must be >= 2, got {block_size}")
@@ -55,9 +57,10 @@ class JacobiDecoder(DraftVerifyDecoder):
     def _new_block(self, root: int) -> None:
         self.iterations_per_block.append(0)
         self.remaining = self.block_size - 1
-        if self.initial_guess == "prompt":  # as CLLM: random tokens of the prompt
-            picks = torch.randint(len(self._prompt), (self.remaining,), generator=self._rng).tolist()
-            self.guess = [self._prompt[i] for i in picks]
+        if self.initial_guess in ("sequence", "prompt"):  # uniform draws, with replacement
+            pool = self.sequence if self.initial_guess == "sequence" else self._prompt
+            picks = torch.randint(len(pool), (self.remaining,), generator=self._rng).tolist()
+            self.guess = [pool[i] for i in picks]
         elif self.initial_guess == "repeat":
             self.guess = [root] * self.remaining
         else:
@@ -90,7 +93,7 @@ def build(target, params: dict, context: BuildContext) -> JacobiDecoder:
         block, sizing = context.tree_budget(target, "block_size")
         sizing["chosen"] = block
     pad = getattr(context.target_model.config, "pad_token_id", None) or 0
-    decoder = JacobiDecoder(target, block_size=int(block), initial_guess=params.get("initial_guess", "prompt"),
+    decoder = JacobiDecoder(target, block_size=int(block), initial_guess=params.get("initial_guess", "sequence"),
                             pad_token=int(pad), seed=int(params.get("seed", 0)))
     decoder.sizing = sizing
     return decoder

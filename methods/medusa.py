@@ -65,7 +65,7 @@ class MedusaDecoder(DraftVerifyDecoder):
 
     def _accept(self, tree, logits):
         if self.acceptance == "typical" and not self.sampling.greedy:
-            return typical_accept(tree, logits_to_probs(logits, self.sampling), self.generator, *self.typical)
+            return typical_accept(tree, logits_to_probs(logits, self.sampling), *self.typical)
         return super()._accept(tree, logits)
 
 

@@ -10,6 +10,11 @@ code with that configuration.
 doing so as the run goes: the acceptance estimate starts at the draft's model-card value (worth
 `PRIOR_TESTS` tested positions) and follows the positions actually tested and accepted, so a
 draft that accepts less on the benchmark than on its training answers gets shorter chains.
+
+`gamma: heuristic` is γ as Spec-Bench runs SpS: `transformers` assisted generation (4.37.1, the
+version Spec-Bench pins) with its `heuristic` schedule: γ starts at 5 (`num_assistant_tokens`) in
+every generate call (every turn), grows by 2 after a step whose drafts were all accepted and shrinks
+by 1 (to at least 1) otherwise.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from .mcsd import MultiCandidateDecoder
 
 
 PRIOR_TESTS = 20  # weight of the model card's acceptance in the running estimate, in tested positions
+HEURISTIC_START = 5  # transformers 4.37.1's num_assistant_tokens default (Spec-Bench's SpS)
 
 
 class SpeculativeSamplingDecoder(MultiCandidateDecoder):
@@ -31,21 +37,31 @@ class SpeculativeSamplingDecoder(MultiCandidateDecoder):
 
     def __init__(self, target, draft_model, gamma: int = 4, vocabulary=None):
         super().__init__(target, draft_model, k_config=(1,), replacement=True, vocabulary=vocabulary)
-        self.set_gamma(gamma)
+        self.heuristic = gamma == "heuristic"
+        self.set_gamma(HEURISTIC_START if self.heuristic else gamma)
         self.auto: dict | None = None  # gamma=auto: the curve, the draft's cost, the acceptance counts
+        self.steps_by_gamma: dict[int, int] = {}
 
     def size_automatically(self, curve: dict[int, float], cost: float, alpha: float) -> None:
-        self.auto = {"curve": curve, "cost": cost, "prior": alpha, "tested": 0, "accepted": 0, "steps": {}}
+        self.auto = {"curve": curve, "cost": cost, "prior": alpha, "tested": 0, "accepted": 0}
         self.set_gamma(chain_length(curve, cost, alpha)[0])
+
+    def start(self, prompt, prefill) -> None:
+        super().start(prompt, prefill)
+        if self.heuristic:  # transformers builds a new candidate generator, at γ = 5, per call
+            self.set_gamma(HEURISTIC_START)
 
     def advance(self, tree, acceptance, verified) -> None:
         super().advance(tree, acceptance, verified)
+        if len(tree) > 1:
+            self.steps_by_gamma[self.gamma] = self.steps_by_gamma.get(self.gamma, 0) + 1
+        if self.heuristic and len(tree) > 1:  # all of the γ asked for accepted: +2, else -1
+            self.set_gamma(self.gamma + 2 if acceptance.accepted_drafts == self.gamma else max(1, self.gamma - 1))
         if self.auto is not None and len(tree) > 1:
             auto = self.auto
             drafted = len(tree) - 1
             auto["accepted"] += acceptance.accepted_drafts
             auto["tested"] += min(acceptance.accepted_drafts + 1, drafted)
-            auto["steps"][self.gamma] = auto["steps"].get(self.gamma, 0) + 1
             self.set_gamma(chain_length(auto["curve"], auto["cost"], self.alpha_estimate())[0])
 
     def alpha_estimate(self) -> float:
@@ -60,17 +76,21 @@ class SpeculativeSamplingDecoder(MultiCandidateDecoder):
     def describe(self):
         described = {**Decoder.describe(self), "gamma": self.gamma,
                      "draft_vocab": len(self.vocabulary) if self.vocabulary else None}
+        if self.heuristic:
+            described["gamma"] = "heuristic"
+            described["sizing"] = {"gamma": "heuristic", "start": HEURISTIC_START,
+                                   "steps_by_gamma": dict(sorted(self.steps_by_gamma.items()))}
         if self.auto is not None:
             auto = self.auto
             described["gamma"] = "auto"
             described["sizing"] = {"gamma": "auto", "draft_cost": auto["cost"], "alpha_prior": auto["prior"],
                                    "alpha_measured": self.alpha_estimate(), "tested": auto["tested"],
-                                   "steps_by_gamma": dict(sorted(auto["steps"].items())),
+                                   "steps_by_gamma": dict(sorted(self.steps_by_gamma.items())),
                                    "curve_t1": {n: round(v, 3) for n, v in relative(auto["curve"]).items()}}
         return described
 
 
-@register("sps", params={"gamma": one_of("auto") | integer(1), "draft": null() | mapping(), "draft_vocab": DRAFT_VOCAB})
+@register("sps", params={"gamma": one_of("auto", "heuristic") | integer(1), "draft": null() | mapping(), "draft_vocab": DRAFT_VOCAB})
 def build(target, params: dict, context: BuildContext) -> SpeculativeSamplingDecoder:
     gamma = params.get("gamma", "auto")
     spec = params.get("draft") or context.draft_spec("sps", "sps")

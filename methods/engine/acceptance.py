@@ -95,25 +95,25 @@ def sample_accept(
         node = accepted
 
 
-def typical_accept(
-    tree: Tree,
-    target_probs: torch.Tensor,  # [N, V] fp32, temperature applied
-    generator: torch.Generator | None,
-    epsilon: float = 0.09,
-    delta: float = 0.3,
-) -> Acceptance:
-    """Medusa's typical acceptance (LOSSY): a draft token x is acceptable after its parent when
-    p(x) > min(epsilon, delta * exp(-H(p))). The deepest node whose whole path is acceptable wins
-    (the first one in tree order on ties); the next token is sampled from p there."""
-    entropy = -(target_probs * torch.log(target_probs.clamp_min(1e-30))).sum(-1)
+def typical_accept(tree: Tree, target_probs: torch.Tensor, epsilon: float = 0.09, delta: float = 0.3) -> Acceptance:
+    """Medusa's typical acceptance (LOSSY), as upstream's default fast path (`evaluate_posterior`
+    with `fast=True`, FasterDecoding/Medusa): a draft token x is acceptable after its parent when
+    p(x) > min(epsilon, delta * exp(-H(p))), with H from log(p + 1e-5); a node is accepted when its
+    whole path is. The deepest accepted node wins; among equally deep ones, the path of the highest
+    likelihood (the sum of log p of its tokens). The next token is the argmax of p there (upstream
+    takes the argmax when `fast`, its default). `target_probs` [N, V]: fp32, temperature applied."""
+    entropy = -(target_probs * torch.log(target_probs + 1e-5)).sum(-1)
     threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
     parents = torch.tensor(tree.parents[1:], dtype=torch.long)
     token_probs = target_probs[parents, tree.tokens[1:]]
     acceptable = [True] + (token_probs > threshold[parents]).tolist()
-    best, best_depth = 0, 0
+    log_likelihood = [0.0] + torch.log(token_probs).tolist()
+    best, best_key = 0, (0, 0.0)
     for node in range(1, len(tree)):
         parent = tree.parents[node]
         acceptable[node] = acceptable[node] and acceptable[parent]
-        if acceptable[node] and tree.depths[node] > best_depth:
-            best, best_depth = node, tree.depths[node]
-    return Acceptance(tree.path_to(best), sample(target_probs[best], generator))
+        log_likelihood[node] += log_likelihood[parent]
+        key = (tree.depths[node], log_likelihood[node])
+        if acceptable[node] and key > best_key:
+            best, best_key = node, key
+    return Acceptance(tree.path_to(best), int(target_probs[best].argmax()))

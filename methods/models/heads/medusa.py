@@ -8,6 +8,11 @@ Released format: `medusa_lm_head.pt` (or `.safetensors`) with keys `{i}.{j}.line
 and a `config.json` with `medusa_num_heads` / `medusa_num_layers`, which may be wrong (the
 released `medusa-vicuna-7b-v1.3` says 2 heads and holds 5): the loader counts heads and layers from
 the keys. A head saved without its vocab projection gets a copy of the target's lm_head.
+
+Medusa-2 releases the whole fine-tuned model (`save_pretrained` of upstream's `MedusaModel`): the
+heads are its `medusa_head.{i}.…` tensors, in `model.safetensors` or shards with an index; the
+loader reads those tensors only. The target is that same checkpoint (its backbone was trained with
+the heads): point `model.path` and `method.head.path` at the same folder or Hub id.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ import torch
 from torch import nn
 
 from ..specs import ModelSpec
-from .checkpoints import checkpoint_folder, read_config, read_state_dict
+from .checkpoints import SHARD_INDEXES, checkpoint_folder, read_config, read_prefixed, read_state_dict
 
 log = logging.getLogger(__name__)
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
+FULL_MODEL_PREFIX = "medusa_head."  # Medusa-2: the heads inside the whole model's weights
+HUB_FILES = (*WEIGHT_FILES, *SHARD_INDEXES, "model-*.safetensors", "pytorch_model-*.bin")
 
 
 class ResBlock(nn.Module):
@@ -79,8 +86,10 @@ def count_heads_and_layers(state: dict[str, torch.Tensor]) -> tuple[int, int]:
 
 
 def load_medusa_heads(spec: ModelSpec, target_model) -> MedusaHeads:
-    folder = checkpoint_folder(spec, WEIGHT_FILES)
-    state, file = read_state_dict(folder, WEIGHT_FILES)
+    folder = checkpoint_folder(spec, HUB_FILES)
+    state, file = read_prefixed(folder, FULL_MODEL_PREFIX), "the model's medusa_head.* tensors"
+    if state is None:
+        state, file = read_state_dict(folder, WEIGHT_FILES)
     num_heads, num_layers = count_heads_and_layers(state)
     declared = read_config(folder).get("medusa_num_heads")
     if declared is not None and declared != num_heads:
@@ -93,7 +102,7 @@ def load_medusa_heads(spec: ModelSpec, target_model) -> MedusaHeads:
         state[f"{i}.{num_layers}.weight"] = lm_head.weight.detach()
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{folder / file}: not a Medusa checkpoint (missing {missing[:4]}, unexpected {unexpected[:4]})")
+        raise ValueError(f"{folder} ({file}): not a Medusa checkpoint (missing {missing[:4]}, unexpected {unexpected[:4]})")
     param = next(target_model.parameters())
     heads = heads.to(device=param.device, dtype=param.dtype).eval().requires_grad_(False)
     for i in shared:
