@@ -30,25 +30,32 @@ bench: setup
 		limit=$(if $(LIMIT),$(LIMIT),null) max_new_tokens=$(if $(MAX_NEW_TOKENS),$(MAX_NEW_TOKENS),null) \
 		temperature=$(TEMPERATURE) $(ARGS)
 
-# A Hydra multirun grid, one job after the other on this machine (LAUNCHER=slurm for a cluster,
-# with ARGS="hydra.launcher.partition=..."). Every job writes its own results folder; methods share
-# one AR baseline per setting. Ends with the status of every job.
+# A Hydra multirun grid (docs/cluster.md). LAUNCHER=local (default): each job in its own process,
+# one at a time, so that no job is timed beside another; LAUNCHER=slurm for a cluster, with
+# ARGS="hydra.launcher.partition=..." (each job gets its node to itself); LAUNCHER=basic runs the
+# jobs inside this process. One status line per job as it changes (pending, running with questions
+# done, done, failed with its error and log), then the status of every job. Every job writes its
+# own results folder; re-running the same sweep resumes them.
 SWEEP ?= method=sps,mcsd,jacobi dataset.categories=writing,math_reasoning
 SWEEP_LIMIT ?= 3
 SWEEP_MAX_NEW_TOKENS ?= 64
-LAUNCHER ?=
+LAUNCHER ?= local
 SWEEP_DIR := results/.multirun/$(shell date +%Y%m%d-%H%M%S)
 sweep: setup
 	$(PY) -m harness.run -m $(SWEEP) limit=$(SWEEP_LIMIT) max_new_tokens=$(SWEEP_MAX_NEW_TOKENS) \
-		$(if $(LAUNCHER),hydra/launcher=$(LAUNCHER),) hydra.sweep.dir=$(SWEEP_DIR) $(ARGS); \
+		hydra/launcher=$(LAUNCHER) hydra.sweep.dir=$(SWEEP_DIR) $(ARGS); \
 	status=$$?; $(PY) -m harness.report --jobs $(SWEEP_DIR); exit $$status
 
-# Tables (Markdown, CSV, LaTeX) and figures (PNG, PDF) from every results folder.
+# Tables (Markdown, CSV, LaTeX) and figures (PNG, PDF) of one run set: RUNS names results folders,
+# folders holding them or sweep folders (default: everything under results/ except the committed
+# reference run, which RUNS=results/reference reads). Written to results/report/<run set>/ and
+# plots/<run set>/, one table per set of settings and questions.
+RUNS ?= results
 report: setup
-	$(PY) -m harness.report --results results --out results/report $(ARGS)
+	$(PY) -m harness.report $(RUNS) $(ARGS)
 
 figures: setup
-	$(PY) -m harness.figures --results results --out plots $(ARGS)
+	$(PY) -m harness.figures $(RUNS) $(ARGS)
 
 # Every method on one model over Spec-Bench with the settings of conf/headline/$(HEADLINE).yaml:
 # one results folder per method under results/reference/, its report and the figures (plots/).
@@ -70,10 +77,10 @@ perf-lazyllm: setup
 	$(PY) -m harness.run method=lazyllm dataset=needle dtype=$(LAZY_DTYPE) warmup=1 $(ARGS)
 
 # The suite's own drafts for a model without public ones (harness/training/): the target's
-# greedy answers to generated prompts (data/distill/), then a draft LM, an EAGLE head and Medusa
-# heads, each written to drafts/<model>/<kind>/ with its training log and model card.
+# greedy answers to generated prompts (data/distill/), then a draft LM, an EAGLE head, Medusa
+# heads and an EAGLE-3 head, each written to drafts/<model>/<kind>/ with its training log and model card.
 DRAFT_MODEL ?= smollm2-135m
-DRAFT_KINDS ?= draft-lm eagle medusa
+DRAFT_KINDS ?= draft-lm eagle medusa eagle3
 train-drafts: setup
 	test -f data/distill/$(DRAFT_MODEL)/answers.jsonl || $(PY) -m harness.training data --model $(DRAFT_MODEL) $(ARGS)
 	$(PY) -m harness.training vocab --model $(DRAFT_MODEL)

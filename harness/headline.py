@@ -4,10 +4,10 @@ the report and the figures of exactly those runs.
     python -m harness.headline [--config conf/headline/smollm2-135m.yaml] [--limit N] [override ...]
 
 The config names the model, the question selection, the shared settings and, per method, the
-overrides that fit this model and hardware (tree sizes, drafts). Runs share one AR baseline (the
-first run answers with AR too; the others reuse its records for the same prompts), and every run
-is resumable: rerunning after an interruption continues where it stopped. Extra `key=value`
-arguments are Hydra overrides applied to every run (e.g. `dtype=float32`).
+overrides that fit this model and hardware (tree sizes, drafts). Each run answers every question
+with AR and its method side by side (its own paired baseline), and every run is resumable:
+rerunning after an interruption continues where it stopped. Extra `key=value` arguments are Hydra
+overrides applied to every run (e.g. `dtype=float32`).
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def main(argv=None) -> int:
         summary = run(cfg)
         folders[method] = summary["results"]
     results = Path(cfg.results_dir)
-    report.main(["--results", str(results), "--out", str(results / "report")])
-    figures.main(["--results", str(results), "--out", str(args.figures or config.figures_dir)])
+    report.main([str(results), "--out", str(results / "report")])
+    figures.main([str(results), "--out", str(args.figures or config.figures_dir)])
     print(json.dumps(folders, indent=2))
     return 0
 

@@ -183,8 +183,45 @@ def speedup_stats(records: list[dict], baseline: list[dict], reps: int = 2000, s
     }
 
 
+def busy_questions(*sides: list[dict]) -> dict:
+    """The questions some side of which was measured beside other work (`harness.machine`), and the
+    most CPU other processes used during any question; `recorded` counts the questions that
+    carry a machine state at all (runs before it was recorded carry none)."""
+    from harness.machine import BUSY_CORES, BUSY_STEAL, is_busy
+
+    busy, recorded, other = set(), set(), []
+    for records in sides:
+        for record in records or []:
+            state = record.get("machine")
+            if state is None:
+                continue
+            recorded.add(record["question_id"])
+            other.append(state.get("other_cores") or 0.0)
+            if is_busy(state):
+                busy.add(record["question_id"])
+    return {"questions": sorted(busy, key=str), "recorded": len(recorded), "max_other_cores": max(other, default=None),
+            "rule": f"other processes >= {BUSY_CORES} cores, steal >= {BUSY_STEAL:.0%}, or other SLURM jobs on the node"}
+
+
+def shared_node_questions(*sides: list[dict]) -> dict | None:
+    """Under SLURM: the questions some side of which ran while other jobs ran on the same node
+    (`machine.slurm.other_jobs`, harness/cluster.py), and the most such jobs; None outside SLURM."""
+    shared, jobs, under_slurm = set(), [], False
+    for records in sides:
+        for record in records or []:
+            job = (record.get("machine") or {}).get("slurm")
+            if job is None:
+                continue
+            under_slurm = True
+            jobs.append(job.get("other_jobs") or 0)
+            if job.get("other_jobs"):
+                shared.add(record["question_id"])
+    return {"questions": sorted(shared, key=str), "max_other_jobs": max(jobs)} if under_slurm else None
+
+
 def summarize(method: str, records: list[dict], baseline: list[dict] | None, meta: dict) -> dict:
-    summary = {**meta, "method": method, "questions": len(records), "decoder": decoder_stats(records)}
+    summary = {**meta, "method": method, "questions": len(records), "decoder": decoder_stats(records),
+               "busy": busy_questions(records, baseline), "shared_node": shared_node_questions(records, baseline)}
     if baseline is None:
         return summary
     summary["baseline"] = decoder_stats(baseline)
@@ -252,6 +289,17 @@ def format_summary(summary: dict) -> str:
             lines.append(f"prompt tokens computed per layer {label}: " + " ".join(f"{v:.2f}" for v in summary["decoder"][key]))
     if "mean_iterations_per_block" in summary["decoder"]:
         lines.append(f"Jacobi iterations per block: {summary['decoder']['mean_iterations_per_block']:.2f}")
+    busy = summary.get("busy") or {}
+    if busy.get("questions"):
+        lines.append(f"BUSY MACHINE: {len(busy['questions'])} of {summary['questions']} questions were measured beside "
+                     f"other work ({busy['rule']}; up to {busy['max_other_cores']:.2f} cores used by others): "
+                     f"{', '.join(map(str, busy['questions'][:10]))}{' …' if len(busy['questions']) > 10 else ''}")
+    elif busy.get("recorded"):
+        lines.append(f"machine quiet during every question (other processes used at most {busy['max_other_cores']:.2f} cores)")
+    shared = summary.get("shared_node") or {}
+    if shared.get("questions"):
+        lines.append(f"SHARED NODE: {len(shared['questions'])} of {summary['questions']} questions were measured while "
+                     f"up to {shared['max_other_jobs']} other SLURM job(s) ran on the node (hydra.launcher.exclusive=true avoids it)")
     per_position = summary["decoder"]["acceptance_per_position"]
     if per_position:
         lines.append("acceptance per draft position: " + " ".join(

@@ -1,13 +1,21 @@
-"""`make report`: tables from every results folder, recomputed from the answer records.
+"""`make report`: tables from one explicit set of runs, recomputed from their answer records.
 
-    python -m harness.report [--results results] [--select GLOB] [--out results/report]
+    python -m harness.report [RUNS ...] [--out DIR] [--select GLOB]
     python -m harness.report --jobs results/.multirun/<sweep>      # status of a sweep's jobs
 
-One table per (model, hardware, dtype, torch, transformers): runs from different hardware or
-software never share a column. Rows are method variants (a method and its parameters), columns
-are Spec-Bench categories (or datasets) plus an overall column over all questions of the row,
-Spec-Bench style. Tables: speedup with its bootstrap 95% interval, τ, acceptance rate, TTFT; each
-written as Markdown, CSV and LaTeX.
+RUNS are results folders, folders holding them, or sweep folders (each job's results folder is
+read); by default every run under `results/` except the committed reference run
+(`results/reference/`), which is read only when named. The output goes to
+`results/report/<run set>/` (`--out` to choose), so no report overwrites another's files.
+
+Runs land in the same table only when their settings agree: model, dataset, max_new_tokens,
+sampling, dtype, hardware, torch and transformers, and the questions answered: rows are method
+variants (a method and its parameters; the runs of one variant over disjoint questions, as a
+sweep over categories makes them, are joined, the newest answer of a question winning), and a
+variant whose questions differ from the others' gets a table of its own. Columns are Spec-Bench
+categories (or the dataset), each with its n, plus an overall column. Tables: speedup (95%
+bootstrap intervals where a cell has at least `MIN_INTERVAL_N` questions), τ, acceptance rate,
+TTFT; each as Markdown, CSV and LaTeX, with a caption naming every setting.
 """
 
 from __future__ import annotations
@@ -15,18 +23,21 @@ from __future__ import annotations
 import argparse
 import csv
 import fnmatch
+import hashlib
 import json
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.metrics import decoder_stats, decomposition, fidelity, speedup_stats
+from harness.metrics import busy_questions, decoder_stats, decomposition, fidelity, speedup_stats
 from harness.results import read_jsonl
 
 SKIP_DIRS = {".multirun", "perf", "report"}
+REFERENCE = "reference"  # results/reference/: the committed run, read only when named
 OVERALL = "Overall"
 TABLES = ("speedup", "tau", "acceptance", "ttft")
+MIN_INTERVAL_N = 5  # below this many questions a cell shows no interval
 
 
 @dataclass
@@ -35,16 +46,32 @@ class Run:
     summary: dict
     records: list[dict]
     baseline: list[dict]
+    mtime: float = 0.0
 
     @property
-    def group(self) -> tuple:
-        env = self.summary.get("environment", {})
-        return (self.summary["model"], self.summary.get("hardware"), self.summary.get("dtype"),
-                env.get("torch"), env.get("transformers"))
+    def settings(self) -> tuple:
+        """What must agree for two runs to share a table (the questions are checked per row)."""
+        env, s = self.summary.get("environment", {}), self.summary
+        return (s["model"], s["dataset"], s.get("hardware"), s.get("dtype"), env.get("torch"), env.get("transformers"),
+                s.get("max_new_tokens"), sampling_name(s.get("sampling")))
 
     @property
     def label(self) -> str:
         return method_label(self.summary["method"], self.summary.get("method_config") or {})
+
+
+SETTING_NAMES = ("model", "dataset", "hardware", "dtype", "torch", "transformers", "max_new_tokens", "sampling")
+
+
+def sampling_name(sampling: dict | None) -> str:
+    if not sampling or not sampling.get("temperature"):
+        return "greedy"
+    parts = [f"T={sampling['temperature']:g}"]
+    if sampling.get("top_p", 1.0) < 1.0:
+        parts.append(f"top_p={sampling['top_p']:g}")
+    if sampling.get("top_k"):
+        parts.append(f"top_k={sampling['top_k']}")
+    return " ".join(parts)
 
 
 def method_label(method: str, config: dict) -> str:
@@ -59,27 +86,46 @@ def _short(value) -> str:
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-def find_runs(root: Path, select: str | None = None) -> list[Run]:
+def run_folders(paths: list[Path]) -> list[Path]:
+    """The run folders (holding summary.json) that the given paths name: a run folder itself, a
+    folder holding runs (the committed reference run is skipped unless named), or a sweep folder
+    (its jobs' results folders)."""
+    found = []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise FileNotFoundError(f"no results at {path}")
+        jobs = sorted(path.glob("*/job.json"))
+        if jobs:
+            found += [Path(job["results"]) for job in map(lambda p: json.loads(p.read_text()), jobs) if job.get("results")]
+            continue
+        named_reference = REFERENCE in path.resolve().parts
+        for summary_file in sorted(path.rglob("summary.json")):
+            parts = summary_file.parent.relative_to(path).parts
+            if set(parts) & SKIP_DIRS or (not named_reference and REFERENCE in parts):
+                continue
+            found.append(summary_file.parent)
+    return list(dict.fromkeys(found))
+
+
+def find_runs(paths, select: str | None = None) -> list[Run]:
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     runs = []
-    for summary_file in sorted(Path(root).rglob("summary.json")):
-        relative = summary_file.parent.relative_to(root)
-        if set(relative.parts) & SKIP_DIRS:
+    for folder in run_folders(paths):
+        if select and not fnmatch.fnmatch(str(folder), f"*{select}"):
             continue
-        if select and not fnmatch.fnmatch(str(relative), select):
-            continue
+        summary_file = folder / "summary.json"
         summary = json.loads(summary_file.read_text())
-        method = summary["method"]
-        records = read_jsonl(summary_file.parent / "answers" / f"{method}.jsonl")
+        records = read_jsonl(folder / "answers" / f"{summary['method']}.jsonl")
         baseline = []
-        if summary.get("baseline_results"):
+        if summary.get("baseline_results"):  # the paired AR answers (in the run's own folder since pairing)
             baseline = read_jsonl(Path(summary["baseline_results"]) / "answers" / "ar.jsonl")
-        runs.append(Run(summary_file.parent, summary, records, baseline))
+        runs.append(Run(folder, summary, records, baseline, summary_file.stat().st_mtime))
     return runs
 
 
 @dataclass
 class Row:
-    """One method variant in one group: its records and its baseline's, merged over runs."""
+    """One method variant: its records and their paired baseline records, joined over its runs."""
 
     label: str
     method: str
@@ -87,26 +133,72 @@ class Row:
     baseline: dict = field(default_factory=dict)
     columns: dict = field(default_factory=dict)  # question id -> column name
     config: dict = field(default_factory=dict)
+    runs: list = field(default_factory=list)
+
+
+@dataclass
+class Table:
+    """Method variants measured with the same settings on the same questions."""
+
+    settings: dict
+    rows: dict[str, Row]
+    slug: str = ""
+
+    @property
+    def questions(self) -> frozenset:
+        return frozenset(next(iter(self.rows.values())).records)
+
+    def caption(self) -> str:
+        s = self.settings
+        return (f"{s['model']} on {s['hardware']}, {s['dtype']}; {s['dataset']}, n = {len(self.questions)} questions, "
+                f"max_new_tokens {s['max_new_tokens']}, {s['sampling']}; torch {s['torch']}, "
+                f"transformers {s['transformers']}; {len({r for row in self.rows.values() for r in row.runs})} run(s)")
 
 
 def column_of(summary: dict, record: dict) -> str:
     return record["category"] if summary["dataset"] == "spec_bench" else summary["dataset"]
 
 
-def build_rows(runs: list[Run]) -> dict[tuple, dict[str, Row]]:
-    groups: dict[tuple, dict[str, Row]] = defaultdict(dict)
-    for run in runs:
+def build_tables(runs: list[Run]) -> list[Table]:
+    by_settings: dict[tuple, dict[str, Row]] = defaultdict(dict)
+    for run in sorted(runs, key=lambda r: r.mtime, reverse=True):  # newest first: its answers win
         if run.summary["method"] == "ar" or not run.baseline:
             continue
-        row = groups[run.group].setdefault(run.label, Row(run.label, run.summary["method"], config=run.summary.get("method_config", {})))
+        row = by_settings[run.settings].setdefault(
+            run.label, Row(run.label, run.summary["method"], config=run.summary.get("method_config", {})))
         base_by_id = {r["question_id"]: r for r in run.baseline}
+        added = False
         for record in run.records:
-            key = (run.summary["dataset"], record["question_id"])
-            if record["question_id"] in base_by_id and key not in row.records:
-                row.records[key] = record
-                row.baseline[key] = base_by_id[record["question_id"]]
-                row.columns[key] = column_of(run.summary, record)
-    return groups
+            qid = record["question_id"]
+            if qid in base_by_id and qid not in row.records:
+                row.records[qid], row.baseline[qid] = record, base_by_id[qid]
+                row.columns[qid] = column_of(run.summary, record)
+                added = True
+        if added:
+            row.runs.append(str(run.path))
+    tables = []
+    for settings, rows in by_settings.items():
+        by_questions: dict[frozenset, dict[str, Row]] = defaultdict(dict)
+        for label, row in rows.items():
+            if row.records:
+                by_questions[frozenset(row.records)][label] = row
+        for questions, same in by_questions.items():
+            tables.append(Table(dict(zip(SETTING_NAMES, settings)), dict(sorted(same.items()))))
+    tables.sort(key=lambda t: ([str(v) for v in t.settings.values()], -len(t.questions)))
+    names = defaultdict(list)
+    for table in tables:
+        s = table.settings
+        names[slugify(f"{s['model']}-{s['dataset']}-n{len(table.questions)}-{s['max_new_tokens']}tok-{s['sampling']}-"
+                      f"{s['dtype']}-{s['hardware']}")].append(table)
+    for name, same in names.items():
+        for table in same:  # two question sets of one size: the questions' hash tells them apart
+            digest = hashlib.sha256(json.dumps(sorted(map(str, table.questions))).encode()).hexdigest()[:6]
+            table.slug = name if len(same) == 1 else f"{name}-{digest}"
+    return tables
+
+
+def slugify(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
 def cell_metrics(records: list[dict], baseline: list[dict]) -> dict:
@@ -138,51 +230,55 @@ def format_value(metric: str, cell: dict | None, latex: bool = False) -> str:
         return "–"
     value = cell[metric]
     if metric == "speedup":
-        low, high = cell["speedup_ci95"]
         times = r"$\times$" if latex else "×"
+        if cell["questions"] < MIN_INTERVAL_N:
+            return f"{value:.2f}{times}"
+        low, high = cell["speedup_ci95"]
         return f"{value:.2f}{times} [{low:.2f}, {high:.2f}]"
     if metric == "ttft":
         return f"{1000 * value:.0f}"
     return f"{value:.2f}"
 
 
-TITLES = {"speedup": "Speedup over AR (Spec-Bench form, bootstrap 95% CI)", "tau": "τ (tokens per target forward)",
+TITLES = {"speedup": f"Speedup over AR (Spec-Bench form; bootstrap 95% interval where n >= {MIN_INTERVAL_N})",
+          "tau": "τ (tokens per target forward)",
           "acceptance": "Acceptance rate α (accepted / proposed draft tokens)", "ttft": "TTFT (ms, mean per turn)"}
 
 
-def group_folder(out: Path, group: tuple) -> Path:
-    model, hardware, dtype = group[:3]
-    return out / re.sub(r"[^a-z0-9]+", "-", f"{model}-{hardware}-{dtype}".lower()).strip("-")
+def column_counts(table: Table) -> dict[str, int]:
+    counts: dict[str, int] = defaultdict(int)
+    for qid, column in next(iter(table.rows.values())).columns.items():
+        counts[column] += 1
+    return {**counts, OVERALL: len(table.questions)}
 
 
-def write_tables(group: tuple, columns: list[str], table: dict, out: Path) -> list[Path]:
-    model, hardware, dtype, torch_version, transformers_version = group
-    folder = group_folder(out, group)
+def write_tables(table: Table, columns: list[str], cells_by_label: dict, out: Path) -> list[Path]:
+    folder = out / table.slug
     folder.mkdir(parents=True, exist_ok=True)
-    caption = f"{model} on {hardware}, {dtype}, torch {torch_version}, transformers {transformers_version}"
+    caption = table.caption()
+    counts = column_counts(table)
     written = []
     for metric in TABLES:
-        header = ["method", *columns]
-        body = [[label, *(format_value(metric, cells.get(c)) for c in columns)] for label, cells in table.items()]
+        header = ["method", *(f"{c} (n={counts.get(c, 0)})" for c in columns)]
+        body = [[label, *(format_value(metric, cells.get(c)) for c in columns)] for label, cells in cells_by_label.items()]
         md = [f"**{TITLES[metric]}** — {caption}", "", "| " + " | ".join(header) + " |",
               "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in body]
         (folder / f"{metric}.md").write_text("\n".join(md) + "\n")
         with open(folder / f"{metric}.csv", "w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["model", "hardware", "dtype", "torch", "transformers", "method", "column", metric,
-                             "ci_low", "ci_high", "questions"])
-            for label, cells in table.items():
+            writer.writerow([*SETTING_NAMES, "method", "column", metric, "ci_low", "ci_high", "questions"])
+            for label, cells in cells_by_label.items():
                 for column in columns:
                     cell = cells.get(column)
                     if cell:
                         low, high = cell["speedup_ci95"] if metric == "speedup" else (None, None)
-                        writer.writerow([*group, label, column, cell[metric], low, high, cell["questions"]])
+                        writer.writerow([*table.settings.values(), label, column, cell[metric], low, high, cell["questions"]])
         esc = lambda text: str(text).replace("_", r"\_").replace("%", r"\%").replace("&", r"\&")  # noqa: E731
         tex = [r"\begin{table}[t]", r"\centering", r"\small",
                r"\begin{tabular}{l" + "c" * len(columns) + "}", r"\toprule",
                " & ".join(esc(h) for h in header) + r" \\", r"\midrule"]
         tex += [" & ".join([esc(label), *(format_value(metric, cells.get(c), latex=True) for c in columns)]) + r" \\"
-                for label, cells in table.items()]
+                for label, cells in cells_by_label.items()]
         tex += [r"\bottomrule", r"\end{tabular}", rf"\caption{{{esc(TITLES[metric])}. {esc(caption)}.}}", r"\end{table}"]
         (folder / f"{metric}.tex").write_text("\n".join(tex).replace("τ", r"$\tau$").replace("α", r"$\alpha$") + "\n")
         written += [folder / f"{metric}.{ext}" for ext in ("md", "csv", "tex")]
@@ -201,6 +297,7 @@ def breakdown_rows(rows: dict[str, Row]) -> list[dict]:
         stats, speed, fid = decoder_stats(records), speedup_stats(records, baseline), fidelity(records, baseline)
         base_stats = decoder_stats(baseline)
         explained = decomposition(stats, base_stats)
+        busy = busy_questions(records, baseline)
         positions = sorted(d["position"] for d in fid["first_divergence"])
         out.append({
             "method": label, "questions": len(records), "speedup": speed["specbench"],
@@ -211,6 +308,7 @@ def breakdown_rows(rows: dict[str, Row]) -> list[dict]:
             "predicted": (explained or {}).get("predicted_decode_speedup"),
             "lossless": row.config.get("lossless", True), "differ_from_ar": fid["differing_questions"],
             "first_divergence_median": positions[len(positions) // 2] if positions else None,
+            "busy": len(busy["questions"]) if busy["recorded"] else None,
             **{phase: stats["time_fractions"].get(phase, 0.0) for phase in PHASES},
         })
     return out
@@ -222,17 +320,17 @@ def _per_step(row: dict) -> str:
     return " / ".join(f"{row[f'step_{k}']:.2f}" for k in ("verify", "draft", "other"))
 
 
-def write_breakdown(group: tuple, rows: dict[str, Row], folder: Path) -> list[Path]:
+def write_breakdown(table: Table, folder: Path) -> list[Path]:
     """`breakdown.md/csv`: one line per method with speedup, τ, tokens/s, how many questions'
-    outputs differ from AR's (and the median first differing token), and the time fractions."""
-    model, hardware, dtype, torch_version, transformers_version = group
-    lines = breakdown_rows(rows)
+    outputs differ from AR's (and the median first differing token), how many were measured on a
+    busy machine, and the time fractions."""
+    lines = breakdown_rows(table.rows)
     header = ["method", "questions", "speedup", "τ", "verify / draft / other per step", "predicted", "tok/s (AR)",
-              "differ from AR", *[f"{p} %" for p in PHASES]]
-    md = [f"**Per method: speed, fidelity, time breakdown (% of wall time)** — {model} on {hardware}, {dtype}, "
-          f"torch {torch_version}, transformers {transformers_version}. Per step: the cost of a decoding step's "
-          "verify, draft and other work in units of AR's mean decoding step; predicted = τ / their sum "
-          "(decoding only; the measured speedup also pays the prefill).", "",
+              "differ from AR", "busy", *[f"{p} %" for p in PHASES]]
+    md = [f"**Per method: speed, fidelity, time breakdown (% of wall time)** — {table.caption()}. Per step: the cost "
+          "of a decoding step's verify, draft and other work in units of AR's mean decoding step; predicted = τ / "
+          "their sum (decoding only; the measured speedup also pays the prefill). Busy: questions measured beside "
+          "other work (docs/benchmarks.md, reading the busy flag).", "",
           "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in lines:
         differ = f"{r['differ_from_ar']}/{r['questions']}"
@@ -240,34 +338,46 @@ def write_breakdown(group: tuple, rows: dict[str, Row], folder: Path) -> list[Pa
             differ += f" (first at token {r['first_divergence_median']}, median)"
         if not r["lossless"]:
             differ += " lossy"
+        interval = f" [{r['ci_low']:.2f}, {r['ci_high']:.2f}]" if r["questions"] >= MIN_INTERVAL_N else ""
         md.append("| " + " | ".join([
-            r["method"], str(r["questions"]), f"{r['speedup']:.2f}× [{r['ci_low']:.2f}, {r['ci_high']:.2f}]",
+            r["method"], str(r["questions"]), f"{r['speedup']:.2f}×{interval}",
             f"{r['tau']:.2f}", _per_step(r), "–" if r["predicted"] is None else f"{r['predicted']:.2f}×",
             f"{r['tokens_per_second']:.1f} ({r['ar_tokens_per_second']:.1f})", differ,
+            "not recorded" if r["busy"] is None else f"{r['busy']}/{r['questions']}",
             *[f"{100 * r[p]:.0f}" for p in PHASES]]) + " |")
     (folder / "breakdown.md").write_text("\n".join(md) + "\n")
     with open(folder / "breakdown.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["model", "hardware", "dtype", "torch", "transformers", *lines[0]])
+        writer = csv.DictWriter(f, fieldnames=[*SETTING_NAMES, *lines[0]])
         writer.writeheader()
         for r in lines:
-            writer.writerow(dict(zip(writer.fieldnames, group)) | r)
+            writer.writerow(table.settings | r)
     return [folder / "breakdown.md", folder / "breakdown.csv"]
 
 
-def report(root: Path, out: Path, select: str | None = None) -> dict:
-    groups = build_rows(find_runs(root, select))
+def report(paths, out: Path, select: str | None = None) -> dict[str, tuple]:
+    """Writes every table of the run set under `out`; returns table slug -> (columns, cells)."""
+    tables = build_tables(find_runs(paths, select))
     out.mkdir(parents=True, exist_ok=True)
-    index, tables = [], {}
-    for group, rows in sorted(groups.items(), key=lambda kv: [str(x) for x in kv[0]]):
-        columns, table = group_table(rows)
-        tables[group] = (columns, table)
-        write_tables(group, columns, table, out)
-        folder = group_folder(out, group)
-        write_breakdown(group, rows, folder)
+    index, written = [], {}
+    for table in tables:
+        columns, cells = group_table(table.rows)
+        written[table.slug] = (columns, cells)
+        write_tables(table, columns, cells, out)
+        write_breakdown(table, out / table.slug)
         for name in ("breakdown", "speedup", "tau"):
-            index.append((folder / f"{name}.md").read_text())
+            index.append((out / table.slug / f"{name}.md").read_text())
     (out / "report.md").write_text("\n\n".join(index) + "\n" if index else "No runs with a baseline found.\n")
-    return tables
+    return written
+
+
+def run_set_name(paths: list[Path]) -> str:
+    """The folder name of a run set's report and figures: `all` for every run under results/,
+    else the named folders' names (`reference`, a sweep's time stamp, a run's folder)."""
+    names = []
+    for path in map(Path, paths):
+        resolved = path.resolve()
+        names.append("all" if resolved == Path("results").resolve() else resolved.name)
+    return slugify("+".join(names))[:80] or "all"
 
 
 def job_status(sweep_dir: Path) -> list[dict]:
@@ -276,32 +386,42 @@ def job_status(sweep_dir: Path) -> list[dict]:
 
 
 def print_jobs(sweep_dir: Path) -> int:
+    """One line per job: ok (speedup, τ, results folder), failed or interrupted (the error), or
+    running: started but no end recorded (still running, or killed from outside: cancelled, out of
+    memory, node lost; its log in the sweep's .submitit folder tells). With the SLURM job and node."""
     jobs = job_status(sweep_dir)
-    failed = [j for j in jobs if j["status"] != "ok"]
-    print(f"{len(jobs)} jobs in {sweep_dir}: {len(jobs) - len(failed)} ok, {len(failed)} failed")
+    counts = {status: sum(j["status"] == status for j in jobs) for status in ("ok", "running", "interrupted", "failed")}
+    print(f"{len(jobs)} jobs in {sweep_dir}: " + ", ".join(f"{n} {status}" for status, n in counts.items() if n))
     for job in jobs:
         overrides = " ".join(job["overrides"])
+        slurm = job.get("slurm") or {}
+        array = f"{slurm.get('array_job_id')}_{slurm.get('task_id')}, " if slurm.get("array_job_id") else ""
+        where = f"  [SLURM job {array}id {slurm['job_id']} on {slurm['node']}]" if slurm else ""
         if job["status"] == "ok":
             speed = "-" if job.get("speedup") is None else f"{job['speedup']:.2f}x"
-            print(f"  #{job['job']} ok      {overrides}  speedup {speed}  τ {job['tau']:.2f}  {job['results']}")
+            print(f"  #{job['job']} ok          {overrides}  speedup {speed}  τ {job['tau']:.2f}  {job['results']}{where}")
+        elif job["status"] == "running":
+            print(f"  #{job['job']} RUNNING     {overrides}  no end recorded: still running, or killed{where}")
         else:
-            print(f"  #{job['job']} FAILED  {overrides}  {job['error']}")
-    return 1 if failed else 0
+            print(f"  #{job['job']} {job['status'].upper():<11} {overrides}  {job['error']}{where}")
+    return 0 if counts["ok"] == len(jobs) else 1
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", type=Path, default=Path("results"))
-    parser.add_argument("--out", type=Path, default=Path("results/report"))
+    parser.add_argument("runs", nargs="*", type=Path, default=[Path("results")],
+                        help="results folders, folders holding them or sweep folders (default: results/, "
+                             "without the committed reference run)")
+    parser.add_argument("--out", type=Path, default=None, help="default: results/report/<run set>")
     parser.add_argument("--select", help="glob over <model>/<dataset>/<method>/<run> folders")
     parser.add_argument("--jobs", type=Path, help="print the status of the jobs of a sweep folder instead")
     args = parser.parse_args(argv)
     if args.jobs:
         return print_jobs(args.jobs)
-    tables = report(args.results, args.out, args.select)
-    text = (args.out / "report.md").read_text()
-    print(text)
-    print(f"{len(tables)} table group(s) written under {args.out}")
+    out = args.out or Path("results") / "report" / run_set_name(args.runs)
+    tables = report(args.runs, out, args.select)
+    print((out / "report.md").read_text())
+    print(f"{len(tables)} table(s) from {', '.join(map(str, args.runs))} written under {out}")
     return 0
 
 

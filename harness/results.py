@@ -1,19 +1,22 @@
-"""Results folders under `results/`, written as a run goes, safe to resume and to share.
+"""Results folders under `results/`, written as a run goes, safe to resume.
 
     results/<model>/<dataset>/<method>/<hardware>-<dtype>-<settings hash>/
         config.yaml          the resolved Hydra config
         environment.json     versions, CPU/GPU, threads, git commit
         answers/<method>.jsonl   one line per finished question (Spec-Bench answer record plus,
-                             per turn, prompt and output token ids and decoder statistics)
+        answers/ar.jsonl         per turn, prompt and output token ids and decoder statistics, and
+                             the machine state while it was measured)
         summary.json         the machine-readable summary (written when the run completes)
 
-The AR baseline lives in the `ar` folder of the same model, dataset, hardware, dtype and
-generation settings (its hash leaves out which questions were selected), so every method of a
-sweep reuses it and it grows with the questions asked of it; `method=ar` writes the same folder.
+A run's AR baseline lives in the same folder: each question is answered by AR and the method in
+the same session, one after the other (the order alternates between questions), and both records
+are appended together, so a speedup always divides two measurements taken side by side. The
+settings hash covers the model, dataset, question selection, generation settings and the method.
 
-Re-running a command resumes: finished questions are skipped; a half-written line (a crash
-mid-write) or a duplicate is dropped. Appends and rewrites hold a file lock, so parallel cluster
-jobs can share a baseline folder. A folder measured on other hardware or software is never reused.
+Re-running a command resumes: finished questions are skipped; a question found for only some of
+the folder's decoders (a crash between them), a half-written line or a duplicate is dropped, and
+the question is measured again on every side. Appends and rewrites hold a file lock. A folder
+measured on other hardware or software is never reused.
 """
 
 from __future__ import annotations
@@ -46,12 +49,15 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 class RunFolder:
-    """The results folder of one decoder under one set of settings."""
+    """The results folder of one run: the answers of each of its decoders (the method and, when
+    it has one, its paired AR baseline)."""
 
-    def __init__(self, path: Path, decoder: str):
+    def __init__(self, path: Path, decoders: list[str]):
         self.path = Path(path)
-        self.decoder = decoder
-        self.answers = self.path / "answers" / f"{decoder}.jsonl"
+        self.decoders = list(decoders)
+
+    def answers(self, decoder: str) -> Path:
+        return self.path / "answers" / f"{decoder}.jsonl"
 
     @contextlib.contextmanager
     def locked(self):
@@ -64,11 +70,12 @@ class RunFolder:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def prepare(self, config_yaml: str, environment: dict, hardware_key: dict, resume: bool) -> set:
-        """Create or reopen the folder; returns the ids of finished questions."""
+        """Create or reopen the folder; returns the ids of the questions every decoder finished
+        (the others are dropped from every answers file, to be measured again as a pair)."""
         with self.locked():
-            self.answers.parent.mkdir(parents=True, exist_ok=True)
+            (self.path / "answers").mkdir(parents=True, exist_ok=True)
             env_file = self.path / "environment.json"
-            if env_file.is_file() and self.answers.is_file() and resume:
+            if env_file.is_file() and resume and any(self.answers(d).is_file() for d in self.decoders):
                 previous = json.loads(env_file.read_text())
                 previous_key = {k: previous.get(k) for k in hardware_key}
                 if previous_key != hardware_key:
@@ -78,38 +85,41 @@ class RunFolder:
                         "or resume=false to start over"
                     )
             if not resume:
-                self.answers.unlink(missing_ok=True)
+                for decoder in self.decoders:
+                    self.answers(decoder).unlink(missing_ok=True)
                 (self.path / "summary.json").unlink(missing_ok=True)
             (self.path / "config.yaml").write_text(config_yaml)
             write_json(env_file, environment)
-            rows = self._deduplicated()
-            rewrite_jsonl(self.answers, rows)
-            return {row["question_id"] for row in rows}
+            rows = {d: self._deduplicated(d) for d in self.decoders}
+            complete = set.intersection(*({r["question_id"] for r in found} for found in rows.values()))
+            for decoder, found in rows.items():
+                rewrite_jsonl(self.answers(decoder), [r for r in found if r["question_id"] in complete])
+            return complete
 
-    def _deduplicated(self) -> list[dict]:
+    def _deduplicated(self, decoder: str) -> list[dict]:
         rows, seen = [], set()
-        for row in read_jsonl(self.answers):
+        for row in read_jsonl(self.answers(decoder)):
             if row.get("question_id") is not None and row["question_id"] not in seen:
                 rows.append(row)
                 seen.add(row["question_id"])
         return rows
 
-    def append(self, record: dict) -> None:
-        with self.locked(), open(self.answers, "a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+    def append(self, records: dict[str, dict]) -> None:
+        """The records of one question, one per decoder, appended together."""
+        with self.locked():
+            for decoder, record in records.items():
+                with open(self.answers(decoder), "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
 
-    def records(self, question_ids=None) -> list[dict]:
+    def records(self, decoder: str, question_ids=None) -> list[dict]:
         """Finished records (first of duplicates), in file order, optionally only these questions."""
-        rows = self._deduplicated()
+        rows = self._deduplicated(decoder)
         if question_ids is None:
             return rows
         wanted = set(question_ids)
         return [row for row in rows if row["question_id"] in wanted]
-
-    def finished(self) -> set:
-        return {row["question_id"] for row in self._deduplicated()}
 
     def write_summary(self, summary: dict) -> None:
         write_json(self.path / "summary.json", summary)

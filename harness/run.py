@@ -7,10 +7,12 @@ decoder's own previous answer); both records are appended as soon as the questio
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import time
+import uuid
 import zlib
 from pathlib import Path
 
@@ -19,6 +21,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from harness import machine
+from harness.execution import SandboxUnavailable
 from harness.datasets import Question, load_questions, truncate_middle
 from harness.environment import environment, hardware_key, hardware_name, hardware_slug
 from harness.metrics import format_summary, summarize
@@ -35,7 +39,7 @@ from methods.engine.sampling import SamplingConfig
 
 log = logging.getLogger("harness")
 # Errors that a user's setting or missing file causes: one line and exit code 2, not a traceback
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError, ModelUnavailableError)
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, ModelUnavailableError, SandboxUnavailable)
 BASELINE = "ar"
 TEMPLATE_ALLOWANCE = 64  # tokens left for the chat template around a truncated prompt
 
@@ -85,7 +89,8 @@ class Benchmark:
         context = getattr(self.model.config, "max_position_embeddings", None) or 4096
         return truncate_middle(text, self.tokenizer, context - max_new_tokens - TEMPLATE_ALLOWANCE)
 
-    def answer(self, decoder: Decoder, question: Question, max_new_tokens: int | None = None) -> dict:
+    def answer(self, decoder: Decoder, question: Question, max_new_tokens: int | None = None,
+               progress: LiveCount | None = None) -> dict:
         """All turns of one question; a Spec-Bench answer record with token ids and statistics."""
         max_new_tokens = max_new_tokens or self.max_new_tokens_for(question.category)
         messages: list[Message] = []
@@ -94,6 +99,10 @@ class Benchmark:
             messages.append(Message("user", self.user_turn(turn, max_new_tokens)))
             prompt = self.template.prompt_ids(messages)
             stop = self.template.stop_condition(max_new_tokens)
+            if progress is not None:
+                progress.start(f"{decoder.name} turn {turn_index + 1}" if len(question.turns) > 1 else decoder.name,
+                               max_new_tokens)
+                stop = dataclasses.replace(stop, progress=progress)
             seed = zlib.crc32(f"{self.cfg.seed}/{question.question_id}/{turn_index}".encode())
             generator = torch.Generator(device=self.device).manual_seed(seed)
             try:
@@ -134,94 +143,99 @@ class Benchmark:
 SELECTION_KEYS = ("categories", "sample", "path", "fallback_paths", "prepare_hint")
 
 
-def run(cfg: DictConfig) -> dict:
+class LiveCount:
+    """The live token count of the question being answered, on the progress bar's line: shown once
+    a question has run for `after` seconds, refreshed at most every `every` seconds (the decoders
+    call it once per step, inside their timed loop, so it must cost next to nothing)."""
+
+    def __init__(self, bar, after: float = 3.0, every: float = 1.0):
+        self.bar, self.after, self.every = bar, after, every
+        self.label, self.limit, self.begin, self.shown = "", 0, 0.0, 0.0
+
+    def start(self, label: str, limit: int) -> None:
+        self.label, self.limit, self.begin = label, limit, time.monotonic()
+        self.shown = self.begin + self.after - self.every
+
+    def __call__(self, tokens: int) -> None:
+        now = time.monotonic()
+        if now - self.shown < self.every:
+            return
+        self.shown = now
+        self.bar.set_postfix_str(f"{self.label}: {tokens}/{self.limit} tokens, {tokens / (now - self.begin):.1f} tok/s")
+
+
+def run(cfg: DictConfig, started=None) -> dict:
+    """`started(folder, questions)`, when given, is called once the results folder is known (sweep status)."""
     validate(cfg)  # before anything loads: a bad value costs seconds, not a model load
     bench = Benchmark(cfg)
     questions = load_questions(cfg.dataset, cfg.limit)
     env = environment(bench.device)
     dtype_name = str(bench.dtype).replace("torch.", "")
     method = cfg.method.name
-    # What makes AR's numbers what they are; which questions were selected is left out, so the
-    # baseline folder is shared by every run with these settings and grows with their questions.
-    generation = {
+    settings = {
         "model": OmegaConf.to_container(cfg.model, resolve=True),
         "dataset": {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items() if k not in SELECTION_KEYS},
         "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling), "seed": cfg.seed, "dtype": dtype_name,
-        "engine": OmegaConf.to_container(cfg.engine, resolve=True),
+        "engine": OmegaConf.to_container(cfg.engine, resolve=True), "method": OmegaConf.to_container(cfg.method, resolve=True),
+        "questions": [q.question_id for q in questions], "baseline": cfg.baseline, "warmup": cfg.warmup,
     }
-    settings = {**generation, "method": OmegaConf.to_container(cfg.method, resolve=True),
-                "questions": [q.question_id for q in questions], "baseline": cfg.baseline, "warmup": cfg.warmup}
     slug = f"{hardware_slug(env)}-{dtype_name}"
     root = Path(cfg.results_dir) / cfg.model.name / cfg.dataset.name
-    baseline_name = f"{slug}-{settings_hash(generation)}"
-    folders = {name: RunFolder(root / name / (cfg.run_name or (baseline_name if name == BASELINE
-                                                               else f"{slug}-{settings_hash(settings)}")), name)
-               for name in bench.decoders}
+    folder = RunFolder(root / method / (cfg.run_name or f"{slug}-{settings_hash(settings)}"), list(bench.decoders))
     engine = bench.engine_record()
     environment_record, key = {**env, "dtype": dtype_name, "engine": engine}, hardware_key(env)
-    finished = {}
-    for name, folder in folders.items():
-        is_method = name == method
-        config_text = OmegaConf.to_yaml(cfg, resolve=True) if is_method else OmegaConf.to_yaml(OmegaConf.create(generation))
-        finished[name] = folder.prepare(config_text, environment_record, key, resume=bool(cfg.resume) or not is_method)
-    if BASELINE in folders and method != BASELINE:
-        check_baseline_prompts(bench, folders[BASELINE], questions, finished[BASELINE])
-    todo = [q for q in questions if any(q.question_id not in done for done in finished.values())]
-    log.info("results in %s: %d questions, %d already finished", folders[method].path, len(questions),
-             len(questions) - len(todo))
+    finished = folder.prepare(OmegaConf.to_yaml(cfg, resolve=True), environment_record, key, resume=bool(cfg.resume))
+    todo = [(i, q) for i, q in enumerate(questions) if q.question_id not in finished]
+    log.info("results in %s: %d questions, %d already finished", folder.path, len(questions), len(questions) - len(todo))
+    if started:
+        started(folder.path, len(questions))
     ids = [q.question_id for q in questions]
+    session = uuid.uuid4().hex[:12]  # the answers of one process: a pair never spans two
     try:
         if todo:
             log.info("warming up: %d untimed generation(s) per decoder", int(cfg.warmup))
-            bench.warm_up(todo[0])
-        for question in tqdm(todo, desc=f"{method} on {cfg.dataset.name}", unit="q"):
-            for name, decoder in bench.decoders.items():  # AR first, then the method, per question
-                if question.question_id not in finished[name]:
-                    folders[name].append(bench.answer(decoder, question))
+            bench.warm_up(todo[0][1])
+        bar = tqdm(todo, desc=f"{method} on {cfg.dataset.name}", unit="q")
+        live = LiveCount(bar)
+        for index, question in bar:
+            order = list(bench.decoders.items())
+            if index % 2:  # AR first on even questions, the method first on odd ones
+                order.reverse()
+            records = {}
+            for name, decoder in order:
+                before = machine.snapshot()
+                record = bench.answer(decoder, question, progress=live)
+                records[name] = {**record, "session": session, "machine": machine.state(before, machine.snapshot())}
+            folder.append({name: records[name] for name in bench.decoders})
     except KeyboardInterrupt:
-        saved = len(folders[method].records(ids))
-        raise Interrupted(f"interrupted: {saved} of {len(ids)} questions saved in {folders[method].path}; "
+        saved = len(folder.records(method, ids))
+        raise Interrupted(f"interrupted: {saved} of {len(ids)} questions saved in {folder.path}; "
                           "run the same command again to resume") from None
+    paired = BASELINE in bench.decoders and method != BASELINE
     meta = {
         "model": cfg.model.name, "dataset": cfg.dataset.name, "dtype": dtype_name,
         "device": str(bench.device), "hardware": hardware_name(env), "environment": env, "engine": engine,
         "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling),
-        "categories": sorted({q.category for q in questions}),
+        "categories": sorted({q.category for q in questions}), "question_ids": ids,
         "lossless": bench.decoders[method].lossless,
-        "method_config": bench.decoders[method].describe(), "results": str(folders[method].path),
-        "baseline_results": str(folders[BASELINE].path) if BASELINE in folders and method != BASELINE else None,
+        "method_config": bench.decoders[method].describe(), "results": str(folder.path),
+        "baseline_results": str(folder.path) if paired else None,
     }
-    records = {name: folder.records(ids) for name, folder in folders.items()}
-    baseline = records[BASELINE] if method != BASELINE and BASELINE in records else None
-    summary = summarize(method, records[method], baseline, meta)
+    records = {name: folder.records(name, ids) for name in bench.decoders}
+    summary = summarize(method, records[method], records[BASELINE] if paired else None, meta)
     references = {q.question_id: q.reference for q in questions}
     metric_by_category = OmegaConf.to_container(cfg.dataset.quality, resolve=True) if cfg.dataset.get("quality") else None
     quality = {name: score_records(rows, references, metric_by_category) for name, rows in records.items()}
     if any(quality.values()):
         summary["quality"] = quality
-    folders[method].write_summary(summary)
+    folder.write_summary(summary)
     print(format_summary(summary))
-    print(f"results: {folders[method].path}")
+    print(f"results: {folder.path}")
     return summary
 
 
 class Interrupted(RuntimeError):
     """Ctrl-C during a run: what is saved and how to resume, in one line."""
-
-
-def check_baseline_prompts(bench: Benchmark, folder: RunFolder, questions: list[Question], finished: set) -> None:
-    """A shared baseline is reused only for the very prompts this run would send."""
-    stored = {r["question_id"]: r["choices"][0]["prompt_ids"][0] for r in folder.records()}
-    for question in questions:
-        if question.question_id in finished:
-            first = bench.user_turn(question.turns[0], bench.max_new_tokens_for(question.category))
-            prompt = bench.template.prompt_ids([Message("user", first)])
-            if stored[question.question_id] != prompt:
-                raise RuntimeError(
-                    f"the AR baseline in {folder.path} answered question {question.question_id} with another "
-                    "prompt than this run would send (the dataset file or template changed); it is not reused. "
-                    "Remove that folder or pass baseline=false / run_name=<new name>."
-                )
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -245,14 +259,25 @@ def main(cfg: DictConfig) -> None:
             print(f"error: {err} (DECODEBENCH_DEBUG=1 shows the traceback)", file=sys.stderr)
             sys.exit(2)
         return
+    from harness.cluster import slurm_job
+
     job_file = Path(hydra_cfg.runtime.output_dir) / "job.json"
-    record = {"job": hydra_cfg.job.num, "overrides": list(hydra_cfg.overrides.task)}
+    record = {"job": hydra_cfg.job.num, "job_id": hydra_cfg.job.get("id"), "overrides": list(hydra_cfg.overrides.task),
+              "method": cfg.method.name, "slurm": slurm_job(), "started": time.time()}
+    write_json(job_file, {**record, "status": "running"})
+
+    def started(folder: Path, questions: int) -> None:  # the sweep's status line counts its answers
+        record.update(results=str(folder), questions=questions)
+        write_json(job_file, {**record, "status": "running"})
+
     try:
-        summary = run(cfg)
+        summary = run(cfg, started)
     except BaseException as err:
         import traceback
 
-        write_json(job_file, {**record, "status": "failed", "error": f"{type(err).__name__}: {err}",
+        # SystemExit: submitit requeues a preempted or timed-out job (it resumes its results folder)
+        status = "interrupted" if isinstance(err, (SystemExit, KeyboardInterrupt, Interrupted)) else "failed"
+        write_json(job_file, {**record, "status": status, "error": f"{type(err).__name__}: {err}",
                               "traceback": traceback.format_exc()})
         raise
     write_json(job_file, {**record, "status": "ok", "results": summary["results"],

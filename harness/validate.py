@@ -49,3 +49,8 @@ def validate(cfg: DictConfig) -> None:
                           "model's gguf_file) or a Hugging Face Hub id")
     params = OmegaConf.to_container(cfg.method, resolve=True)
     check_method_params(params.get("name"), params)
+    quality = OmegaConf.to_container(cfg.dataset.quality, resolve=True) if cfg.dataset.get("quality") else {}
+    if "humaneval_pass_at_1" in quality.values():  # runs generated code: only in a sandbox, or opted in
+        from harness.execution import require_sandbox
+
+        require_sandbox()

@@ -61,10 +61,18 @@ def test_bench_writes_a_complete_results_folder(tiny_model_dir, questions_file, 
     env = json.loads((folder / "environment.json").read_text())
     assert env["torch"] == torch.__version__ and env["cpu"] and "commit" in env["git"]
     assert env["cpu_isa"] and env["engine"]["skinny_gemm"] == "auto" and env["engine"]["dtype_reason"]
-    baseline = Path(summary["baseline_results"])
-    assert baseline.parent == tmp_path / "tiny" / "spec_bench" / "ar"
-    sps, ar = read_jsonl(folder / "answers" / "sps.jsonl"), read_jsonl(baseline / "answers" / "ar.jsonl")
+    assert Path(summary["baseline_results"]) == folder  # the paired AR answers live beside the method's
+    sps, ar = read_jsonl(folder / "answers" / "sps.jsonl"), read_jsonl(folder / "answers" / "ar.jsonl")
     assert [r["question_id"] for r in sps] == [r["question_id"] for r in ar] and len(sps) == 3
+    for mine, base in zip(sps, ar):  # one session per pair, each answer with the machine state it ran under
+        assert mine["session"] == base["session"]
+        for record in (mine, base):
+            state = record["machine"]
+            assert len(state["load_before"]) == 3 and state["other_cores"] >= 0 and 0 <= state["steal"] <= 1
+            assert isinstance(state["busy"], bool)
+    # AR first on even questions, the method first on odd ones (the two answers of a pair alternate)
+    assert [b["tstamp"] < m["tstamp"] for m, b in zip(sps, ar)] == [True, False, True]
+    assert summary["busy"]["recorded"] == 3 and set(summary["busy"]["questions"]) <= {1, 2, 3}
     first = sps[0]["choices"][0]
     assert len(first["turns"]) == len(first["prompt_ids"]) == len(first["output_ids"]) == 2  # two turns
     assert first["new_tokens"] == [len(ids) for ids in first["output_ids"]]
@@ -88,13 +96,13 @@ def test_bench_writes_a_complete_results_folder(tiny_model_dir, questions_file, 
     assert stored["questions"] == 3 and stored["method"] == "sps"
 
 
-def test_interrupted_run_resumes_without_duplicates(tiny_model_dir, questions_file, tmp_path):
+def test_interrupted_run_resumes_without_duplicates_and_remeasures_lone_answers(tiny_model_dir, questions_file, tmp_path):
     overrides = tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=sps", "limit=4")
     summary = run(config(*overrides))
     method_file = Path(summary["results"]) / "answers" / "sps.jsonl"
-    baseline_file = Path(summary["baseline_results"]) / "answers" / "ar.jsonl"
+    baseline_file = Path(summary["results"]) / "answers" / "ar.jsonl"
     lines = method_file.read_text().splitlines()
-    stamps = {json.loads(line)["question_id"]: json.loads(line)["tstamp"] for line in lines[:2]}
+    stamps = {r["question_id"]: r["tstamp"] for r in read_jsonl(method_file)}
     baseline_stamps = {r["question_id"]: r["tstamp"] for r in read_jsonl(baseline_file)}
     # a crash: the method finished two questions, the third line is half written; AR finished all
     method_file.write_text("\n".join(lines[:2]) + "\n" + lines[2][: len(lines[2]) // 2])
@@ -103,9 +111,13 @@ def test_interrupted_run_resumes_without_duplicates(tiny_model_dir, questions_fi
     assert resumed["results"] == summary["results"] and resumed["questions"] == 4
     for file in (method_file, baseline_file):
         assert sorted(r["question_id"] for r in read_jsonl(file)) == [1, 2, 3, 4]
-    again = {r["question_id"]: r["tstamp"] for r in read_jsonl(method_file)}
-    assert all(again[qid] == stamp for qid, stamp in stamps.items())  # finished ones were not rerun
-    assert {r["question_id"]: r["tstamp"] for r in read_jsonl(baseline_file)} == baseline_stamps
+    again = {r["question_id"]: r for r in read_jsonl(method_file)}
+    base_again = {r["question_id"]: r for r in read_jsonl(baseline_file)}
+    for qid in (1, 2):  # finished pairs were not rerun
+        assert again[qid]["tstamp"] == stamps[qid] and base_again[qid]["tstamp"] == baseline_stamps[qid]
+    for qid in (3, 4):  # AR's lone answers were measured again, beside the method's, in the new session
+        assert base_again[qid]["tstamp"] != baseline_stamps[qid]
+        assert base_again[qid]["session"] == again[qid]["session"] != again[1]["session"]
 
 
 def test_ctrl_c_says_what_is_saved_and_how_to_resume(tiny_model_dir, questions_file, tmp_path, monkeypatch):
@@ -114,11 +126,11 @@ def test_ctrl_c_says_what_is_saved_and_how_to_resume(tiny_model_dir, questions_f
     overrides = tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=sps", "limit=3", "warmup=0")
     answer, calls = Benchmark.answer, []
 
-    def interrupted_on_the_second_question(self, decoder, question, max_new_tokens=None):
+    def interrupted_on_the_second_question(self, decoder, question, max_new_tokens=None, progress=None):
         calls.append(question.question_id)
         if len(calls) == 3:  # AR and SpS answered the first question; Ctrl-C during the second
             raise KeyboardInterrupt
-        return answer(self, decoder, question, max_new_tokens)
+        return answer(self, decoder, question, max_new_tokens, progress)
 
     monkeypatch.setattr(Benchmark, "answer", interrupted_on_the_second_question)
     with pytest.raises(Interrupted, match=r"interrupted: 1 of 3 questions saved in .*sps.*run the same command again"):
@@ -127,31 +139,10 @@ def test_ctrl_c_says_what_is_saved_and_how_to_resume(tiny_model_dir, questions_f
     assert run(config(*overrides))["questions"] == 3  # and it resumes
 
 
-def test_methods_share_one_baseline_per_setting(tiny_model_dir, questions_file, tmp_path):
-    first = run(config(*tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=sps", "limit=2")))
-    baseline_file = Path(first["baseline_results"]) / "answers" / "ar.jsonl"
-    stamps = {r["question_id"]: r["tstamp"] for r in read_jsonl(baseline_file)}
-    # another method, more questions: the baseline is reused and only grows
-    second = run(config(*tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=mcsd", "limit=3")))
-    assert second["baseline_results"] == first["baseline_results"]
-    rows = read_jsonl(baseline_file)
-    assert len(rows) == 3 and all(r["tstamp"] == stamps[r["question_id"]] for r in rows if r["question_id"] in stamps)
-    # other generation settings: another baseline, never the same one
-    third = run(config(*tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=sps", "limit=2"),
-                       "max_new_tokens=9"))
-    assert third["baseline_results"] != first["baseline_results"]
-    # a changed question (same id, other prompt) is not answered from the stored baseline
-    rows = [json.loads(line) for line in questions_file.read_text().splitlines()]
-    rows[0]["turns"][0] = "Write a limerick."
-    questions_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(RuntimeError, match="another prompt"):
-        run(config(*tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=jacobi", "limit=2")))
-
-
 def test_resume_refuses_results_from_other_hardware(tmp_path):
-    folder = RunFolder(tmp_path / "run", "ar")
+    folder = RunFolder(tmp_path / "run", ["ar"])
     folder.prepare("x: 1", {"cpu": "A", "gpu": None}, {"cpu": "A", "gpu": None}, resume=True)
-    folder.append({"question_id": 1})
+    folder.append({"ar": {"question_id": 1}})
     with pytest.raises(RuntimeError, match="never mixed"):
         folder.prepare("x: 1", {"cpu": "B", "gpu": None}, {"cpu": "B", "gpu": None}, resume=True)
 
@@ -213,7 +204,7 @@ def test_bad_values_are_named():
     ("limit=-1", "limit=-1: valid: null or an integer >= 1"),
     ("temperature=-1", "temperature=-1: valid: a number >= 0"),
     ("dtype=float8", "dtype='float8': valid: auto, float32, bfloat16, float16"),
-    ("method.gamma=0", "method.gamma=0: valid: auto or an integer >= 1"),
+    ("method.gamma=0", "method.gamma=0: valid: auto, heuristic or an integer >= 1"),
     ("+method.gama=3", "method.gama=3: valid: one of the keys draft, draft_vocab, gamma"),
     ("method=eagle2 method.total_tokens=big", "method.total_tokens='big': valid: adaptive, auto or an integer >= 2"),
     ("model.path=/nonexistent", "model.path='/nonexistent': valid: an existing local folder"),
@@ -399,8 +390,8 @@ def test_headline_rejects_an_unknown_method(tmp_path):
     from harness.headline import run_overrides
 
     config = OmegaConf.create({"model": "m", "dataset": "spec_bench", "limit": 1, "max_new_tokens": 8,
-                               "results_dir": str(tmp_path), "methods": {"sps": [], "eagle3": []}})
-    with pytest.raises(ValueError, match=r"unknown methods \['eagle3'\]; valid: .*eagle2"):
+                               "results_dir": str(tmp_path), "methods": {"sps": [], "eagle9": []}})
+    with pytest.raises(ValueError, match=r"unknown methods \['eagle9'\]; valid: .*eagle2"):
         run_overrides(config)
     config.methods = {}
     with pytest.raises(ValueError, match="names no methods; give `methods:` with some of .*sps"):
@@ -415,7 +406,7 @@ def test_model_config_reads_conf_model_and_names_the_valid_ones():
         model_config("vicuna-70b")
 
 
-def test_headline_runs_each_method_against_one_baseline_and_reports_them(tiny_model_dir, questions_file, tmp_path):
+def test_headline_runs_each_method_against_its_paired_baseline_and_reports_them(tiny_model_dir, questions_file, tmp_path):
     from harness.headline import main
 
     results, plots = tmp_path / "results", tmp_path / "plots"
@@ -431,10 +422,38 @@ def test_headline_runs_each_method_against_one_baseline_and_reports_them(tiny_mo
     summaries = [json.loads(p.read_text()) for p in sorted(results.rglob("summary.json"))]
     assert sorted(s["method"] for s in summaries) == ["jacobi", "sps"]
     assert {s["max_new_tokens"] for s in summaries} == {12}
-    assert len({s["baseline_results"] for s in summaries}) == 1  # the second run reused the first's AR
+    assert all(s["baseline_results"] == s["results"] for s in summaries)  # each run measured its own AR
     assert {s["method_config"].get("gamma") for s in summaries} == {3, None}
     assert all(s["fidelity"]["differing_questions"] == 0 for s in summaries)  # fp32 greedy
     speedup_table = (results / "report").rglob("speedup*.md")
     text = "".join(p.read_text() for p in speedup_table)
     assert "sps (draft_vocab=8192, gamma=3)" in text and "jacobi" in text  # the model config's reduced draft vocabulary
     assert any(plots.rglob("*.png"))
+
+
+def test_live_token_count_follows_the_decoding_steps(monkeypatch):
+    """The progress line of a long question: the decoder reports its token count every step; the
+    line shows it (with tokens/s) once the question has run `after` seconds, at most every `every`."""
+    from harness.run import LiveCount
+    from methods.ar import AutoregressiveDecoder
+    from methods.engine.runner import ModelRunner
+    from methods.engine.stopping import StopCondition
+    from tests.conftest import tiny_model
+
+    class Bar:
+        def __init__(self):
+            self.lines = []
+
+        def set_postfix_str(self, text):
+            self.lines.append(text)
+
+    bar = Bar()
+    live = LiveCount(bar, after=0.0, every=0.0)
+    live.start("ar", 20)
+    out = AutoregressiveDecoder(ModelRunner(tiny_model("llama", seed=3))).generate([1, 2, 3], StopCondition(20, progress=live))
+    counts = [int(line.split(": ")[1].split("/")[0]) for line in bar.lines]
+    assert counts == list(range(1, out.stats.new_tokens + 1)) and bar.lines[-1].startswith("ar: 20/20 tokens, ")
+    quiet = LiveCount(Bar(), after=3600.0)  # a short question shows nothing
+    quiet.start("ar", 20)
+    AutoregressiveDecoder(ModelRunner(tiny_model("llama", seed=3))).generate([1, 2, 3], StopCondition(20, progress=quiet))
+    assert quiet.bar.lines == []

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,14 +30,18 @@ def record(qid, category, tokens, wall, steps, accepted=(), tested=(), prompt_le
         "stats": [stats]}]}
 
 
-def write_run(root, method, run, records, baseline_dir, config, hardware="CPU-A", dataset="spec_bench"):
+def write_run(root, method, run, records, baseline_dir, config, hardware="CPU-A", dataset="spec_bench",
+              max_new_tokens=128, mtime=None):
     folder = root / "tiny" / dataset / method / run
     (folder / "answers").mkdir(parents=True)
     (folder / "answers" / f"{method}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     summary = {"method": method, "model": "tiny", "dataset": dataset, "hardware": hardware, "dtype": "float32",
                "environment": ENV, "method_config": {"method": method, "lossless": True, **config},
+               "max_new_tokens": max_new_tokens, "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": 0},
                "baseline_results": str(baseline_dir)}
     (folder / "summary.json").write_text(json.dumps(summary))
+    if mtime is not None:
+        os.utime(folder / "summary.json", (mtime, mtime))
     return folder
 
 
@@ -62,10 +67,12 @@ def results(tmp_path):
 
 def test_tables_equal_values_recomputed_from_records(results, tmp_path):
     tables = report(results, tmp_path / "report")
-    assert len(tables) == 2  # CPU-A and GPU-B never share a table
-    columns, table = tables[("tiny", "CPU-A", "float32", "2.13.0", "5.23.0")]
-    assert columns == ["qa", "writing", OVERALL]
-    sps4 = table["sps (gamma=4)"]
+    # CPU-A and GPU-B never share a table; on CPU-A, sps gamma=2 answered other questions: its own table
+    assert sorted(tables) == ["tiny-spec-bench-n1-128tok-greedy-float32-cpu-a", "tiny-spec-bench-n1-128tok-greedy-float32-gpu-b",
+                              "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a"]
+    columns, table = tables["tiny-spec-bench-n4-128tok-greedy-float32-cpu-a"]
+    assert columns == ["qa", "writing", OVERALL] and list(table) == ["sps (gamma=4)"]
+    sps4 = table["sps (gamma=4)"]  # joined from its two runs over disjoint questions (a sweep over categories)
     # Spec-Bench form: mean method tokens/s over mean AR tokens/s, per column and overall
     assert sps4["writing"]["speedup"] == pytest.approx((100 / 2 + 80 / 1) / 2 / ((100 / 4 + 80 / 2) / 2))
     assert sps4["qa"]["speedup"] == pytest.approx((60 / 1 + 40 / 0.8) / 2 / ((60 / 1.5 + 40 / 1) / 2))
@@ -75,25 +82,67 @@ def test_tables_equal_values_recomputed_from_records(results, tmp_path):
     assert low <= overall <= high
     assert sps4[OVERALL]["tau"] == pytest.approx(280 / 155)
     assert sps4[OVERALL]["acceptance_per_position"] == [pytest.approx(80 / 155), pytest.approx(45 / 80)]
-    assert table["sps (gamma=2)"]["writing"]["speedup"] == pytest.approx((100 / 2.5) / (100 / 4))
-    assert "qa" not in table["sps (gamma=2)"]
-    folder = tmp_path / "report" / "tiny-cpu-a-float32"
+    _, small = tables["tiny-spec-bench-n1-128tok-greedy-float32-cpu-a"]
+    assert small["sps (gamma=2)"]["writing"]["speedup"] == pytest.approx((100 / 2.5) / (100 / 4))
+    folder = tmp_path / "report" / "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a"
     for metric in ("speedup", "tau", "acceptance", "ttft"):
         for ext in ("md", "csv", "tex"):
             assert (folder / f"{metric}.{ext}").stat().st_size > 0
     markdown = (folder / "speedup.md").read_text()
-    assert f"{overall:.2f}×" in markdown and "| sps (gamma=2) |" in markdown
+    # every table says n, max_new_tokens and the dataset; n = 4 is below the interval threshold
+    assert "spec_bench, n = 4 questions, max_new_tokens 128, greedy" in markdown
+    assert "| method | qa (n=2) | writing (n=2) | Overall (n=4) |" in markdown
+    assert "| sps (gamma=4) | " in markdown and f"{overall:.2f}× |" in markdown and "[" not in markdown.split("\n")[-2]
     rows = list(csv.DictReader(open(folder / "tau.csv")))
     assert {(r["method"], r["column"]) for r in rows} >= {("sps (gamma=4)", "writing"), ("sps (gamma=4)", "qa")}
+    assert {r["max_new_tokens"] for r in rows} == {"128"}
     assert r"\toprule" in (folder / "speedup.tex").read_text()
     # one line per method: speed, fidelity to AR, time breakdown
     breakdown = {r["method"]: r for r in csv.DictReader(open(folder / "breakdown.csv"))}
     assert float(breakdown["sps (gamma=4)"]["speedup"]) == pytest.approx(overall)
     assert breakdown["sps (gamma=4)"]["differ_from_ar"] == "0"
-    assert (breakdown["sps (gamma=2)"]["differ_from_ar"], breakdown["sps (gamma=2)"]["first_divergence_median"]) == ("1", "7")
     assert float(breakdown["sps (gamma=4)"]["verify"]) == pytest.approx(0.6)
-    assert "1/1 (first at token 7, median)" in (folder / "breakdown.md").read_text()
+    small_breakdown = tmp_path / "report" / "tiny-spec-bench-n1-128tok-greedy-float32-cpu-a" / "breakdown.csv"
+    row = next(csv.DictReader(open(small_breakdown)))
+    assert (row["differ_from_ar"], row["first_divergence_median"]) == ("1", "7")
     assert "Per method" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_runs_with_other_settings_never_share_a_table_and_the_newest_answer_wins(results, tmp_path):
+    base = next((results / "tiny" / "spec_bench" / "ar").iterdir())
+    # an 8-token run of the same variant on the same questions: another table, never merged
+    write_run(results, "sps", "short", [record(q, "writing" if q < 3 else "qa", 8, 0.1, 4) for q in (1, 2, 3, 4)],
+              base, {"gamma": 4}, max_new_tokens=8)
+    # a newer run of question 1 with the same settings: it replaces the older answer of that question
+    write_run(results, "sps", "newer", [record(1, "writing", 100, 1.0, 50, [30, 20], [50, 30])], base, {"gamma": 4},
+              mtime=time.time() + 60)
+    tables = report(results, tmp_path / "report")
+    assert "tiny-spec-bench-n4-8tok-greedy-float32-cpu-a" in tables
+    _, table = tables["tiny-spec-bench-n4-128tok-greedy-float32-cpu-a"]
+    expected = (100 / 1 + 80 / 1 + 60 / 1 + 40 / 0.8) / 4 / ((100 / 4 + 80 / 2 + 60 / 1.5 + 40 / 1) / 4)
+    assert table["sps (gamma=4)"][OVERALL]["speedup"] == pytest.approx(expected)
+    assert "3 run(s)" in (tmp_path / "report" / "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a" / "speedup.md").read_text()
+
+
+def test_make_report_leaves_the_reference_run_alone(results, tmp_path, monkeypatch):
+    """`make report` reads every run but the committed reference run, writes under
+    results/report/<run set>/, and leaves the reference files byte-identical."""
+    from harness import figures as figures_cli
+    from harness import report as report_cli
+
+    base = next((results / "tiny" / "spec_bench" / "ar").iterdir())
+    reference = results / "reference"
+    write_run(reference, "eagle", "ref", [record(q, "writing", 100, 1.0, 40) for q in (1, 2)], base, {})
+    assert report_cli.main([str(reference), "--out", str(reference / "report")]) == 0
+    assert figures_cli.main([str(reference), "--out", str(tmp_path / "plots" / "reference")]) == 0
+    before = {p: p.read_bytes() for p in [*reference.rglob("*"), *(tmp_path / "plots").rglob("*")] if p.is_file()}
+    monkeypatch.chdir(tmp_path)
+    assert report_cli.main([str(results)]) == 0 and figures_cli.main([str(results)]) == 0
+    after = {p: p.read_bytes() for p in [*reference.rglob("*"), *(tmp_path / "plots" / "reference").rglob("*")] if p.is_file()}
+    assert after == before
+    user_report = (tmp_path / "results" / "report" / "all" / "report.md").read_text()
+    assert "sps (gamma=4)" in user_report and "eagle" not in user_report
+    assert (tmp_path / "plots" / "all" / "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a" / "size_sweep.png").is_file()
 
 
 def test_figures_are_written(results, tmp_path):
@@ -131,7 +180,7 @@ def test_sweep_through_submitit_local_reports_results_and_failures(tmp_path, tin
     assert done.returncode != 0
     jobs = job_status(sweep_dir)
     assert [j["status"] for j in jobs] == ["failed", "ok", "ok"]
-    assert "method.gamma=0: valid: auto or an integer >= 1" in jobs[0]["error"]
+    assert "method.gamma=0: valid: auto, heuristic or an integer >= 1" in jobs[0]["error"]
     for job in jobs[1:]:
         assert (Path(job["results"]) / "summary.json").is_file()
     listing = subprocess.run([sys.executable, "-m", "harness.report", "--jobs", str(sweep_dir)], cwd=REPO,

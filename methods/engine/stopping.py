@@ -20,6 +20,9 @@ class StopCondition:
     eos_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     decode: Callable[[Sequence[int]], str] | None = field(default=None, compare=False)
+    # Called with the number of tokens emitted so far at every check (once per decoding step):
+    # the harness's live token count. It must be cheap; the harness's throttles itself.
+    progress: Callable[[int], None] | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -30,6 +33,8 @@ class StopCondition:
     def cut(self, tokens: Sequence[int], checked: int) -> tuple[int, str] | None:
         """`tokens[:checked]` passed the rule already. Returns (length to keep, reason) at the
         first stop in `tokens[checked:]`, or None."""
+        if self.progress is not None:
+            self.progress(len(tokens))
         for i in range(checked, len(tokens)):
             if tokens[i] in self.eos_token_ids:
                 return i + 1, "eos"
