@@ -183,40 +183,34 @@ def speedup_stats(records: list[dict], baseline: list[dict], reps: int = 2000, s
     }
 
 
+def _machine_states(*sides: list[dict]):
+    """(question id, machine state) of every answer that recorded one (`harness.machine`)."""
+    for records in sides:
+        for record in records or []:
+            if record.get("machine") is not None:
+                yield record["question_id"], record["machine"]
+
+
 def busy_questions(*sides: list[dict]) -> dict:
     """The questions some side of which was measured beside other work (`harness.machine`), and the
     most CPU other processes used during any question; `recorded` counts the questions that
     carry a machine state at all (runs before it was recorded carry none)."""
     from harness.machine import BUSY_CORES, BUSY_STEAL, is_busy
 
-    busy, recorded, other = set(), set(), []
-    for records in sides:
-        for record in records or []:
-            state = record.get("machine")
-            if state is None:
-                continue
-            recorded.add(record["question_id"])
-            other.append(state.get("other_cores") or 0.0)
-            if is_busy(state):
-                busy.add(record["question_id"])
-    return {"questions": sorted(busy, key=str), "recorded": len(recorded), "max_other_cores": max(other, default=None),
+    states = list(_machine_states(*sides))
+    return {"questions": sorted({qid for qid, state in states if is_busy(state)}, key=str),
+            "recorded": len({qid for qid, _ in states}),
+            "max_other_cores": max((state.get("other_cores") or 0.0 for _, state in states), default=None),
             "rule": f"other processes >= {BUSY_CORES} cores, steal >= {BUSY_STEAL:.0%}, or other SLURM jobs on the node"}
 
 
 def shared_node_questions(*sides: list[dict]) -> dict | None:
     """Under SLURM: the questions some side of which ran while other jobs ran on the same node
     (`machine.slurm.other_jobs`, harness/cluster.py), and the most such jobs; None outside SLURM."""
-    shared, jobs, under_slurm = set(), [], False
-    for records in sides:
-        for record in records or []:
-            job = (record.get("machine") or {}).get("slurm")
-            if job is None:
-                continue
-            under_slurm = True
-            jobs.append(job.get("other_jobs") or 0)
-            if job.get("other_jobs"):
-                shared.add(record["question_id"])
-    return {"questions": sorted(shared, key=str), "max_other_jobs": max(jobs)} if under_slurm else None
+    jobs = [(qid, state["slurm"].get("other_jobs") or 0) for qid, state in _machine_states(*sides) if state.get("slurm")]
+    if not jobs:
+        return None
+    return {"questions": sorted({qid for qid, others in jobs if others}, key=str), "max_other_jobs": max(n for _, n in jobs)}
 
 
 def summarize(method: str, records: list[dict], baseline: list[dict] | None, meta: dict) -> dict:
