@@ -94,9 +94,10 @@ def run_folders(paths: list[Path]) -> list[Path]:
     for path in map(Path, paths):
         if not path.exists():
             raise FileNotFoundError(f"no results at {path}")
-        jobs = sorted(path.glob("*/job.json"))
-        if jobs:
-            found += [Path(job["results"]) for job in map(lambda p: json.loads(p.read_text()), jobs) if job.get("results")]
+        jobs = job_status(path)
+        if jobs:  # a sweep: its jobs' results folders, those that finished (a summary written)
+            found += [Path(job["results"]) for job in jobs
+                      if job.get("results") and (Path(job["results"]) / "summary.json").is_file()]
             continue
         named_reference = REFERENCE in path.resolve().parts
         for summary_file in sorted(path.rglob("summary.json")):

@@ -186,6 +186,14 @@ def test_sweep_through_submitit_local_reports_results_and_failures(tmp_path, tin
     listing = subprocess.run([sys.executable, "-m", "harness.report", "--jobs", str(sweep_dir)], cwd=REPO,
                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert listing.returncode == 1 and "1 failed" in listing.stdout and "FAILED" in listing.stdout
+    # the sweep folder as a run set: its finished jobs' runs (a job still running has no summary yet)
+    (sweep_dir / "9").mkdir()
+    (sweep_dir / "9" / "job.json").write_text(json.dumps({"job": 9, "status": "running", "overrides": [],
+                                                          "results": str(tmp_path / "results" / "not-yet")}))
+    tables = report(sweep_dir, tmp_path / "sweep-report")
+    assert len(tables) == 1
+    _, cells = next(iter(tables.values()))
+    assert sorted(cells) == ["sps (draft_vocab=8192, gamma=2)", "sps (draft_vocab=8192, gamma=3)"]
 
 
 def test_slurm_launcher_config_composes():
