@@ -1,7 +1,7 @@
 """Recipes that train the suite's own drafts for a target by self-distillation.
 
     python -m harness.training data    --model smollm2-135m      # prompts + the target's answers
-    python -m harness.training draft-lm|eagle|medusa|eagle3 --model smollm2-135m
+    python -m harness.training draft-lm|eagle|medusa|eagle3|hydra --model smollm2-135m
 
 Each recipe is seeded, logs its loss to `<out>/train_log.jsonl`, writes its weights in the format
 its loader reads (tensors that copy the target's, embeddings and lm_head, left out: the loaders
@@ -24,4 +24,13 @@ the measured teacher-forced acceptance on held-out prompts.
   trained with EAGLE-3's training-time test (the head unrolled `--ttt-steps` times on its own
   outputs; loss 0.8^j-weighted cross-entropy on the target's distribution over the draft vocabulary).
   `--train-examples N` and `--epochs` set the budget (`harness/training/eagle3.py`).
+- Hydra heads (`harness/training/hydra.py`): Medusa-style heads grounded on the embeddings of the
+  tokens drafted before them (Hydra++ `prefix-mlp` by default: one decoder layer over the target's
+  hidden states first), trained with Hydra's teacher loss (the target's distribution as the label)
+  over the reduced draft vocabulary.
+
+The corpus (`data`): ~9,000 prompts (`harness/training/distill.py`: its own templates, the Python
+language reference and standard-library docstrings; checked disjoint from every evaluation set on
+the machine, 13-word overlap included), 80% answered greedily and 20% sampled at T = 1, batched and
+journalled (an interrupted run resumes); `drafts/<model>/corpus.json` records its recipe and checksum.
 """

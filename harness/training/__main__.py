@@ -1,4 +1,4 @@
-"""`python -m harness.training data|vocab|draft-lm|eagle|eagle3|medusa --model <name>`: the CLI of the recipes
+"""`python -m harness.training data|vocab|draft-lm|eagle|eagle3|medusa|hydra --model <name>`: the CLI of the recipes
 (see `harness/training/__init__.py`)."""
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ from pathlib import Path
 import torch
 
 from . import __doc__ as RECIPES_DOC
+from .distributed import is_main
 from .draft_lm import DraftLMRecipe
 from .eagle import EagleRecipe
 from .eagle3 import Eagle3Recipe, attach_features
 from .examples import attach_hidden, feature_spread, load_examples, split
 from .loop import ROOT, evaluate, model_card, train
+from .hydra import HydraRecipe
 from .medusa import MedusaRecipe
 
 
@@ -32,6 +34,7 @@ DEFAULTS = {  # kind: (epochs, lr, batch, noise)
     "eagle": (4.0, 3e-4, 8, 0.1),
     "medusa": (1.0, 1e-3, 8, 0.0),
     "eagle3": (2.0, 2e-3, 4, 0.0),
+    "hydra": (1.0, 1e-3, 8, 0.0),
 }
 # Recipes whose committed draft is a short run on part of the training set (`--train-examples`
 # overrides; a number >= the set's size takes all): EAGLE-3's head, ~14 min of one core with the
@@ -45,9 +48,14 @@ def main(argv=None) -> None:
                         help="data: the target's answers; vocab: their token frequencies (reduced-vocabulary drafting); "
                              "then a draft recipe")
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--prompts", type=int, default=800)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--distill-batch", type=int, default=32, help="prompts per batched generate")
+    parser.add_argument("--prompts", type=int, default=9000)
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--distill-batch", type=int, default=64,
+                        help="prompts per batched generate (`data --measure` times the candidates)")
+    parser.add_argument("--distill-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="dtype of the target that answers: auto = bfloat16 where the CPU has native bf16 "
+                             "(2-3x the tokens/s), float32 elsewhere; the drafts' labels are always float32")
+    parser.add_argument("--measure", action="store_true", help="data: time the batch sizes and dtypes, write nothing")
     parser.add_argument("--data", type=Path, default=None, help="default: data/distill/<model>/answers.jsonl")
     parser.add_argument("--out", type=Path, default=None, help="default: drafts/<model>/<kind>")
     parser.add_argument("--seed", type=int, default=0)
@@ -61,31 +69,22 @@ def main(argv=None) -> None:
                         help="train on the first N training conversations only (a shorter budget; the held-out set is "
                              "unchanged); default: all, eagle3: 240 (its committed short run)")
     parser.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3: training-time test steps (upstream: 7)")
+    # [training-helper edit: distributed/resumable loop, harness/training/loop.py + distributed.py]
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from <out>/checkpoint.pt (weights, optimizer, step, RNG) of an interrupted run")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="conversations per forward on each process (default: its whole share of --batch)")
     parser.add_argument("--questions", type=Path, default=ROOT.parent / "shared/data/spec_bench/question.jsonl",
                         help="evaluation questions the prompts must not overlap")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     data_file = args.data or ROOT / "data" / "distill" / args.model / "answers.jsonl"
-    cfg, target, tokenizer = load_target(args.model)
-
     if args.kind == "data":
-        from .distill import check_disjoint, self_distill, training_prompts
-        from harness.prompts import ChatTemplate
+        from .distill import corpus
 
-        prompts = training_prompts(args.prompts, args.seed)
-        for question_file in (args.questions, ROOT / "tests" / "fixtures" / "spec_bench_sample.jsonl"):
-            if question_file.is_file():
-                check_disjoint(prompts, question_file)
-                print(f"{len(prompts)} prompts, none overlapping {question_file}")
-        template = ChatTemplate.for_model(cfg, tokenizer)
-        data_file.parent.mkdir(parents=True, exist_ok=True)
-        journal = data_file.with_suffix(".partial.jsonl")  # survives an interrupted run; a rerun resumes
-        records = self_distill(target, template, prompts, args.max_new_tokens, args.distill_batch, journal=journal)
-        data_file.write_text("".join(json.dumps(r) + "\n" for r in records))
-        journal.unlink()
-        tokens = sum(len(r["ids"]) - r["answer_start"] for r in records)
-        print(f"wrote {data_file}: {len(records)} answers, {tokens} answer tokens")
+        corpus(args, data_file)
         return
+    cfg, target, tokenizer = load_target(args.model)
 
     if not data_file.is_file():
         raise SystemExit(f"no training data at {data_file}: run `python -m harness.training data --model {args.model}` first")
@@ -106,19 +105,24 @@ def main(argv=None) -> None:
         attach_features(target, train_set + val_set, feature_layers(target.config.num_hidden_layers), progress=True)
     elif args.kind != "draft-lm":
         attach_hidden(target, examples, cache=data_file.with_name("hidden_states.pt"), progress=True)
-    recipe = {"draft-lm": lambda: DraftLMRecipe(target, args.layers),
-              "eagle": lambda: EagleRecipe(target, args.seed, cls_weight=1.0, feature_scale=feature_spread(train_set)),
-              "medusa": lambda: MedusaRecipe(target, args.heads),
+    # classification losses over the model config's reduced draft vocabulary, where it names one
+    vocab = draft_vocabulary(args.model, cfg, target) if (cfg.get("draft_vocabulary") or {}).get("frequencies") else None
+    recipe = {"draft-lm": lambda: DraftLMRecipe(target, args.layers, vocabulary=vocab),
+              "eagle": lambda: EagleRecipe(target, args.seed, cls_weight=1.0, feature_scale=feature_spread(train_set),
+                                           vocabulary=vocab),
+              "medusa": lambda: MedusaRecipe(target, args.heads, vocabulary=vocab),
               "eagle3": lambda: Eagle3Recipe(target, args.seed, draft_vocabulary(args.model, cfg, target), args.ttt_steps),
+              "hydra": lambda: HydraRecipe(target, args.heads, vocabulary=draft_vocabulary(args.model, cfg, target)),
               }[args.kind]()
     out = args.out or ROOT / "drafts" / args.model / args.kind
     out.mkdir(parents=True, exist_ok=True)
     before = evaluate(recipe, val_set)
     result = train(recipe, train_set, val_set, args.epochs, args.lr, args.seed, out / "train_log.jsonl",
-                   batch=args.batch, noise=noise)
-    recipe.save(out)
-    model_card(out, args.kind, args, data_file, len(train_set), len(val_set), result, before)
-    print(json.dumps({k: v for k, v in result.items()}, indent=2))
+                   batch=args.batch, noise=noise, resume=args.resume, micro_batch=args.micro_batch)
+    if is_main():  # under torchrun: rank 0 writes the files
+        recipe.save(out)
+        model_card(out, args.kind, args, data_file, len(train_set), len(val_set), result, before)
+        print(json.dumps({k: v for k, v in result.items()}, indent=2))
 
 
 def draft_vocabulary(model_name: str, cfg, target):

@@ -19,6 +19,8 @@ import inspect
 import json
 import random
 import re
+import time
+import zlib
 from pathlib import Path
 from typing import Iterable
 
@@ -37,6 +39,24 @@ SUBJECTS = [
     "remote work", "compost", "comets", "the violin", "sourdough", "tides", "bridges", "video games",
     "maps", "the metric system", "wolves", "museums", "inflation", "snowflakes", "first aid", "kites",
     "the internet", "dinosaurs", "hot air balloons", "spices", "robots", "trains", "whales", "clocks",
+    # corpus v2: more subjects, so that >= 8,000 prompts stay distinct and varied
+    "beekeeping", "the Byzantine Empire", "quantum computers", "vertical farming", "the Hubble telescope",
+    "coffee roasting", "sign language", "the Industrial Revolution", "thunderstorms", "ant colonies",
+    "the human brain", "cryptography", "urban gardening", "the Panama Canal", "fermentation", "satellites",
+    "the history of writing", "coral bleaching", "marathon training", "the blues", "electric guitars",
+    "the Moon's phases", "paper making", "airships", "recycling glass", "the Arctic", "river deltas",
+    "board games", "street food", "the Mayan calendar", "nuclear fusion", "wildfires", "tree rings",
+    "the Eiffel Tower", "sharks", "hydroelectric dams", "the human skeleton", "windmills", "pottery",
+    "public transport", "the Fibonacci sequence", "microplastics", "lunar eclipses", "sea turtles",
+    "the postal service", "typewriters", "caves", "the Northern Lights", "weather forecasting",
+    "crossword puzzles", "genetics", "the Vikings", "skyscrapers", "batteries", "elephants",
+    "the ozone layer", "architecture in ancient Greece", "mobile phones", "knitting", "cheese making",
+    "the Sahara desert", "photography", "democracy", "rivers", "coffee", "the speed of light",
+    "chocolate", "volunteering", "space stations", "the decimal system", "tornadoes", "bamboo",
+    "the French Revolution", "recycling electronics", "hummingbirds", "sailing", "the microscope",
+    "opera", "fossils", "the human eye", "trade routes", "greenhouses", "magnets", "the calendar",
+    "friendship", "learning a new language", "budgeting", "healthy breakfasts", "camping", "journaling",
+    "job interviews", "public speaking", "moving to a new city", "saving energy at home", "pets",
 ]
 
 OPEN_TEMPLATES = [
@@ -58,16 +78,37 @@ OPEN_TEMPLATES = [
     "Write a short story in which {s} plays an important role.",
     "Why do people find {s} fascinating? Give your reasons step by step.",
     "Draft an email to a colleague proposing a team outing related to {s}.",
+    # corpus v2
+    "Write a news article announcing a surprising discovery about {s}.",
+    "Give me a step-by-step guide for getting started with {s}.",
+    "What are common misconceptions about {s}? Correct each one.",
+    "Write a haiku and a limerick about {s}.",
+    "Explain how {s} works, as if writing for an encyclopedia.",
+    "Write a speech for a school assembly about {s}.",
+    "Imagine {s} in the year 2100. Describe what has changed.",
+    "Create a short quiz with answers about {s}.",
+    "Write a diary entry of someone who spends a day learning about {s}.",
+    "Give a one-paragraph summary of {s}, then a one-sentence summary.",
+    "What careers are connected to {s}? Describe three of them.",
+    "Write a letter to a newspaper editor about {s}.",
+    "How could a small town benefit from {s}? Give practical ideas.",
+    "Explain the connection between {s} and {t}.",
+    "Write a short children's story that teaches something about {s}.",
+    "Outline an essay about {s} with an introduction, three sections and a conclusion.",
 ]
 
-NAMES = ["Maya", "Tom", "Aiko", "Luis", "Priya", "Ben", "Sofia", "Omar", "Lena", "Kwame"]
-ITEMS = ["apples", "notebooks", "marbles", "stickers", "cookies", "pencils", "tickets", "stamps"]
+NAMES = ["Maya", "Tom", "Aiko", "Luis", "Priya", "Ben", "Sofia", "Omar", "Lena", "Kwame", "Ines", "Hugo",
+         "Mei", "Dara", "Felix", "Noor"]
+ITEMS = ["apples", "notebooks", "marbles", "stickers", "cookies", "pencils", "tickets", "stamps", "seeds",
+         "postcards", "batteries", "buttons"]
+LANGUAGES = ["French", "German", "Spanish", "Italian", "Portuguese", "Chinese"]
+SAMPLED_SHARE = 0.2  # prompts answered by sampling at T = 1 (diversity); the rest greedily
 
 
 def _math_prompt(rng: random.Random) -> str:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     a, b, c = rng.randint(3, 60), rng.randint(2, 12), rng.randint(1, 9)
-    kind = rng.randrange(4)
+    kind = rng.randrange(7)
     if kind == 0:
         return (f"{name} has {a} {item}. {name} buys {b} packs with {c} {item} in each pack. "
                 f"How many {item} does {name} have now? Explain your reasoning.")
@@ -76,8 +117,17 @@ def _math_prompt(rng: random.Random) -> str:
                 f"away. How many {item} are left? Show your work.")
     if kind == 2:
         return f"What is {a} multiplied by {b}, plus {c * 7}? Think step by step."
-    return (f"{name} reads {b} pages every day. The book has {a * b + c} pages. "
-            f"How many days does {name} need to finish the book?")
+    if kind == 3:
+        return (f"{name} reads {b} pages every day. The book has {a * b + c} pages. "
+                f"How many days does {name} need to finish the book?")
+    if kind == 4:
+        return (f"A train travels at {a + 20} km per hour for {b} hours and then at {a} km per hour for {c} hours. "
+                f"How far does it travel in total? Explain each step.")
+    if kind == 5:
+        return (f"A rectangle is {a} cm long and {b + c} cm wide. What are its area and its perimeter? "
+                f"Show the formulas you use.")
+    return (f"{name} saves ${b} every week and already has ${a}. How many weeks until {name} has "
+            f"${a + b * (c + 3)}? Reason step by step.")
 
 
 def _stdlib_functions() -> list[tuple[str, str]]:
@@ -97,7 +147,7 @@ def _stdlib_functions() -> list[tuple[str, str]]:
     return found
 
 
-def _passages(min_chars: int = 300, max_chars: int = 1200) -> list[str]:
+def _passages(min_chars: int = 250, max_chars: int = 650) -> list[str]:
     """Paragraph groups from the Python language reference that ships with CPython."""
     from pydoc_data.topics import topics
 
@@ -115,14 +165,32 @@ def _passages(min_chars: int = 300, max_chars: int = 1200) -> list[str]:
     return passages
 
 
+CODE_TEMPLATES = [
+    "Write a Python function that does the following without using `{q}`: {line} Include a short docstring.",
+    "Explain what `{q}` does (its documentation says: \"{line}\") and show two examples of calling it.",
+    "Write unit tests with pytest for a function that does the following: {line}",
+    "Implement the following in Python, then explain its time complexity: {line}",
+]
+PASSAGE_TEMPLATES = {
+    "summary": "Summarize the following text in a few sentences.\n\n{p}",
+    "qa": "Read the text below and explain its most important rule with an example.\n\n{p}",
+    "extract": "List the technical terms used in the following text, with a one-line definition of each.\n\n{p}",
+    "quiz": "Write three quiz questions, with answers, that test whether a reader understood this text.\n\n{p}",
+    "translate": "Translate the following text into {lang}.\n\n{p}",
+    "simplify": "Rewrite the following text in plain language for a beginner.\n\n{p}",
+}
+KINDS = {"open": 30, "math": 12, "code": 16, **{k: 7 for k in PASSAGE_TEMPLATES}}  # weights (percent)
+
+
 def training_prompts(n: int, seed: int = 0) -> list[dict]:
-    """`n` prompts (id, kind, text), seeded, across the kinds listed in the module docstring."""
+    """`n` distinct prompts (id, kind, text, mode), seeded, across the kinds of `KINDS`; `mode` is
+    "sample" for a `SAMPLED_SHARE` of them (answered at T = 1) and "greedy" otherwise."""
     rng = random.Random(seed)
     functions, passages = _stdlib_functions(), _passages()
-    prompts, seen = [], set()
-    kinds = ["open", "open", "open", "math", "code", "summary", "qa", "extract"]
+    kinds, weights = list(KINDS), list(KINDS.values())
+    prompts, seen, misses = [], set(), 0
     while len(prompts) < n:
-        kind = rng.choice(kinds)
+        kind = rng.choices(kinds, weights)[0]
         if kind == "open":
             s, t = rng.sample(SUBJECTS, 2)
             text = rng.choice(OPEN_TEMPLATES).format(s=s, t=t)
@@ -130,42 +198,78 @@ def training_prompts(n: int, seed: int = 0) -> list[dict]:
             text = _math_prompt(rng)
         elif kind == "code":
             qualified, line = rng.choice(functions)
-            text = (f"Write a Python function that does the following without using `{qualified}`: {line} "
-                    f"Include a short docstring.")
+            text = rng.choice(CODE_TEMPLATES).format(q=qualified, line=line)
         else:
             passage = rng.choice(passages)
-            if kind == "summary":
-                text = f"Summarize the following text in a few sentences.\n\n{passage}"
-            elif kind == "qa":
-                text = f"Read the text below and explain its most important rule with an example.\n\n{passage}"
-            else:
-                text = f"List the technical terms used in the following text, with a one-line definition of each.\n\n{passage}"
-        if text not in seen:
-            seen.add(text)
-            prompts.append({"id": f"p{len(prompts):05d}", "kind": kind, "text": text})
+            if kind == "translate":  # a short piece: the model translates a paragraph, not a page
+                passage = passage.split("\n")[0][:500]
+            text = PASSAGE_TEMPLATES[kind].format(p=passage, lang=rng.choice(LANGUAGES))
+        mode = "sample" if rng.random() < SAMPLED_SHARE else "greedy"
+        if text in seen:
+            misses += 1
+            if misses > 50 * n:
+                raise ValueError(f"only {len(prompts)} distinct prompts could be made; asked for {n}")
+            continue
+        seen.add(text)
+        prompts.append({"id": f"p{len(prompts):05d}", "kind": kind, "text": text, "mode": mode})
     return prompts
 
 
-def check_disjoint(prompts: Iterable[dict], question_file: Path) -> None:
-    """Raise if any evaluation turn occurs inside a training prompt or vice versa."""
-    turns = []
-    for line in question_file.read_text().splitlines():
-        if line.strip():
-            turns += [" ".join(t.split()) for t in json.loads(line).get("turns", []) if len(t.strip()) >= 30]
+NGRAM = 13  # words: the contamination check of GPT-3 and its successors
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def evaluation_texts(question_files: Iterable[Path]) -> list[str]:
+    """Every turn (and reference) of the question files that exist, plus the needle set's filler: the
+    texts a training prompt must not share."""
+    from harness.datasets import _FILLER
+
+    texts = list(_FILLER)
+    for file in question_files:
+        if not file.is_file():
+            continue
+        for line in file.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                texts += [t for t in row.get("turns", []) if isinstance(t, str)]
+                texts += [r for r in (row.get("reference") or []) if isinstance(r, str)] if isinstance(
+                    row.get("reference"), list) else []
+    return [t for t in texts if len(t.strip()) >= 30]
+
+
+def check_disjoint(prompts: Iterable[dict], question_file: Path | Iterable[str]) -> None:
+    """Raise if a training prompt shares text with an evaluation question: one contains the other,
+    or they share a run of 13 words. `question_file`: a question file or the texts themselves."""
+    texts = evaluation_texts([question_file]) if isinstance(question_file, Path) else list(question_file)
+    turns = [" ".join(t.split()) for t in texts]
+    grams: dict[tuple[str, ...], str] = {}
+    for turn in turns:
+        words = _words(turn)
+        for i in range(len(words) - NGRAM + 1):
+            grams.setdefault(tuple(words[i:i + NGRAM]), turn)
     for prompt in prompts:
         text = " ".join(prompt["text"].split())
         for turn in turns:
             if turn in text or text in turn:
                 raise ValueError(f"training prompt {prompt['id']} overlaps the evaluation question {turn[:80]!r}")
+        words = _words(text)
+        for i in range(len(words) - NGRAM + 1):
+            if (turn := grams.get(tuple(words[i:i + NGRAM]))) is not None:
+                raise ValueError(f"training prompt {prompt['id']} shares {NGRAM} words "
+                                 f"({' '.join(words[i:i + NGRAM])!r}) with the evaluation question {turn[:80]!r}")
 
 
 @torch.inference_mode()
 def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batch_size: int = 16,
-                 progress: bool = True, journal: Path | None = None) -> list[dict]:
-    """The target's greedy answers: one record per prompt with `ids` (prompt + answer token ids,
-    the answer cut where the template's stop condition ends it: an EOS id or a stop string) and
-    `answer_start`. With a `journal`, records are
-    appended to it as each batch finishes and a rerun answers only the prompts it lacks."""
+                 progress: bool = True, journal: Path | None = None, seed: int = 0) -> list[dict]:
+    """The target's answers: one record per prompt with `ids` (prompt + answer token ids, the answer
+    cut where the template's stop condition ends it: an EOS id or a stop string), `answer_start` and
+    `mode`: greedy, or sampled at T = 1 (no top-k/top-p) for prompts whose `mode` is "sample", each
+    batch seeded from `seed` and its first prompt. With a `journal`, records are appended to it as
+    each batch finishes and a rerun answers only the prompts it lacks."""
     from tqdm import tqdm
 
     from harness.prompts import Message
@@ -177,7 +281,9 @@ def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batc
     stop = template.stop_condition(max_new_tokens)
     device = next(model.parameters()).device
     encoded = [template.prompt_ids([Message("user", p["text"])]) for p in prompts]
-    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))  # batches of similar lengths: little padding
+    modes = [p.get("mode", "greedy") for p in prompts]
+    # batches of one mode and similar lengths: little padding
+    order = sorted(range(len(prompts)), key=lambda i: (modes[i], len(encoded[i])))
     records: list[dict | None] = [None] * len(prompts)
     done = {}
     if journal and journal.is_file():
@@ -188,20 +294,152 @@ def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batc
         if prompt["id"] in done and done[prompt["id"]]["ids"][:len(encoded[i])] == encoded[i]:
             records[i] = done[prompt["id"]]
     order = [i for i in order if records[i] is None]
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    batches = []
+    for mode in sorted(set(modes[i] for i in order)):
+        same = [i for i in order if modes[i] == mode]
+        batches += [same[i:i + batch_size] for i in range(0, len(same), batch_size)]
     for batch in tqdm(batches, desc="self-distillation", unit="batch", disable=not progress):
         width = max(len(encoded[i]) for i in batch)
         input_ids = torch.tensor([[pad] * (width - len(encoded[i])) + encoded[i] for i in batch], device=device)
         attention = torch.tensor([[0] * (width - len(encoded[i])) + [1] * len(encoded[i]) for i in batch], device=device)
-        out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=pad,
-                             eos_token_id=sorted(stop.eos_token_ids))
+        sample = modes[batch[0]] == "sample"
+        if sample:
+            torch.manual_seed(zlib.crc32(f"{seed}:{prompts[batch[0]]['id']}".encode()))
+        options = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
+        out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
+                             pad_token_id=pad, eos_token_id=sorted(stop.eos_token_ids), **options)
         for i, row in zip(batch, out[:, width:].tolist()):
             end = stop.cut(row, 0)
             answer = row[:end[0] if end else len(row)]
-            records[i] = {"id": prompts[i]["id"], "kind": prompts[i]["kind"], "ids": encoded[i] + answer,
-                          "answer_start": len(encoded[i])}
+            records[i] = {"id": prompts[i]["id"], "kind": prompts[i]["kind"], "mode": modes[i],
+                          "ids": encoded[i] + answer, "answer_start": len(encoded[i])}
         if journal:
             with journal.open("a") as f:
                 f.write("".join(json.dumps(records[i]) + "\n" for i in batch))
     return records
+
+
+def question_files(extra: Path | None = None) -> list[Path]:
+    """Every evaluation question file the suite ships or has prepared on this machine."""
+    from harness.training.loop import ROOT
+
+    files = [ROOT / "tests" / "fixtures" / "spec_bench_sample.jsonl", ROOT.parent / "shared/data/spec_bench/question.jsonl",
+             *sorted((ROOT / "data").glob("*/questions.jsonl")), *sorted((ROOT / "data").glob("*/question.jsonl"))]
+    if extra is not None:
+        files.insert(0, extra)
+    return [f for f in dict.fromkeys(files) if f.is_file()]
+
+
+def distill_dtype(choice: str) -> torch.dtype:
+    from methods.engine.hardware import native_bf16
+
+    if choice == "auto":
+        return torch.bfloat16 if native_bf16() else torch.float32
+    return getattr(torch, choice)
+
+
+def _answer_target(model_name: str, dtype: torch.dtype):
+    from harness.prompts import ChatTemplate
+    from harness.training.__main__ import load_target
+
+    cfg, target, tokenizer = load_target(model_name, dtype)
+    if dtype == torch.bfloat16 and target.device.type == "cpu":
+        # torch's bf16 attention kernels on CPU are several times slower than its fp32 ones (and than
+        # the bf16 GEMMs): attention runs in fp32, the linears in bf16
+        use_fp32_attention(target)
+    return target, ChatTemplate.for_model(cfg, tokenizer)
+
+
+def use_fp32_attention(model) -> None:
+    """Run `model`'s attention through `_fp32_sdpa`, with SDPA's masks."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("fp32_sdpa", _fp32_sdpa)
+    AttentionMaskInterface.register("fp32_sdpa", sdpa_mask)
+    model.set_attn_implementation("fp32_sdpa")
+
+
+def _fp32_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """A transformers attention function: SDPA in float32 whatever the model's dtype."""
+    causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), key.float(), value.float(), attn_mask=attention_mask, scale=scaling, is_causal=causal,
+        enable_gqa=True)
+    return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def measure_batches(model_name: str, prompts: list[dict], max_new_tokens: int, sizes=(16, 32, 64, 128),
+                    dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
+    """Answer tokens per second of batched self-distillation for each dtype and batch size (the same
+    prompts each time: 2 batches of the largest size, drawn across the prompt lengths)."""
+    from methods.engine.hardware import native_bf16
+
+    rng = random.Random(0)
+    sample = rng.sample(prompts, 2 * max(sizes))
+    rows = []
+    for dtype in dtypes:
+        if dtype == torch.bfloat16 and not native_bf16():
+            print("bfloat16 skipped: this CPU has no native bf16 (it would be emulated)")
+            continue
+        target, template = _answer_target(model_name, dtype)
+        for size in sizes:
+            started = time.perf_counter()
+            records = self_distill(target, template, sample[: 2 * size], max_new_tokens, size, progress=False)
+            seconds = time.perf_counter() - started
+            tokens = sum(len(r["ids"]) - r["answer_start"] for r in records)
+            rows.append({"dtype": str(dtype).removeprefix("torch."), "batch": size, "answer_tokens": tokens,
+                         "seconds": round(seconds, 1), "tokens_per_s": round(tokens / seconds, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def corpus(args, data_file: Path) -> None:
+    """`python -m harness.training data`: the prompts (checked disjoint from every evaluation set on
+    this machine), the target's answers (journalled: an interrupted run resumes) and a manifest with
+    the recipe and the corpus's checksum (`drafts/<model>/corpus.json`, committed; the corpus is not)."""
+    import hashlib
+
+    from harness.training.loop import ROOT, _machine
+
+    prompts = training_prompts(args.prompts, args.seed)
+    files = question_files(args.questions)
+    check_disjoint(prompts, evaluation_texts(files))
+    print(f"{len(prompts)} prompts, none sharing {NGRAM} words with " + ", ".join(str(f) for f in files)
+          + " or the needle set's filler")
+    if args.measure:
+        measure_batches(args.model, prompts, args.max_new_tokens)
+        return
+    dtype = distill_dtype(args.distill_dtype)
+    target, template = _answer_target(args.model, dtype)
+    data_file.parent.mkdir(parents=True, exist_ok=True)
+    journal = data_file.with_suffix(".partial.jsonl")  # survives an interrupted run; a rerun resumes
+    started = time.perf_counter()
+    records = self_distill(target, template, prompts, args.max_new_tokens, args.distill_batch, journal=journal,
+                           seed=args.seed)
+    data_file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    journal.unlink()
+    tokens = sum(len(r["ids"]) - r["answer_start"] for r in records)
+    manifest = {
+        "file": str(data_file.relative_to(ROOT) if data_file.is_relative_to(ROOT) else data_file),
+        "sha256": hashlib.sha256(data_file.read_bytes()).hexdigest(),
+        "command": f"python -m harness.training data --model {args.model} --prompts {args.prompts} --seed {args.seed} "
+                   f"--max-new-tokens {args.max_new_tokens} --distill-batch {args.distill_batch} "
+                   f"--distill-dtype {args.distill_dtype}",
+        "prompts": len(records), "answer_tokens": tokens,
+        "prompt_tokens": sum(r["answer_start"] for r in records),
+        "kinds": {k: sum(r["kind"] == k for r in records) for k in KINDS},
+        "modes": {m: sum(r["mode"] == m for r in records) for m in ("greedy", "sample")},
+        "answer_tokens_by_mode": {m: sum(len(r["ids"]) - r["answer_start"] for r in records if r["mode"] == m)
+                                  for m in ("greedy", "sample")},
+        "dtype": str(dtype).removeprefix("torch."), "machine": _machine(),
+        "hours_this_run": round((time.perf_counter() - started) / 3600, 2),
+        "disjoint_from": [str(f) for f in files] + ["needle filler (harness/datasets.py)"],
+        "sources": {"templates": "harness/training/distill.py (this suite, Apache-2.0)",
+                    "passages": "the Python language reference shipped as pydoc_data.topics (PSF License)",
+                    "code": "first lines of standard-library docstrings (PSF License)"},
+    }
+    manifest_file = ROOT / "drafts" / args.model / "corpus.json"
+    manifest_file.parent.mkdir(parents=True, exist_ok=True)
+    manifest_file.write_text(json.dumps(manifest, indent=2) + "\n")
+    print(f"wrote {data_file}: {len(records)} answers, {tokens} answer tokens; manifest {manifest_file}")

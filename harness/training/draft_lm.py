@@ -1,5 +1,11 @@
 """Draft LM recipe (SpS, MCSD): the target's first `layers` decoder layers + final norm, fine-tuned
-to predict the target's greedy tokens; embeddings and lm_head are the target's (frozen, tied)."""
+to predict the target's greedy tokens; embeddings and lm_head are the target's (frozen, tied).
+
+`batch_loss` runs a mini-batch of conversations in one forward (right-padded: the attention is
+causal, so no real position sees a pad). With a reduced `vocabulary` the cross-entropy runs over its
+K rows of the lm_head, positions whose label lies outside them left out of the loss (not out of its
+denominator); the saved layers are the same either way. Held-out `acc_1` (under no_grad): top-1 over
+the vocabulary it drafts from against the target's own argmax."""
 
 from __future__ import annotations
 
@@ -9,13 +15,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .examples import Example, answer_mask
+from .examples import Example, offset_mask, pad_batch
 
 
 class DraftLMRecipe:
     kind = "draft-lm"
+    on_gpu = True  # batch_loss places each batch where the recipe is (`distributed.place`)
 
-    def __init__(self, target, layers: int):
+    def __init__(self, target, layers: int, vocabulary=None):
         import copy
 
         from methods.models.loading import truncated_copy
@@ -26,18 +33,54 @@ class DraftLMRecipe:
         for module in (self.model.model.layers, self.model.model.norm):
             module.requires_grad_(True)
         self.layers = layers
+        self.target = target
+        self.ids = None if vocabulary is None else vocabulary.ids
+        weight = self.model.lm_head.weight.detach()
+        self.rows = weight if self.ids is None else weight[self.ids].contiguous()
+        self.full_size = weight.shape[0]
 
     def parameters(self):
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def loss(self, example: Example, noise: float, generator) -> tuple[torch.Tensor, dict]:
-        hidden = self.model.model(input_ids=example.ids[None]).last_hidden_state[0, :-1]
-        mask = answer_mask(example, 1)
-        logits = self.model.lm_head(hidden[mask]).float()  # the vocab projection on answer positions only
-        labels = example.ids[1:][mask]
-        loss = F.cross_entropy(logits, labels)
-        correct = (logits.argmax(-1) == labels).float()
-        return loss, {"acc_1": correct}
+        return self.batch_loss([example], noise, [generator])
+
+    def _top(self, example: Example) -> torch.Tensor:
+        if example.top is None:
+            with torch.no_grad():
+                device = self.target.get_input_embeddings().weight.device
+                example.top = self.target(input_ids=example.ids[None].to(device)).logits[0].argmax(-1).cpu()
+        return example.top
+
+    def batch_loss(self, examples: list[Example], noise: float, generators) -> tuple[torch.Tensor, dict]:
+        """The sum over `examples` of each one's mean cross-entropy on its answer tokens."""
+        device = self.rows.device
+        ids, lengths, starts, _ = pad_batch(examples, device=device)
+        width = ids.shape[1]
+        hidden = self.model.model(input_ids=ids).last_hidden_state[:, :-1]
+        mask = offset_mask(lengths, starts, width, 1)  # [B, width-1]
+        owner = torch.arange(len(examples), device=device)[:, None].expand_as(mask)[mask]
+        logits = hidden[mask].float() @ self.rows.T.float()  # the vocab projection on answer positions only
+        labels = ids[:, 1:][mask]
+        if self.ids is None:
+            ce = F.cross_entropy(logits, labels, reduction="none")
+        else:
+            to_draft = torch.full((self.full_size,), -1, dtype=torch.long, device=device)
+            to_draft[self.ids.to(device)] = torch.arange(len(self.ids), device=device)
+            mapped = to_draft[labels]
+            ce = F.cross_entropy(logits, mapped.clamp_min(0), reduction="none") * (mapped >= 0)
+        per_example = ce.new_zeros(len(examples)).index_add(0, owner, ce)
+        counts = ce.new_zeros(len(examples)).index_add(0, owner, torch.ones_like(ce))
+        stats = {}
+        if not torch.is_grad_enabled():
+            tops = torch.zeros_like(ids)
+            for b, e in enumerate(examples):
+                tops[b, :len(e.ids)] = self._top(e).to(device)
+            draft = logits.argmax(-1)
+            if self.ids is not None:
+                draft = self.ids.to(device)[draft]
+            stats["acc_1"] = (draft == tops[:, :-1][mask]).float().cpu()
+        return (per_example / counts.clamp_min(1)).sum(), stats
 
     def save(self, out: Path) -> None:
         from safetensors.torch import save_file

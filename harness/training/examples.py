@@ -1,21 +1,36 @@
 """Training examples: the target's self-distilled answers (`data/distill/<model>/answers.jsonl`),
-its hidden states for the head recipes (computed once, cached on disk), held-out splits."""
+its hidden states for the head recipes (computed once in batches, cached on disk in 16 bits), held-out splits.
+
+The hidden-state cache (`attach_hidden(..., cache=Path("hidden_states.pt"))`) is two files: the index
+`hidden_states.pt` (the examples' lengths, a digest of their token ids, the dtype, and the target's
+argmax at every position) and `hidden_states.pt.bin`, every example's [T, H] rows back to back in
+float16 (bfloat16 if the target's hidden states exceed float16's range): 9,000 conversations x 290
+tokens x 576 dims is 3 GB. The rows are memory-mapped, not read: an example's `hidden` is a view
+that reads its rows from the page cache when a recipe touches it, so a process holds in RAM only
+what it is using, and under torchrun a rank touches only its shard (`distributed.LaneSampler`).
+Computing the cache writes the file as it goes (ranks write disjoint rows of the same file).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+
+from . import distributed
 
 
 @dataclass
 class Example:
     ids: torch.Tensor  # [T] prompt + answer
     answer_start: int
-    hidden: torch.Tensor | None = None  # [T, H] target's last hidden state (after the final norm)
+    hidden: torch.Tensor | None = None  # [T, H] target's last hidden state (after the final norm); may be 16-bit
+    top: torch.Tensor | None = None  # [T] the target's argmax at each position (predicts token t + 1)
 
 
 def load_examples(file: Path) -> list[Example]:
@@ -23,23 +38,137 @@ def load_examples(file: Path) -> list[Example]:
     return [Example(torch.tensor(r["ids"]), r["answer_start"]) for r in rows if len(r["ids"]) > r["answer_start"] + 2]
 
 
+def _digest(examples: list[Example]) -> str:
+    h = hashlib.sha256()
+    for e in examples:
+        h.update(len(e.ids).to_bytes(4, "little"))
+        h.update(e.ids.to(torch.int64).numpy().tobytes())
+    return h.hexdigest()
+
+
+_DTYPES = {"float16": (torch.float16, np.float16), "bfloat16": (torch.bfloat16, np.uint16)}
+
+
+def _attach_from(cache: Path, examples: list[Example]) -> bool:
+    """Attach memory-mapped views of the cache when it holds exactly these examples."""
+    try:
+        index = torch.load(cache, weights_only=True)
+    except Exception:
+        return False
+    if not isinstance(index, dict) or index.get("version") != 2 or index.get("digest") != _digest(examples):
+        return False
+    torch_dtype, np_dtype = _DTYPES[index["dtype"]]
+    lengths = index["lengths"].tolist()
+    data = cache.with_name(cache.name + ".bin")
+    if not data.is_file() or data.stat().st_size != sum(lengths) * index["hidden_size"] * 2:
+        return False
+    rows = np.memmap(cache.with_name(cache.name + ".bin"), dtype=np_dtype, mode="c",
+                     shape=(sum(lengths), index["hidden_size"]))
+    top = index["top"]
+    start = 0
+    for example, length in zip(examples, lengths):
+        view = torch.from_numpy(rows[start:start + length])
+        example.hidden = view.view(torch.bfloat16) if torch_dtype == torch.bfloat16 else view
+        example.top = top[start:start + length].long()
+        start += length
+    return True
+
+
 @torch.no_grad()
-def attach_hidden(target, examples: list[Example], cache: Path | None = None, progress: bool = False) -> None:
-    """The target's last hidden states of every example (EAGLE and Medusa train on them). With a
-    `cache` file they are computed once and reused by the next recipe when the examples match."""
+def attach_hidden(target, examples: list[Example], cache: Path | None = None, progress: bool = False,
+                  batch_tokens: int = 4096) -> None:
+    """The target's last hidden states (`hidden`) and argmax (`top`) at every position of every
+    example (EAGLE, Medusa and Hydra train on them). Computed in right-padded batches of about
+    `batch_tokens` tokens (under torchrun each rank computes every world-th batch). Without a cache
+    they stay in RAM as float32; with a `cache` file they are written in 16 bits and memory-mapped,
+    and the next recipe reuses them when the examples match."""
     from tqdm import tqdm
 
-    if cache is not None and cache.is_file():
-        stored = torch.load(cache)
-        if len(stored["ids"]) == len(examples) and all(torch.equal(a, e.ids) for a, e in zip(stored["ids"], examples)):
-            for example, hidden in zip(examples, stored["hidden"]):
-                example.hidden = hidden
-            return
-    for example in tqdm(examples, desc="target hidden states", unit="example", disable=not progress):
-        if example.hidden is None:
-            example.hidden = target.model(input_ids=example.ids[None]).last_hidden_state[0].float()
+    ctx = distributed.context()
+    if cache is not None and _attach_from(cache, examples):
+        return
+    hidden_size = target.get_input_embeddings().embedding_dim
+    lengths = [len(e.ids) for e in examples]
+    offsets = np.cumsum([0] + lengths)
+    order = sorted(range(len(examples)), key=lambda i: lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    mine = batches[ctx.rank::ctx.world] if cache is not None else batches
+    rows = top_all = None
     if cache is not None:
-        torch.save({"ids": [e.ids for e in examples], "hidden": [e.hidden for e in examples]}, cache)
+        dtype = "float16"
+        if ctx.is_main:
+            with open(cache.with_name(cache.name + ".bin"), "wb") as f:
+                f.truncate(int(offsets[-1]) * hidden_size * 2)
+        distributed.barrier()
+        rows = np.memmap(cache.with_name(cache.name + ".bin"), dtype=np.float16, mode="r+",
+                         shape=(int(offsets[-1]), hidden_size))
+        top_all = torch.zeros(int(offsets[-1]), dtype=torch.int32)
+        peak = 0.0
+    lm_head = target.get_output_embeddings()
+    device = lm_head.weight.device
+    for chunk in tqdm(mine, desc="target hidden states", unit="batch", disable=not progress):
+        width = max(lengths[i] for i in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        for row, i in enumerate(chunk):
+            ids[row, :lengths[i]] = examples[i].ids
+        # right padding: the attention is causal, no mask needed
+        hidden = target.model(input_ids=ids.to(device)).last_hidden_state.float()
+        for row, i in enumerate(chunk):
+            h = hidden[row, :lengths[i]]
+            top = torch.cat([lm_head(part.to(lm_head.weight.dtype)).argmax(-1) for part in h.split(1024)]).cpu()
+            h = h.cpu()
+            if cache is None:
+                examples[i].hidden, examples[i].top = h.clone(), top
+            else:
+                peak = max(peak, float(h.abs().max()))
+                rows[offsets[i]:offsets[i + 1]] = h.to(torch.float16).numpy()
+                top_all[offsets[i]:offsets[i + 1]] = top.to(torch.int32)
+    if cache is None:
+        return
+    rows.flush()
+    del rows
+    if max(distributed.gather_objects(peak)) > 60000:  # beyond float16: store bfloat16 instead
+        dtype = "bfloat16"
+        _convert_to_bf16(target, examples, cache, offsets, hidden_size, ctx, batches, lengths)
+    tops = distributed.gather_objects(top_all)
+    if ctx.is_main:
+        top_all = sum(t.long() for t in tops).to(torch.int32)  # each rank filled its own rows, zeros elsewhere
+        torch.save({"version": 2, "digest": _digest(examples), "dtype": dtype, "hidden_size": hidden_size,
+                    "lengths": torch.tensor(lengths), "top": top_all}, cache)
+    distributed.barrier()
+    if not _attach_from(cache, examples):
+        raise RuntimeError(f"{cache}: the hidden-state cache just written does not read back")
+
+
+def _convert_to_bf16(target, examples, cache, offsets, hidden_size, ctx, batches, lengths) -> None:
+    rows = np.memmap(cache.with_name(cache.name + ".bin"), dtype=np.uint16, mode="r+", shape=(int(offsets[-1]), hidden_size))
+    for chunk in batches[ctx.rank::ctx.world]:  # recomputed: float16 overflowed
+        width = max(lengths[i] for i in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        for row, i in enumerate(chunk):
+            ids[row, :lengths[i]] = examples[i].ids
+        hidden = target.model(input_ids=ids.to(target.get_output_embeddings().weight.device)).last_hidden_state.float().cpu()
+        for row, i in enumerate(chunk):
+            rows[offsets[i]:offsets[i + 1]] = hidden[row, :lengths[i]].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    rows.flush()
+    distributed.barrier()
+
+
+def target_top(example: Example, lm_head) -> torch.Tensor:
+    """[T] the target's argmax at each position (cached on the example; from its hidden states)."""
+    if example.top is None:
+        with torch.no_grad():
+            device = lm_head.weight.device
+            example.top = torch.cat([lm_head(part.to(device, lm_head.weight.dtype)).argmax(-1).cpu()
+                                     for part in example.hidden.split(1024)])
+    return example.top
 
 
 def split(examples: list[Example], held_out: float, seed: int) -> tuple[list[Example], list[Example]]:
@@ -50,11 +179,45 @@ def split(examples: list[Example], held_out: float, seed: int) -> tuple[list[Exa
 
 
 def feature_spread(examples: list[Example]) -> torch.Tensor:
-    """[H] standard deviation of each dimension of the target's hidden states over the examples."""
-    return torch.cat([e.hidden for e in examples]).std(0)
+    """[H] standard deviation of each dimension of the target's hidden states over the examples
+    (streamed: float64 sums, the examples' rows are not concatenated)."""
+    total = square = None
+    count = 0
+    for e in examples:
+        h = e.hidden.double()
+        total = h.sum(0) if total is None else total + h.sum(0)
+        square = (h * h).sum(0) if square is None else square + (h * h).sum(0)
+        count += h.shape[0]
+    mean = total / count
+    return ((square - count * mean * mean) / max(count - 1, 1)).clamp_min(0).sqrt().float()
 
 
 def answer_mask(example: Example, offset: int) -> torch.Tensor:
     """[T - offset] bool: position t predicts token t + offset, which belongs to the answer."""
     t = torch.arange(len(example.ids) - offset)
     return t + offset >= example.answer_start
+
+
+def pad_batch(examples: list[Example], hidden: bool = False, device: torch.device | str = "cpu"):
+    """Right-padded ids [B, T] (pad 0), lengths [B], answer starts [B] and, with `hidden`, the hidden
+    states [B, T, H] as float32 (zeros past each example's end), on `device`."""
+    lengths = torch.tensor([len(e.ids) for e in examples])
+    width = int(lengths.max())
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    states = None
+    if hidden:
+        states = torch.zeros(len(examples), width, examples[0].hidden.shape[-1])
+    for row, e in enumerate(examples):
+        ids[row, :len(e.ids)] = e.ids
+        if hidden:
+            states[row, :len(e.ids)] = e.hidden.float()
+    starts = torch.tensor([e.answer_start for e in examples])
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return move(ids), move(lengths), move(starts), move(states)
+
+
+def offset_mask(lengths: torch.Tensor, starts: torch.Tensor, width: int, offset: int) -> torch.Tensor:
+    """[B, width - offset] bool: in example b, position t predicts token t + offset, which exists and
+    belongs to the answer (`answer_mask` of each example, padded with False)."""
+    t = torch.arange(width - offset, device=lengths.device)[None]
+    return (t + offset >= starts[:, None]) & (t + offset < lengths[:, None])

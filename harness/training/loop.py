@@ -1,71 +1,167 @@
 """One training loop for every recipe (AdamW, warm-up + cosine, gradient clipping, a JSONL loss log),
-held-out teacher-forced agreement, and the model card written beside the weights."""
+held-out teacher-forced agreement, and the model card written beside the weights.
+
+A recipe provides `kind`, `parameters()`, `save(out)` and either `batch_loss(examples, noise,
+generators) -> (summed loss, stats)` (a mini-batch in one forward) or `loss(example, noise, generator)
+-> (mean loss, stats)` (one conversation; the loop sums them). A step's loss is the mean over its
+`batch` conversations of each conversation's loss. Under `torchrun` the loop is data-parallel
+(`distributed.py`): the global batch is split across ranks, each rank reading its own shard."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import random
 import time
 from pathlib import Path
 
 import torch
 
+from . import distributed
 from .examples import Example
 
 ROOT = Path(__file__).resolve().parents[2]
+# conversations per forward on a CPU (a GPU takes its whole share of the step): on one core of the
+# 2-core EPYC, EAGLE and Medusa over the 8,192-token vocabulary ran 1.0-1.3x faster at 4 than at 1, 2 or 8
+CPU_MICRO_BATCH = 4
 
 
-def evaluate(recipe, examples: list[Example]) -> dict[str, float]:
+def evaluate(recipe, examples: list[Example], micro_batch: int = 8) -> dict[str, float]:
+    """Held-out teacher-forced top-1 agreement of each draft position with the target's own argmax
+    (`acc_k`: the fraction of answer positions where draft position k proposes the target's choice
+    given the true prefix). Under torchrun each rank evaluates its share; the counts are summed."""
+    ctx = distributed.context()
+    mine = examples[ctx.rank::ctx.world]
     sums: dict[str, list[float]] = {}
     with torch.no_grad():
-        for example in examples:
-            _, stats = recipe.loss(example, 0.0, None)
+        if hasattr(recipe, "batch_loss"):
+            mine = sorted(mine, key=lambda e: len(e.ids))
+            chunks = [mine[i:i + micro_batch] for i in range(0, len(mine), micro_batch)]
+            results = [recipe.batch_loss(chunk, 0.0, [None] * len(chunk))[1] for chunk in chunks]
+        else:
+            results = [recipe.loss(example, 0.0, None)[1] for example in mine]
+        for stats in results:
             for key, value in stats.items():
                 if key.startswith("acc_"):
                     sums.setdefault(key, [0.0, 0.0])
                     sums[key][0] += float(value.sum())
                     sums[key][1] += value.numel()
-    return {k: s / max(n, 1) for k, (s, n) in sorted(sums.items())}
+    keys = sorted(set().union(*distributed.gather_objects(sorted(sums))))
+    totals = distributed.all_reduce_sum([x for k in keys for x in sums.get(k, [0.0, 0.0])])
+    return {k: totals[2 * i] / max(totals[2 * i + 1], 1) for i, k in enumerate(keys)}
 
 
 def train(recipe, train_set: list[Example], val_set: list[Example], epochs: float, lr: float, seed: int,
-          log_file: Path, batch: int = 8, noise: float = 0.0, progress: bool = True) -> dict:
+          log_file: Path, batch: int = 8, noise: float = 0.0, progress: bool = True, micro_batch: int | None = None,
+          checkpoint: Path | None = None, resume: bool = False, checkpoint_every: int | None = None,
+          stop_after: int | None = None, device: torch.device | str | None = None) -> dict:
+    """Train `recipe` for ceil(epochs * len(train_set) / batch) steps of `batch` conversations.
+
+    micro_batch: conversations per forward on each rank (default: `CPU_MICRO_BATCH` on a CPU, the
+    rank's whole share of the step on a GPU).
+    checkpoint: where rank 0 writes weights + optimizer + scheduler + step + RNG states (default
+    `<log_file's folder>/checkpoint.pt`), every `checkpoint_every` steps (default: ~20 per run) and at
+    the end; `resume=True` continues from it (the log keeps its first `step` lines). `stop_after`:
+    stop after that many steps of the run (an interrupted run, for tests). device: where the recipe
+    trains (default: under torchrun with CUDA this rank's GPU, else where its parameters are)."""
     from tqdm import tqdm
 
-    torch.manual_seed(seed)
-    generator = torch.Generator().manual_seed(seed)
+    device = torch.device(device) if device is not None else distributed.default_device(recipe)
+    if device != recipe.parameters()[0].device:
+        distributed.place(recipe, device)
     params = recipe.parameters()
+    ctx = distributed.context(device)
+    if batch % ctx.world:
+        raise ValueError(f"the global batch ({batch} conversations) must be a multiple of the {ctx.world} processes")
+    torch.manual_seed(seed + ctx.rank)
+    module = distributed.RecipeModule(recipe, params)
+    model = distributed.wrap(module, ctx)
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     steps = max(1, math.ceil(epochs * len(train_set) / batch))
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    order_rng = random.Random(seed)
-    order: list[int] = []
-    losses = []
-    started = time.perf_counter()
-    with log_file.open("w") as log:
-        for step in tqdm(range(steps), desc=f"train {recipe.kind}", unit="step", disable=not progress):
+    sampler = distributed.LaneSampler(len(train_set), batch, seed)
+    per_step = sum(1 for lane in sampler.lanes if lane)  # conversations per step: batch, or all of a smaller set
+    checkpoint = checkpoint or log_file.with_name("checkpoint.pt")
+    checkpoint_every = checkpoint_every or max(1, steps // 20)
+    start, losses, elapsed = 0, [], 0.0
+    if resume and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=False)
+        if state["steps"] != steps or state["batch"] != batch or state["seed"] != seed:
+            raise ValueError(f"{checkpoint}: written by another run ({state['steps']} steps of {state['batch']}, "
+                             f"seed {state['seed']}; this one: {steps} of {batch}, seed {seed})")
+        with torch.no_grad():
+            for p, saved in zip(params, state["params"], strict=True):
+                p.copy_(saved)
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["scheduler"])
+        start, losses, elapsed = state["step"], state["losses"], state["seconds"]
+        rng = state["rng"]
+        torch.set_rng_state(rng[ctx.rank] if len(rng) == ctx.world else rng[0])
+    started = time.perf_counter() - elapsed
+    total_tokens = 0
+    log = None
+    if ctx.is_main:
+        kept = []
+        if start and log_file.is_file():
+            kept = [line for line in log_file.read_text().splitlines() if line and json.loads(line)["step"] <= start]
+        log_file.write_text("".join(line + "\n" for line in kept))
+        log = log_file.open("a")
+    try:
+        last = steps if stop_after is None else min(steps, start + stop_after)
+        for step in tqdm(range(start, last), desc=f"train {recipe.kind}", unit="step",
+                         disable=not (progress and ctx.is_main)):
             optimizer.zero_grad(set_to_none=True)
+            local = sorted(sampler.local_batch(step, ctx.rank, ctx.world), key=lambda i: len(train_set[i].ids))
+            size = micro_batch or (max(1, len(local)) if device.type == "cuda" else CPU_MICRO_BATCH)
+            chunks = [local[i:i + size] for i in range(0, len(local), size)] or [[]]
+            # the same number of backward passes on every rank (the last one all-reduces)
+            count = max(distributed.gather_objects(len(chunks)))
+            chunks += [[]] * (count - len(chunks))
             step_loss = 0.0
-            for _ in range(batch):
-                if not order:
-                    order = list(range(len(train_set)))
-                    order_rng.shuffle(order)
-                loss, _ = recipe.loss(train_set[order.pop()], noise, generator)
-                (loss / batch).backward()
-                step_loss += float(loss.detach()) / batch
+            for c, chunk in enumerate(chunks):
+                examples = [train_set[i] for i in chunk]
+                generators = [distributed.example_generator(seed, step, i) for i in chunk]
+                sync = c == len(chunks) - 1 or not ctx.distributed
+                with (model.no_sync() if not sync else contextlib.nullcontext()):
+                    loss = model(examples, noise, generators)
+                    # DDP averages gradients over ranks: scaled by world / per_step, they are the global mean's
+                    (loss * (ctx.world / per_step)).backward()
+                step_loss += float(loss.detach())
+                total_tokens += sum(len(e.ids) - e.answer_start for e in examples)
+            global_loss = distributed.all_reduce_sum([step_loss])[0] / per_step
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             schedule.step()
-            losses.append(step_loss)
-            log.write(json.dumps({"step": step + 1, "loss": round(step_loss, 5), "lr": schedule.get_last_lr()[0],
-                                  "seconds": round(time.perf_counter() - started, 1)}) + "\n")
-            log.flush()
+            losses.append(global_loss)
+            if log is not None:
+                log.write(json.dumps({"step": step + 1, "loss": round(global_loss, 5), "lr": schedule.get_last_lr()[0],
+                                      "seconds": round(time.perf_counter() - started, 1)}) + "\n")
+                log.flush()
+            if (step + 1) % checkpoint_every == 0 or step + 1 == last:
+                _save_checkpoint(checkpoint, ctx, params, optimizer, schedule, step + 1, steps, batch, seed, losses,
+                                 time.perf_counter() - started)
+    finally:
+        if log is not None:
+            log.close()
     tail = losses[-max(1, len(losses) // 10):]
-    return {"steps": steps, "batch": batch, "final_loss": sum(tail) / len(tail),
-            "seconds": time.perf_counter() - started, "held_out_acceptance": evaluate(recipe, val_set)}
+    seconds = time.perf_counter() - started
+    tokens = distributed.all_reduce_sum([total_tokens])[0]  # answer tokens trained on by this run (not before a resume)
+    return {"steps": steps, "batch": batch, "processes": ctx.world, "final_loss": sum(tail) / max(len(tail), 1),
+            "seconds": seconds, "answer_tokens": int(tokens), "held_out_acceptance": evaluate(recipe, val_set)}
+
+
+def _save_checkpoint(file: Path, ctx, params, optimizer, schedule, step, steps, batch, seed, losses, seconds) -> None:
+    rng = distributed.gather_objects(torch.get_rng_state())
+    if ctx.is_main:
+        state = {"step": step, "steps": steps, "batch": batch, "seed": seed, "world": ctx.world,
+                 "params": [p.detach().clone() for p in params], "optimizer": optimizer.state_dict(),
+                 "scheduler": schedule.state_dict(), "rng": rng, "losses": list(losses), "seconds": seconds}
+        tmp = file.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(file)
+    distributed.barrier()
 
 
 def model_card(out: Path, kind: str, args, data_file: Path, n_train: int, n_val: int, result: dict, before: dict) -> None:

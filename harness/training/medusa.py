@@ -1,5 +1,12 @@
 """Medusa heads recipe: `heads` ResBlocks on the last hidden state, head k trained on the target's
-token k+2 ahead (loss weight 0.8^k), vocab projection frozen to the target's lm_head and left out."""
+token k+2 ahead (loss weight 0.8^k), vocab projection frozen to the target's lm_head and left out.
+
+`batch_loss` takes a mini-batch of conversations at once (their answer positions concatenated: the
+heads see one position at a time). With a reduced `vocabulary` (FR-Spec, as the heads draft at
+inference) the cross-entropy runs over its K rows of the lm_head only, and positions whose label
+lies outside them are left out of the loss (not out of its denominator). The saved heads are the
+same either way. Held-out `acc_k` (under no_grad): head k's top-1 (over the vocabulary it drafts
+from) against the target's own argmax at that position."""
 
 from __future__ import annotations
 
@@ -9,16 +16,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .examples import Example, answer_mask
+from .examples import Example, target_top
 
 
 class MedusaRecipe:
     kind = "medusa"
+    on_gpu = True  # batch_loss places each batch where the recipe is (`distributed.place`)
 
-    def __init__(self, target, heads: int):
+    def __init__(self, target, heads: int, vocabulary=None):
         from methods.models.heads.medusa import MedusaHeads
 
         lm_head = target.get_output_embeddings()
+        self.lm_head = lm_head
         self.heads = MedusaHeads(heads, 1, lm_head.in_features, lm_head.out_features).float()
         with torch.no_grad():
             for head in self.heads:  # Medusa's init: the ResBlock starts as the identity
@@ -29,23 +38,59 @@ class MedusaRecipe:
         for head in self.heads:
             head[-1].requires_grad_(False)
         self.heads.train()
+        self.ids = None if vocabulary is None else vocabulary.ids
+        weight = lm_head.weight.detach()
+        self.rows = weight if self.ids is None else weight[self.ids].contiguous()  # the projection trained through
+        self.full_size = weight.shape[0]
 
     def parameters(self):
         return [p for p in self.heads.parameters() if p.requires_grad]
 
     def loss(self, example: Example, noise: float, generator) -> tuple[torch.Tensor, dict]:
-        total, stats = 0.0, {}
+        return self.batch_loss([example], noise, [generator])
+
+    def batch_loss(self, examples: list[Example], noise: float, generators) -> tuple[torch.Tensor, dict]:
+        """The sum over `examples` of each one's loss (sum over heads of 0.8^k x its mean cross-entropy)."""
+        evaluating = not torch.is_grad_enabled()
+        device = self.rows.device
+        total, stats = self.rows.new_zeros((), dtype=torch.float32), {}
+        to_draft = None
+        if self.ids is not None:
+            to_draft = torch.full((self.full_size,), -1, dtype=torch.long, device=device)
+            to_draft[self.ids.to(device)] = torch.arange(len(self.ids), device=device)
         for k, head in enumerate(self.heads):
             offset = k + 2
-            if len(example.ids) <= offset:
-                break
-            keep = answer_mask(example, offset)
-            if not keep.any():
+            parts, labels, owner, wanted = [], [], [], []
+            for b, e in enumerate(examples):
+                T = len(e.ids)
+                if T <= offset:
+                    continue
+                first = max(0, e.answer_start - offset)  # position t predicts token t + offset of the answer
+                if first >= T - offset:
+                    continue
+                parts.append(e.hidden[first:T - offset])
+                labels.append(e.ids[first + offset:])
+                owner.append(torch.full((T - offset - first,), b))
+                if evaluating:
+                    wanted.append(target_top(e, self.lm_head)[first + offset - 1:T - 1])
+            if not parts:
                 continue
-            logits = head(example.hidden[:-offset][keep]).float()
-            labels = example.ids[offset:][keep]
-            total = total + 0.8 ** k * F.cross_entropy(logits, labels)
-            stats[f"acc_{k + 1}"] = (logits.argmax(-1) == labels).float()
+            features = head[:-1](torch.cat(parts).to(device).float())
+            logits = features @ self.rows.T
+            labels, owner = torch.cat(labels).to(device), torch.cat(owner).to(device)
+            if to_draft is None:
+                ce = F.cross_entropy(logits, labels, reduction="none")
+            else:
+                mapped = to_draft[labels]
+                ce = F.cross_entropy(logits, mapped.clamp_min(0), reduction="none") * (mapped >= 0)
+            per_example = ce.new_zeros(len(examples)).index_add(0, owner, ce)
+            counts = ce.new_zeros(len(examples)).index_add(0, owner, torch.ones_like(ce))
+            total = total + 0.8 ** k * (per_example / counts.clamp_min(1)).sum()
+            if evaluating:
+                draft = logits.argmax(-1)
+                if self.ids is not None:
+                    draft = self.ids.to(device)[draft]
+                stats[f"acc_{k + 1}"] = (draft.cpu() == torch.cat(wanted).cpu()).float()
         return total, stats
 
     def save(self, out: Path) -> None:

@@ -1,0 +1,129 @@
+"""The drafts' training corpus: prompts seeded, distinct and disjoint from every evaluation set
+(substring and 13-word overlap), answers equal to the target's greedy ones or seeded T = 1 samples,
+journalled so an interrupted run resumes."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from harness.training.distill import KINDS, SAMPLED_SHARE, check_disjoint, evaluation_texts, self_distill, training_prompts
+from tests.conftest import SPEC_BENCH_SAMPLE, hf_greedy
+
+
+def test_training_prompts_are_seeded_distinct_mixed_and_disjoint_from_spec_bench(spec_bench_file):
+    prompts = training_prompts(2000, seed=3)
+    assert prompts == training_prompts(2000, seed=3)
+    assert prompts != training_prompts(2000, seed=4)
+    assert len({p["text"] for p in prompts}) == 2000
+    assert set(Counter(p["kind"] for p in prompts)) == set(KINDS)
+    sampled = sum(p["mode"] == "sample" for p in prompts) / len(prompts)
+    assert abs(sampled - SAMPLED_SHARE) < 0.03
+    check_disjoint(prompts, spec_bench_file)
+
+
+def test_the_generator_refuses_more_prompts_than_it_can_make_distinct(monkeypatch):
+    from harness.training import distill
+
+    monkeypatch.setattr(distill, "KINDS", {"math": 1})
+    monkeypatch.setattr(distill, "NAMES", ["Ann"])
+    monkeypatch.setattr(distill, "ITEMS", ["pens"])
+    with pytest.raises(ValueError, match="distinct prompts could be made"):
+        distill.training_prompts(100_000, seed=0)
+
+
+def test_check_disjoint_catches_a_question_inside_a_prompt_and_a_shared_run_of_13_words():
+    question = json.loads(SPEC_BENCH_SAMPLE.read_text().splitlines()[0])
+    turn = question["turns"][0]
+    with pytest.raises(ValueError, match="overlaps the evaluation question"):
+        check_disjoint([{"id": "p1", "text": "Please answer: " + turn}], SPEC_BENCH_SAMPLE)
+    words = turn.split()
+    assert len(words) >= 14
+    paraphrase = "Here is something else entirely. " + " ".join(words[1:14]).upper() + " and then we stop."
+    with pytest.raises(ValueError, match="shares 13 words"):
+        check_disjoint([{"id": "p2", "text": paraphrase}], SPEC_BENCH_SAMPLE)
+    check_disjoint([{"id": "p3", "text": " ".join(words[1:13]) + " unrelated ending words here"}], SPEC_BENCH_SAMPLE)
+    # the needle set's filler is an evaluation text too
+    from harness.datasets import _FILLER
+
+    assert any(f in evaluation_texts([]) for f in _FILLER)
+
+
+def test_self_distillation_greedy_answers_equal_the_targets_and_samples_are_seeded(tiny_chat_model_dir, tmp_path):
+    from harness.prompts import ChatTemplate, Message
+    from methods.models.loading import load_model, load_tokenizer
+    from methods.models.specs import ModelSpec
+
+    spec = ModelSpec(path=str(tiny_chat_model_dir))
+    model, tokenizer = load_model(spec, torch.float32, torch.device("cpu")), load_tokenizer(spec)
+    template = ChatTemplate("tokenizer", tokenizer)
+    prompts = [dict(p, mode=mode) for p, mode in zip(training_prompts(6, seed=0), ["greedy", "sample"] * 3)]
+    journal = tmp_path / "answers.partial.jsonl"
+    self_distill(model, template, prompts[:3], max_new_tokens=12, batch_size=2, progress=False, journal=journal, seed=1)
+    journal.write_text(journal.read_text() + '{"id": "half-writ')  # a run killed mid-line
+    records = self_distill(model, template, prompts, max_new_tokens=12, batch_size=2, progress=False, journal=journal,
+                           seed=1)
+    assert [r["id"] for r in records] == [p["id"] for p in prompts]
+    assert [r["mode"] for r in records] == [p["mode"] for p in prompts]
+    # the broken line is gone and the rerun answered only the missing prompts
+    assert sorted(json.loads(line)["id"] for line in journal.read_text().splitlines()) == sorted(p["id"] for p in prompts)
+    differ = 0
+    for prompt, record in zip(prompts, records):
+        ids = template.prompt_ids([Message("user", prompt["text"])])
+        assert record["ids"][:record["answer_start"]] == ids
+        expected = hf_greedy(model, ids, 12, eos=sorted(template.eos_token_ids))
+        stop = next((i + 1 for i, t in enumerate(expected) if t in template.eos_token_ids), len(expected))
+        if prompt["mode"] == "greedy":
+            assert record["ids"][record["answer_start"]:] == expected[:stop]
+        else:
+            differ += record["ids"][record["answer_start"]:] != expected[:stop]
+    assert differ >= 2  # a random tiny model's T = 1 samples are not its greedy answers
+    fresh = self_distill(model, template, prompts, max_new_tokens=12, batch_size=2, progress=False, seed=1)
+    assert self_distill(model, template, prompts, max_new_tokens=12, batch_size=2, progress=False, seed=1) == fresh
+    other = self_distill(model, template, prompts, max_new_tokens=12, batch_size=2, progress=False, seed=2)
+    assert [r["ids"] for r in other if r["mode"] == "greedy"] == [r["ids"] for r in fresh if r["mode"] == "greedy"]
+    assert [r["ids"] for r in other if r["mode"] == "sample"] != [r["ids"] for r in fresh if r["mode"] == "sample"]
+
+
+def test_self_distillation_cuts_answers_at_the_templates_stop_string(tiny_chat_model_dir):
+    """fschat templates (Vicuna, LLaMA-2) end answers on a stop *string*: the answer keeps the token
+    that completes it and nothing after, as the decoders do."""
+    from harness.prompts import ChatTemplate, Message
+    from methods.models.loading import load_model, load_tokenizer
+    from methods.models.specs import ModelSpec
+
+    spec = ModelSpec(path=str(tiny_chat_model_dir))
+    model, tokenizer = load_model(spec, torch.float32, torch.device("cpu")), load_tokenizer(spec)
+    template = ChatTemplate("tokenizer", tokenizer)
+    prompt = [dict(training_prompts(1, seed=0)[0], mode="greedy")]
+    full = hf_greedy(model, template.prompt_ids([Message("user", prompt[0]["text"])]), 16)
+    # the first text the greedy answer produces at its 4th token or later, absent before it
+    k = next(k for k in range(3, 16) if (piece := tokenizer.decode(full[k:k + 1]).strip())
+             and piece not in tokenizer.decode(full[:k]))
+    template.stop_strings = (tokenizer.decode(full[k:k + 1]).strip(),)
+    record = self_distill(model, template, prompt, max_new_tokens=16, batch_size=1, progress=False)[0]
+    assert record["ids"][record["answer_start"]:] == full[:k + 1]
+
+
+def test_fp32_attention_of_a_bf16_answerer_is_the_models_own_attention(tiny_chat_model_dir):
+    """bf16 answerers run attention through `_fp32_sdpa`; on a float32 model it must reproduce
+    the model's own greedy answers, padded batches included."""
+    from harness.prompts import ChatTemplate, Message
+    from harness.training.distill import use_fp32_attention
+    from methods.models.loading import load_model, load_tokenizer
+    from methods.models.specs import ModelSpec
+
+    spec = ModelSpec(path=str(tiny_chat_model_dir))
+    model, tokenizer = load_model(spec, torch.float32, torch.device("cpu")), load_tokenizer(spec)
+    template = ChatTemplate("tokenizer", tokenizer)
+    prompts = [dict(p, mode="greedy") for p in training_prompts(4, seed=5)]
+    expected = [hf_greedy(model, template.prompt_ids([Message("user", p["text"])]), 10) for p in prompts]
+    use_fp32_attention(model)
+    records = self_distill(model, template, prompts, max_new_tokens=10, batch_size=4, progress=False)
+    assert len({r["answer_start"] for r in records}) > 1  # prompts of different lengths: a padded batch
+    for record, answer in zip(records, expected):
+        got = record["ids"][record["answer_start"]:]
+        assert got == answer[:len(got)] and len(got) >= 1
