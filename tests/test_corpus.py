@@ -29,10 +29,10 @@ def test_the_generator_refuses_more_prompts_than_it_can_make_distinct(monkeypatc
     from harness.training import distill
 
     monkeypatch.setattr(distill, "KINDS", {"math": 1})
-    monkeypatch.setattr(distill, "NAMES", ["Ann"])
-    monkeypatch.setattr(distill, "ITEMS", ["pens"])
-    with pytest.raises(ValueError, match="distinct prompts could be made"):
-        distill.training_prompts(100_000, seed=0)
+    monkeypatch.setattr(distill, "_math_prompt", lambda rng: f"What is {rng.randint(1, 3)} plus one?")
+    assert len(distill.training_prompts(3, seed=0)) == 3  # all three there are
+    with pytest.raises(ValueError, match="only 3 distinct prompts could be made; asked for 4"):
+        distill.training_prompts(4, seed=0)
 
 
 def test_check_disjoint_catches_a_question_inside_a_prompt_and_a_shared_run_of_13_words():
