@@ -154,7 +154,7 @@ def size_sweep(table: Table, cells, style, out) -> list[Path]:
         for ax, index in ((ax_tau, 1), (ax_speed, 2)):
             ax.plot(xs, [p[index] for p in points], marker="o", markersize=3, color=method_colour(method),
                     label=f"{method}: {parameter}")
-    ax_tau.set_ylabel("τ (tokens per target forward)")
+    ax_tau.set_ylabel("τ (mean accepted tokens per decoding step)")
     ax_speed.set_ylabel("speedup over AR (×)")
     ax_speed.axhline(1.0, color="black", linewidth=0.6, linestyle="--")
     for ax in (ax_tau, ax_speed):
@@ -229,7 +229,7 @@ def speedup_vs_tau(table: Table, cells, style, out) -> list[Path]:
     line = [0, math.ceil(highest + 0.5)]
     ax.plot(line, line, color="black", linewidth=0.6, linestyle="--", label="ideal: speedup = τ")
     ax.axhline(1.0, color="grey", linewidth=0.5)
-    ax.set_xlabel("τ (tokens per target forward)")
+    ax.set_xlabel("τ (mean accepted tokens per decoding step)")
     ax.set_ylabel("speedup over AR (×)")
     ax.set_xlim(0, line[1])
     ax.set_ylim(0, line[1])

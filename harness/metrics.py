@@ -4,11 +4,14 @@
   tokens and wall time of a question are summed over its turns; both sides count tokens the
   same way (our own token ids, no re-tokenization).
 * speedup, per question: the median of the per-question ratios, with a bootstrap 95% interval.
-* τ: tokens per target forward pass (prefill included), over all steps of all questions.
+* τ (Spec-Bench's mean accepted tokens): new tokens / decoding steps over all questions, which
+  is the mean of the records' accept lengths (defined once: docs/benchmarks.md, "τ").
 * α: accepted draft tokens / proposed draft tokens; per draft position d: steps where a depth-d
   draft was accepted / steps where one was tested (every earlier depth accepted).
 * TTFT: mean seconds from the call to the first token, per turn.
-* fidelity: questions whose tokens differ from AR's, and the first differing position.
+* fidelity: questions whose tokens differ from AR's, the first differing position, and each
+  divergence of a lossless greedy run classified from the logit margins at it: a near-tie (both
+  top-2 gaps within the dtype's rounding, NEAR_TIE) or a mismatch (docs/benchmarks.md, "fidelity").
 * the speedup, explained (`decomposition`): per decoding step after the prefill, τ (tokens per
   step), the target's verify time, the drafter's time and the loop's other overhead, each in units
   of the same run's mean AR decoding step; τ / (verify + draft + other) is the decoding speedup
@@ -38,7 +41,7 @@ def bootstrap_median_interval(values: list[float], reps: int = 2000, seed: int =
 
 
 def decoder_stats(records: list[dict]) -> dict:
-    tokens = steps = drafted = accepted = 0
+    tokens = steps = forwards = drafted = accepted = 0
     wall = ttft_sum = 0.0
     turns = 0
     proposed: list[int] = []
@@ -54,8 +57,10 @@ def decoder_stats(records: list[dict]) -> dict:
         tokens += sum(choice["new_tokens"])
         steps += sum(choice["decoding_steps"])
         wall += sum(choice["wall_time"])
-        for turn_stats in choice["stats"]:
+        for turn_steps, turn_stats in zip(choice["decoding_steps"], choice["stats"]):
             turns += 1
+            # target forwards, the prefill included (records without it: the steps and a prefill)
+            forwards += turn_stats.get("steps", turn_steps + (not turn_stats.get("prefill_step", False)))
             ttft_sum += turn_stats["ttft"]
             drafted += turn_stats["drafted_tokens"]
             accepted += turn_stats["accepted_drafts"]
@@ -84,7 +89,8 @@ def decoder_stats(records: list[dict]) -> dict:
         "questions": len(records),
         "turns": turns,
         "new_tokens": tokens,
-        "target_forwards": steps,
+        "decoding_steps": steps,
+        "target_forwards": forwards,
         "wall_time": wall,
         "tokens_per_second": tokens / wall if wall else 0.0,
         "mean_question_tokens_per_second": statistics.fmean(speeds) if speeds else 0.0,
@@ -107,8 +113,9 @@ def decoder_stats(records: list[dict]) -> dict:
 
 def decomposition(stats: dict, baseline: dict) -> dict | None:
     """Why the speedup is what it is, from two `decoder_stats`: per decoding step (the target
-    forwards after each turn's prefill), τ and the cost of verifying, drafting and the rest, in
-    units of AR's mean decoding step in the same run."""
+    forwards after each turn's prefill), the tokens it added (`tau`: decoding only, the prefill's
+    token left out, so AR's is 1) and the cost of verifying, drafting and the rest, in units of AR's
+    mean decoding step in the same run."""
     steps, ar_steps = stats["target_forwards"] - stats["turns"], baseline["target_forwards"] - baseline["turns"]
     if steps <= 0 or ar_steps <= 0:
         return None
@@ -123,7 +130,34 @@ def decomposition(stats: dict, baseline: dict) -> dict | None:
             "ar_step_seconds": ar_step, "prefill_fraction": stats["time_fractions"].get("prefill", 0.0)}
 
 
-def fidelity(records: list[dict], baseline: list[dict]) -> dict:
+# Near-tie thresholds: the largest top-2 logit gap, per dtype of the target's forward, that a
+# difference between two correct forwards of different shapes (AR's one-token step, a verification
+# of several tokens) can flip. Measured on the embedded model (SmolLM2-135M, logits up to ±45, CPU):
+# between AR's steps and 6-token chain verifications of the same tokens, a logit moved by at most
+# 1.0e-4 in float32 and 1.0 in bfloat16, and the gap between the top two tokens by at most 6.1e-5
+# and 0.375. Two forwards disagree on the argmax only when both gaps are below that change.
+# float32: 1e-3, 16x the measured change (bigger models, longer contexts and GPU kernels add to
+# it, a real bug leaves gaps of whole logits). bfloat16: 1.0, 8 of its ulps at logits 16-32
+# (2.7x the measured change; its argmax did flip in 2 of 5 questions). float16: 0.125, the same 8
+# ulps at its 3 more mantissa bits (fp16 could not be measured on this CPU).
+NEAR_TIE = {"float32": 1e-3, "bfloat16": 1.0, "float16": 0.125}
+
+
+def _margin(record: dict, turn: int, position: int) -> float | None:
+    margins = record["choices"][0].get("logit_margins")
+    try:
+        return margins[turn][position]
+    except (TypeError, IndexError):
+        return None
+
+
+def fidelity(records: list[dict], baseline: list[dict], dtype: str | None = None, classify: bool = True) -> dict:
+    """The questions whose tokens differ from AR's and, per question, the first differing token.
+    With `classify` (a lossless method, greedy), each divergence is a **near-tie** when AR's and
+    the method's logit margins at that token (the top-2 gaps of the forwards that chose it) are
+    both within NEAR_TIE[dtype], else a **mismatch**; `unclassified` when the records carry no
+    margins (written before they were recorded) or the dtype has no threshold."""
+    threshold = NEAR_TIE.get(str(dtype).replace("torch.", "")) if classify else None
     by_id = {r["question_id"]: r for r in baseline}
     differing, first_positions = [], []
     for record in records:
@@ -135,9 +169,39 @@ def fidelity(records: list[dict], baseline: list[dict]) -> dict:
             if a != b:
                 position = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                 differing.append(record["question_id"])
-                first_positions.append({"question_id": record["question_id"], "turn": turn, "position": position})
+                entry = {"question_id": record["question_id"], "turn": turn, "position": position,
+                         "ar_token": b[position] if position < len(b) else None,
+                         "token": a[position] if position < len(a) else None,
+                         "ar_gap": _margin(other, turn, position), "gap": _margin(record, turn, position)}
+                if classify:
+                    entry["kind"] = classify_divergence(entry, threshold)
+                first_positions.append(entry)
                 break
-    return {"compared": len(records), "differing_questions": len(differing), "first_divergence": first_positions}
+    kinds = [d.get("kind") for d in first_positions]
+    near = [max(abs(d["ar_gap"]), abs(d["gap"])) for d in first_positions if d.get("kind") == "near-tie"]
+    return {"compared": len(records), "differing_questions": len(differing), "classified": classify,
+            "threshold": threshold, "near_ties": kinds.count("near-tie"), "mismatches": kinds.count("mismatch"),
+            "unclassified": kinds.count("unclassified"), "max_near_tie_gap": max(near, default=None),
+            "first_divergence": first_positions}
+
+
+def classify_divergence(entry: dict, threshold: float | None) -> str:
+    """near-tie | mismatch | unclassified, for one first divergence (see `fidelity`)."""
+    if entry["token"] is None or entry["ar_token"] is None:
+        return "mismatch"  # one output stopped where the other went on: no rounding explains that
+    if threshold is None or entry["ar_gap"] is None or entry["gap"] is None:
+        return "unclassified"
+    return "near-tie" if abs(entry["ar_gap"]) <= threshold and abs(entry["gap"]) <= threshold else "mismatch"
+
+
+def fidelity_failure(summary: dict) -> str | None:
+    """The message that fails a run (exit code 1): a lossless method whose greedy float32 output
+    differs from AR's beyond a near-tie; None otherwise (other dtypes print the mismatches only)."""
+    fid = summary.get("fidelity") or {}
+    if not fid.get("mismatches") or summary.get("dtype") != "float32":
+        return None
+    return (f"FIDELITY FAILURE: {fid['mismatches']} of {fid['compared']} outputs of lossless method "
+            f"{summary['method']} differ from AR's beyond a near-tie in float32 (docs/benchmarks.md, fidelity)")
 
 
 def paired_speeds(records: list[dict], baseline: list[dict]) -> list[tuple[str, float, float]]:
@@ -220,7 +284,8 @@ def summarize(method: str, records: list[dict], baseline: list[dict] | None, met
         return summary
     summary["baseline"] = decoder_stats(baseline)
     summary["speedup"] = speedup_stats(records, baseline)
-    summary["fidelity"] = fidelity(records, baseline)
+    greedy = not (meta.get("sampling") or {}).get("temperature")
+    summary["fidelity"] = fidelity(records, baseline, meta.get("dtype"), classify=meta.get("lossless", True) and greedy)
     summary["explained"] = decomposition(summary["decoder"], summary["baseline"])
     base_ttft, ttft = summary["baseline"]["mean_ttft"], summary["decoder"]["mean_ttft"]
     summary["ttft_speedup"] = base_ttft / ttft if ttft else None
@@ -230,6 +295,40 @@ def summarize(method: str, records: list[dict], baseline: list[dict] | None, met
         if t and c in summary["baseline"]["mean_ttft_by_category"]
     }
     return summary
+
+
+def describe_fidelity(fid: dict, lossless: bool = True) -> str:
+    """'5 differ: 5 near-ties (max gap 0.25), 0 mismatches', or why the divergences are not classified."""
+    differ = fid["differing_questions"]
+    if not differ:
+        return "0 differ"
+    if not lossless:
+        return f"{differ} differ (lossy)"
+    if not fid.get("classified", False):
+        return f"{differ} differ (sampling: not compared token by token)"
+    gap = fid.get("max_near_tie_gap")
+    text = f"{differ} differ: {fid['near_ties']} near-tie{'s' * (fid['near_ties'] != 1)}"
+    text += f" (max gap {gap:.3g})" if gap is not None else ""
+    text += f", {fid['mismatches']} mismatch{'es' * (fid['mismatches'] != 1)}"
+    return text + (f", {fid['unclassified']} unclassified (no logit margins recorded)" if fid.get("unclassified") else "")
+
+
+def fidelity_lines(summary: dict) -> list[str]:
+    fid = summary["fidelity"]
+    lossless = summary.get("lossless", True)
+    threshold = f"; near-tie: both top-2 gaps <= {fid['threshold']:g} in {summary.get('dtype')}" if fid.get("threshold") else ""
+    lines = [f"outputs vs AR ({fid['compared']} questions): {describe_fidelity(fid, lossless)}"
+             + (threshold if fid["differing_questions"] and fid.get("classified") and lossless else "")]
+    if fid.get("mismatches"):
+        bad = [d for d in fid["first_divergence"] if d.get("kind") == "mismatch"]
+        lines.append("!" * 100)
+        lines.append(f"FIDELITY MISMATCH: {len(bad)} output(s) of a lossless method differ from AR's beyond a near-tie:")
+        for d in bad[:10]:
+            gaps = ", ".join(f"{name} {'-' if v is None else f'{v:.3g}'}" for name, v in (("AR's gap", d["ar_gap"]), ("its gap", d["gap"])))
+            lines.append(f"  question {d['question_id']} turn {d['turn']} token {d['position']}: AR {d['ar_token']}, "
+                         f"method {d['token']} ({gaps})")
+        lines.append("!" * 100)
+    return lines
 
 
 def format_summary(summary: dict) -> str:
@@ -267,11 +366,10 @@ def format_summary(summary: dict) -> str:
         if explained:
             lines.append(
                 f"explained, per decoding step in AR steps ({1000 * explained['ar_step_seconds']:.1f} ms): "
-                f"τ {explained['tau']:.2f} / (verify {explained['verify']:.2f} + draft {explained['draft']:.2f} + "
+                f"tokens {explained['tau']:.2f} / (verify {explained['verify']:.2f} + draft {explained['draft']:.2f} + "
                 f"other {explained['other']:.2f}) = {explained['predicted_decode_speedup']:.2f}x predicted for decoding; "
                 f"measured {speedup['specbench']:.2f}x with the prefill ({100 * explained['prefill_fraction']:.0f}% of its time)")
-        fid = summary["fidelity"]
-        lines.append(f"outputs differing from AR: {fid['differing_questions']} of {fid['compared']} questions")
+        lines += fidelity_lines(summary)
         lines.append(f"TTFT speedup over AR's prefill: {summary['ttft_speedup']:.2f}x ("
                      + ", ".join(f"{c} {v:.2f}x" for c, v in summary["ttft_speedup_by_category"].items()) + ")")
     for name, scores in (summary.get("quality") or {}).items():
@@ -295,9 +393,11 @@ def format_summary(summary: dict) -> str:
         lines.append(f"SHARED NODE: {len(shared['questions'])} of {summary['questions']} questions were measured while "
                      f"up to {shared['max_other_jobs']} other SLURM job(s) ran on the node (hydra.launcher.exclusive=true avoids it)")
     per_position = summary["decoder"]["acceptance_per_position"]
-    if per_position:
-        lines.append("acceptance per draft position: " + " ".join(
-            f"{d}:{'-' if a is None else f'{a:.2f}'}" for d, a in enumerate(per_position, start=1)))
+    if per_position:  # α with its counts: a deep position is tested rarely
+        hits, tested = summary["decoder"]["position_accepted"], summary["decoder"]["position_tested"]
+        lines.append("acceptance per draft position (accepted/tested): " + " ".join(
+            f"{d}:{'-' if a is None else f'{a:.2f} ({h}/{t})'}"
+            for d, (a, h, t) in enumerate(zip(per_position, hits, tested), start=1)))
     fractions = summary["decoder"]["time_fractions"]
     if fractions:
         lines.append("time: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in fractions.items()))

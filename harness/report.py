@@ -30,8 +30,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.metrics import busy_questions, decoder_stats, decomposition, fidelity, speedup_stats
-from harness.results import read_jsonl
+from harness import published
+from harness.metrics import busy_questions, decoder_stats, decomposition, describe_fidelity, fidelity, speedup_stats
+from harness.results import read_answers
 
 SKIP_DIRS = {".multirun", "perf", "report"}
 REFERENCE = "reference"  # results/reference/: the committed run, read only when named
@@ -116,10 +117,11 @@ def find_runs(paths, select: str | None = None) -> list[Run]:
             continue
         summary_file = folder / "summary.json"
         summary = json.loads(summary_file.read_text())
-        records = read_jsonl(folder / "answers" / f"{summary['method']}.jsonl")
+        # records of an older format are read as today's (harness/results.py, `upgrade_record`)
+        records = read_answers(folder / "answers" / f"{summary['method']}.jsonl")
         baseline = []
         if summary.get("baseline_results"):  # the paired AR answers (in the run's own folder since pairing)
-            baseline = read_jsonl(Path(summary["baseline_results"]) / "answers" / "ar.jsonl")
+            baseline = read_answers(Path(summary["baseline_results"]) / "answers" / "ar.jsonl")
         runs.append(Run(folder, summary, records, baseline, summary_file.stat().st_mtime))
     return runs
 
@@ -242,7 +244,7 @@ def format_value(metric: str, cell: dict | None, latex: bool = False) -> str:
 
 
 TITLES = {"speedup": f"Speedup over AR (Spec-Bench form; bootstrap 95% interval where n >= {MIN_INTERVAL_N})",
-          "tau": "τ (tokens per target forward)",
+          "tau": "τ (mean accepted tokens: new tokens per decoding step, as Spec-Bench counts them)",
           "acceptance": "Acceptance rate α (accepted / proposed draft tokens)", "ttft": "TTFT (ms, mean per turn)"}
 
 
@@ -289,13 +291,18 @@ def write_tables(table: Table, columns: list[str], cells_by_label: dict, out: Pa
 PHASES = ("prefill", "draft", "verify", "accept", "commit", "other")
 
 
-def breakdown_rows(rows: dict[str, Row]) -> list[dict]:
-    """Per method variant over all its questions: speed, fidelity to AR and where the time goes."""
+def breakdown_rows(rows: dict[str, Row], settings: dict | None = None) -> list[dict]:
+    """Per method variant over all its questions: speed, fidelity to AR (each divergence of a
+    lossless greedy variant classified as a near-tie or a mismatch) and where the time goes."""
     out = []
+    settings = settings or {}
     for label, row in sorted(rows.items()):
         keys = list(row.records)
         records, baseline = [row.records[k] for k in keys], [row.baseline[k] for k in keys]
-        stats, speed, fid = decoder_stats(records), speedup_stats(records, baseline), fidelity(records, baseline)
+        lossless = row.config.get("lossless", True)
+        classify = lossless and settings.get("sampling", "greedy") == "greedy"
+        stats, speed = decoder_stats(records), speedup_stats(records, baseline)
+        fid = fidelity(records, baseline, settings.get("dtype"), classify=classify)
         base_stats = decoder_stats(baseline)
         explained = decomposition(stats, base_stats)
         busy = busy_questions(records, baseline)
@@ -307,8 +314,10 @@ def breakdown_rows(rows: dict[str, Row]) -> list[dict]:
             "ar_tokens_per_second": base_stats["tokens_per_second"],
             **{f"step_{k}": (explained or {}).get(k) for k in ("verify", "draft", "other")},
             "predicted": (explained or {}).get("predicted_decode_speedup"),
-            "lossless": row.config.get("lossless", True), "differ_from_ar": fid["differing_questions"],
+            "lossless": lossless, "differ_from_ar": fid["differing_questions"],
             "first_divergence_median": positions[len(positions) // 2] if positions else None,
+            "near_ties": fid["near_ties"] if classify else None, "mismatches": fid["mismatches"] if classify else None,
+            "max_near_tie_gap": fid["max_near_tie_gap"], "fidelity": describe_fidelity(fid, lossless),
             "busy": len(busy["questions"]) if busy["recorded"] else None,
             **{phase: stats["time_fractions"].get(phase, 0.0) for phase in PHASES},
         })
@@ -323,22 +332,26 @@ def _per_step(row: dict) -> str:
 
 def write_breakdown(table: Table, folder: Path) -> list[Path]:
     """`breakdown.md/csv`: one line per method with speedup, τ, tokens/s, how many questions'
-    outputs differ from AR's (and the median first differing token), how many were measured on a
-    busy machine, and the time fractions."""
-    lines = breakdown_rows(table.rows)
+    outputs differ from AR's (near-ties and mismatches, and the median first differing token), how
+    many were measured on a busy machine, and the time fractions."""
+    lines = breakdown_rows(table.rows, table.settings)
     header = ["method", "questions", "speedup", "τ", "verify / draft / other per step", "predicted", "tok/s (AR)",
               "differ from AR", "busy", *[f"{p} %" for p in PHASES]]
     md = [f"**Per method: speed, fidelity, time breakdown (% of wall time)** — {table.caption()}. Per step: the cost "
-          "of a decoding step's verify, draft and other work in units of AR's mean decoding step; predicted = τ / "
-          "their sum (decoding only; the measured speedup also pays the prefill). Busy: questions measured beside "
+          "of a decoding step's verify, draft and other work in units of AR's mean decoding step; predicted = the tokens a "
+          "decoding step adds after the prefill's / their sum (decoding only; the measured speedup also pays the "
+          "prefill). Differ from AR: near-tie = both top-2 logit gaps at the first differing token within the "
+          "dtype's rounding, mismatch = beyond it (docs/benchmarks.md, fidelity). Busy: questions measured beside "
           "other work (docs/benchmarks.md, reading the busy flag).", "",
           "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in lines:
         differ = f"{r['differ_from_ar']}/{r['questions']}"
         if r["differ_from_ar"]:
+            total = f"/{r['questions']} differ"
+            differ = r["fidelity"].replace(" differ", total, 1)  # 5/13 differ: 5 near-ties (max gap 0.25), 0 mismatches
             differ += f" (first at token {r['first_divergence_median']}, median)"
-        if not r["lossless"]:
-            differ += " lossy"
+        if r["mismatches"]:
+            differ = f"**{differ}**"
         interval = f" [{r['ci_low']:.2f}, {r['ci_high']:.2f}]" if r["questions"] >= MIN_INTERVAL_N else ""
         md.append("| " + " | ".join([
             r["method"], str(r["questions"]), f"{r['speedup']:.2f}×{interval}",
@@ -367,6 +380,10 @@ def report(paths, out: Path, select: str | None = None) -> dict[str, tuple]:
         write_breakdown(table, out / table.slug)
         for name in ("breakdown", "speedup", "tau"):
             index.append((out / table.slug / f"{name}.md").read_text())
+        beside = published.markdown(table)  # where the table's settings are a published setting
+        if beside:
+            (out / table.slug / "published.md").write_text(beside + "\n")
+            index.append(beside)
     (out / "report.md").write_text("\n\n".join(index) + "\n" if index else "No runs with a baseline found.\n")
     return written
 
@@ -401,11 +418,14 @@ def print_jobs(sweep_dir: Path) -> int:
         if job["status"] == "ok":
             speed = "-" if job.get("speedup") is None else f"{job['speedup']:.2f}x"
             print(f"  #{job['job']} ok          {overrides}  speedup {speed}  τ {job['tau']:.2f}  {job['results']}{where}")
+            if job.get("fidelity_failure"):
+                print(f"     {job['fidelity_failure']}")
         elif job["status"] == "running":
             print(f"  #{job['job']} RUNNING     {overrides}  no end recorded: still running, or killed{where}")
         else:
             print(f"  #{job['job']} {job['status'].upper():<11} {overrides}  {job['error']}{where}")
-    return 0 if counts["ok"] == len(jobs) else 1
+    failed_fidelity = sum(bool(j.get("fidelity_failure")) for j in jobs)
+    return 0 if counts["ok"] == len(jobs) and not failed_fidelity else 1
 
 
 def main(argv=None) -> int:

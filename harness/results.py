@@ -8,6 +8,13 @@
                              the machine state while it was measured)
         summary.json         the machine-readable summary (written when the run completes)
 
+Answer records carry `records_format` (RECORDS_FORMAT). Format 1 (no field: every run before it)
+counted the prefill as a decoding step of every decoder and began each turn's accept lengths
+with its 1; `read_answers` reads such a file as format 2 (`upgrade_record`: the prefill's token
+folded into the first verification, as Spec-Bench counts; AR's and LazyLLM's records unchanged),
+so old results folders, the committed reference run included, report τ by today's definition
+(docs/benchmarks.md, "τ").
+
 A run's AR baseline lives in the same folder: each question is answered by AR and the method in
 the same session, one after the other (the order alternates between questions), and both records
 are appended together, so a speedup always divides two measurements taken side by side. The
@@ -25,9 +32,59 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
+
+
+RECORDS_FORMAT = 2  # answer records: 2 = Spec-Bench's decoding steps and accept lengths, logit margins
+# Format 1 decoders whose prefill was (and is) a decoding step: AR, and LazyLLM (AR with a pruned prefill)
+FORMAT1_PREFILL_STEP = ("ar", "lazyllm")
+MARGIN_DIGITS = 3  # significant digits of a stored logit margin
+
+
+def compact_margins(margins: list[float]) -> list[float | None]:
+    """Logit margins as stored in a record: 3 significant digits (a near-tie threshold is read
+    from the first), None where not finite (a one-token vocabulary)."""
+    return [float(f"{m:.{MARGIN_DIGITS}g}") if math.isfinite(m) else None for m in margins]
+
+
+def decoder_of(record: dict) -> str:
+    """The decoder that wrote a record: its answer id is `<decoder>-<question id>`."""
+    return str(record.get("answer_id", "")).removesuffix(f"-{record.get('question_id')}")
+
+
+def upgrade_record(record: dict, decoder: str | None = None) -> dict:
+    """A record of an older format as RECORDS_FORMAT (a new dict; the input is left alone).
+    Format 1 -> 2: for a decoder whose prefill is not a step, each turn's leading 1 (the prefill's
+    token) is folded into its next accept length and its decoding steps drop by one (a turn that
+    ended at the prefill's token keeps its single step)."""
+    if record.get("records_format", 1) >= RECORDS_FORMAT:
+        return record
+    decoder = decoder or decoder_of(record)
+    prefill_step = decoder in FORMAT1_PREFILL_STEP
+    choices = []
+    for choice in record.get("choices", []):
+        choice = dict(choice)
+        steps, lengths = list(choice.get("decoding_steps", [])), list(choice.get("accept_lengths", []))
+        if not prefill_step:
+            if sum(steps) == len(lengths):  # format 1: one accept length per forward, the prefill's first
+                folded, start = [], 0
+                for count in steps:
+                    turn, start = lengths[start:start + count], start + count
+                    folded += [turn[0] + turn[1], *turn[2:]] if len(turn) > 1 else turn
+                choice["accept_lengths"] = folded
+            choice["decoding_steps"] = [count - 1 if count > 1 else count for count in steps]
+        choice["stats"] = [{**turn, "prefill_step": turn.get("prefill_step", prefill_step)} for turn in choice.get("stats", [])]
+        choices.append(choice)
+    return {**record, "choices": choices, "records_format": RECORDS_FORMAT, "upgraded_from": 1}
+
+
+def read_answers(path: Path, decoder: str | None = None) -> list[dict]:
+    """An answers file's records as RECORDS_FORMAT (`decoder` defaults to the file's name)."""
+    path = Path(path)
+    return [upgrade_record(r, decoder or path.stem) for r in read_jsonl(path)]
 
 
 def settings_hash(settings: dict) -> str:
@@ -98,7 +155,7 @@ class RunFolder:
 
     def _deduplicated(self, decoder: str) -> list[dict]:
         rows, seen = [], set()
-        for row in read_jsonl(self.answers(decoder)):
+        for row in read_answers(self.answers(decoder), decoder):
             if row.get("question_id") is not None and row["question_id"] not in seen:
                 rows.append(row)
                 seen.add(row["question_id"])

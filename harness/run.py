@@ -25,10 +25,10 @@ from harness import machine
 from harness.execution import SandboxUnavailable
 from harness.datasets import Question, load_questions, truncate_middle
 from harness.environment import environment, hardware_key, hardware_name, hardware_slug
-from harness.metrics import format_summary, summarize
+from harness.metrics import fidelity_failure, format_summary, summarize
 from harness.quality import score_records
 from harness.prompts import ChatTemplate, Message
-from harness.results import RunFolder, settings_hash, write_json
+from harness.results import RECORDS_FORMAT, RunFolder, compact_margins, settings_hash, write_json
 from harness.validate import validate
 from methods.base import BuildContext, Decoder, get_method
 from methods.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
@@ -94,7 +94,7 @@ class Benchmark:
         """All turns of one question; a Spec-Bench answer record with token ids and statistics."""
         max_new_tokens = max_new_tokens or self.max_new_tokens_for(question.category)
         messages: list[Message] = []
-        turns, steps, new_tokens, wall, accept_lengths, prompts, outputs, stats = ([] for _ in range(8))
+        turns, steps, new_tokens, wall, accept_lengths, prompts, outputs, stats, margins = ([] for _ in range(9))
         for turn_index, turn in enumerate(question.turns):
             messages.append(Message("user", self.user_turn(turn, max_new_tokens)))
             prompt = self.template.prompt_ids(messages)
@@ -112,9 +112,11 @@ class Benchmark:
             text = self.template.answer_text(out.tokens, stop)
             messages.append(Message("assistant", text))
             turn_stats = out.stats.to_dict()
-            accept_lengths.extend(turn_stats.pop("accepted_lengths"))
+            del turn_stats["accepted_lengths"]  # per target forward; the record keeps Spec-Bench's per decoding step
+            margins.append(compact_margins(turn_stats.pop("logit_margins")))
+            accept_lengths.extend(out.stats.accept_lengths)
             turns.append(text)
-            steps.append(out.stats.steps)
+            steps.append(out.stats.decoding_steps)
             new_tokens.append(out.stats.new_tokens)
             wall.append(out.stats.total_time)
             prompts.append(prompt)
@@ -126,10 +128,12 @@ class Benchmark:
             "answer_id": f"{decoder.name}-{question.question_id}",
             "model_id": f"{self.cfg.model.name}-{decoder.name}",
             "tstamp": time.time(),
+            "records_format": RECORDS_FORMAT,
             "choices": [{
                 "index": 0, "turns": turns, "decoding_steps": steps, "new_tokens": new_tokens,
                 "wall_time": wall, "accept_lengths": accept_lengths,
-                "ttft": [s["ttft"] for s in stats], "prompt_ids": prompts, "output_ids": outputs, "stats": stats,
+                "ttft": [s["ttft"] for s in stats], "prompt_ids": prompts, "output_ids": outputs,
+                "logit_margins": margins, "stats": stats,
             }],
         }
 
@@ -249,7 +253,7 @@ def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:
         try:
-            run(cfg)
+            summary = run(cfg)
         except Interrupted as err:
             print(err, file=sys.stderr)
             sys.exit(130)
@@ -258,6 +262,10 @@ def main(cfg: DictConfig) -> None:
                 raise
             print(f"error: {err} (DECODEBENCH_DEBUG=1 shows the traceback)", file=sys.stderr)
             sys.exit(2)
+        failure = fidelity_failure(summary)
+        if failure:  # a lossless method's greedy fp32 output differs from AR's beyond a near-tie
+            print(failure, file=sys.stderr)
+            sys.exit(1)
         return
     from harness.cluster import slurm_job
 
@@ -281,7 +289,8 @@ def main(cfg: DictConfig) -> None:
                               "traceback": traceback.format_exc()})
         raise
     write_json(job_file, {**record, "status": "ok", "results": summary["results"],
-                          "speedup": (summary.get("speedup") or {}).get("specbench"), "tau": summary["decoder"]["tau"]})
+                          "speedup": (summary.get("speedup") or {}).get("specbench"), "tau": summary["decoder"]["tau"],
+                          "fidelity_failure": fidelity_failure(summary)})
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@
 It runs through the same loop as the speculative methods with a tree that is the root alone, so
 it pays the same per-step bookkeeping, and each step is one single-token target forward (no
 mask, logits of one position).
+
+Its records count every forward as a decoding step, the prefill included (one token each, τ = 1),
+as Spec-Bench's baseline records `model.generate` (docs/benchmarks.md, "τ").
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from .engine.tree import Tree
 
 class AutoregressiveDecoder(DraftVerifyDecoder):
     name = "ar"
+    prefill_step = True  # the prefill is AR's first decoding step: accept lengths [1, 1, …]
 
     def propose(self, root: int, budget: int) -> Tree:
         return Tree(torch.tensor([root]), [-1])

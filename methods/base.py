@@ -32,8 +32,16 @@ from .engine.tree import Tree
 @dataclass
 class DecodeStats:
     new_tokens: int = 0
-    steps: int = 0  # target forward passes, prefill included: τ = new_tokens / steps
-    accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted by each step
+    steps: int = 0  # target forward passes, prefill included (= len(accepted_lengths))
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted by each forward, the prefill's first
+    # the prefill counts as a decoding step (AR, as Spec-Bench's baseline counts it); else the
+    # prefill's token is folded into the first verification's accept length (Spec-Bench's EAGLE and
+    # Medusa scripts). `decoding_steps`, `accept_lengths` and τ follow: docs/benchmarks.md, "τ".
+    prefill_step: bool = False
+    # per generated token, from the target forward that chose it: the chosen token's logit minus the
+    # best other token's (the row's top-2 gap when it chose its argmax, negative when it did not);
+    # the fidelity check classifies a divergence from AR with it (harness/metrics.py, `fidelity`)
+    logit_margins: list[float] = field(default_factory=list)
     drafted_tokens: int = 0  # draft tokens proposed (tree nodes other than roots)
     accepted_drafts: int = 0  # draft tokens accepted
     # per draft position d (index d-1): steps whose tree reached depth d, steps in which a depth-d
@@ -50,8 +58,25 @@ class DecodeStats:
     extra: dict[str, Any] = field(default_factory=dict)  # method-specific statistics
 
     @property
+    def decoding_steps(self) -> int:
+        """Spec-Bench's decoding steps: the verifications (target forwards after the prefill), or
+        every forward for a decoder whose prefill is a step (AR); a turn that ended at the
+        prefill's token has one step."""
+        return self.steps if self.prefill_step or self.steps <= 1 else self.steps - 1
+
+    @property
+    def accept_lengths(self) -> list[int]:
+        """Spec-Bench's accept lengths, one per decoding step, summing to `new_tokens`: the
+        prefill's token is folded into the first verification's (as `decoding_steps` counts)."""
+        lengths = list(self.accepted_lengths)
+        if self.prefill_step or len(lengths) <= 1:
+            return lengths
+        return [lengths[0] + lengths[1], *lengths[2:]]
+
+    @property
     def tau(self) -> float:
-        return self.new_tokens / self.steps if self.steps else 0.0
+        """Mean accepted tokens (Spec-Bench's): new tokens per decoding step."""
+        return self.new_tokens / self.decoding_steps if self.decoding_steps else 0.0
 
     def count_step(self, tree_depth: int, path_children: list[bool], accepted_depth: int) -> None:
         """One verification: the tree's depth, whether each node of the accepted path had
@@ -261,8 +286,24 @@ class _Clock:
         self.last = now
 
 
+def logit_margins(rows: torch.Tensor, chosen: Sequence[int]) -> list[float]:
+    """Per logits row [n, V] and the token it chose: the chosen token's logit minus the best other
+    token's. When the row chose its argmax (greedy), this is the row's top-2 gap; a negative value
+    means the row preferred another token by that much. One topk(2) on rows already computed."""
+    if rows.shape[-1] < 2:
+        return [float("inf")] * len(chosen)
+    ids = torch.as_tensor(list(chosen), device=rows.device)
+    top = rows.topk(2, dim=-1)
+    picked = rows.gather(-1, ids[:, None])[:, 0]
+    other = torch.where(top.indices[:, 0] == ids, top.values[:, 1], top.values[:, 0])
+    return (picked - other).float().tolist()
+
+
 class DraftVerifyDecoder(Decoder):
     """The draft -> verify -> accept -> commit loop. Subclasses supply the drafter."""
+
+    # whether the prefill counts as a decoding step in the records (`DecodeStats.prefill_step`)
+    prefill_step: ClassVar[bool] = False
 
     def start(self, prompt: Sequence[int], prefill: ForwardOutput) -> None:
         """Called once after the target's prefill (e.g. to prefill a draft model)."""
@@ -291,13 +332,15 @@ class DraftVerifyDecoder(Decoder):
         self.sampling, self.generator = sampling, generator
         self.target.reset()
         self.target.check_room(len(prompt) + stop.max_new_tokens)
-        stats = DecodeStats()
+        stats = DecodeStats(prefill_step=self.prefill_step)
         clock = _Clock(self.target.device, stats.phase_time)
         begin = clock.last
 
         first = self.prefill(prompt)
         token = self._choose(first.logits[-1])
         stats.ttft = clock.now() - begin
+        margins = stats.logit_margins  # one per token of `tokens`, cut with it
+        margins.extend(logit_margins(first.logits[-1:], [token]))
         clock.lap("prefill")
         tokens = [token]
         stats.accepted_lengths.append(1)
@@ -313,10 +356,12 @@ class DraftVerifyDecoder(Decoder):
             verified = self.target.verify(tree)
             clock.lap("verify")
             acceptance = self._accept(tree, verified.logits[: len(tree)])  # extra rows are never accepted
+            emitted = tree.tokens[acceptance.path[1:]].tolist() + [acceptance.next_token]
+            # the row of each accepted node chose the token after it: its accepted child, or the next token
+            margins.extend(logit_margins(verified.logits[acceptance.path], emitted))
             clock.lap("accept")
             self.target.commit(prefix, acceptance.path)
             clock.lap("commit")
-            emitted = tree.tokens[acceptance.path[1:]].tolist() + [acceptance.next_token]
             checked = len(tokens)
             tokens.extend(emitted)
             self.sequence.extend(emitted)
@@ -331,6 +376,7 @@ class DraftVerifyDecoder(Decoder):
 
         keep, stats.stop_reason = done
         del tokens[keep:]
+        del margins[keep:]
         stats.new_tokens = len(tokens)
         stats.steps = len(stats.accepted_lengths)
         clock.lap("other")

@@ -17,8 +17,19 @@ true features, so the head's cache always equals the one built along the accepte
   values (the head's path probabilities, EAGLE-2's estimate of acceptance) sorted, keep the n that
   maximizes (1 + p_1 + ... + p_n) / (draft time + verify time of n + 1 tokens). On hardware where a
   forward's cost grows with its tokens (CPUs) it keeps small trees; where it is flat, large ones.
-Drafts are deterministic (top-k), so sampling verification uses EAGLE-2's rule (accept x with
-probability p(x), else zero it and renormalize), which preserves the target distribution.
+Sampling (temperature > 0), `method.sampling_rule`:
+* `eagle1` (`eagle`'s default), EAGLE-1's own (SafeAILab/EAGLE v1: `cnets.py` `Model.sample` /
+  `topK_genrate`, `utils.py` `evaluate_posterior`): each expanded node's children are *sampled*
+  from the head's processed distribution q (temperature, top-k, top-p, as the target's), without
+  replacement, the j-th draw going to the node's j-th child; the tree carries q. Verification is
+  SpecInfer's multi-candidate rule (`acceptance.sample_accept` with the draft's q, children drawn
+  without replacement): try the children in drawn order, accept x with probability min(1, p(x)/q(x));
+  on rejection p <- norm(max(p - q, 0)) and x leaves q (q(x) <- 0, renormalized); the bonus comes
+  from the final p. A node whose q has fewer tokens than it has children keeps only as many
+  children as q can give (the others and their subtrees leave the tree).
+* `eagle2`, and always for `eagle2` / `eagle3`: drafts stay deterministic (top-k) and are verified
+  with EAGLE-2's rule (accept x with probability p(x), else zero it and renormalize).
+Both preserve the target distribution. Greedy decoding (temperature 0) is the same for both.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from .models.heads.checkpoints import head_spec
 from .engine.hardware import forward_latency, latency_curve
 from .engine.sizing import verify_cost
 from .engine.params import integer, mapping, null, one_of, paths
+from .engine.sampling import logits_to_probs
 from .engine.static_trees import NAMED_TREES, StaticTree
 from .engine.vocab import DRAFT_VOCAB
 from .engine.tree import Tree, ancestors_of, attention_mask, level_mask
@@ -120,36 +132,65 @@ class _EagleBase(DraftVerifyDecoder):
         self.drafter.follow(tokens, self.features(verified)[path])
 
 
+# `method.sampling_rule` of `eagle` at temperature > 0: EAGLE-1's sampled drafts + multi-candidate
+# rule with the draft's q (default), or EAGLE-2's deterministic top-k + point-mass rule
+SAMPLING_RULES = ("eagle1", "eagle2")
+
+
 class EagleDecoder(_EagleBase):
     name = "eagle"
 
-    def __init__(self, target, head: EagleHead, tree: StaticTree, vocabulary=None):
+    def __init__(self, target, head: EagleHead, tree: StaticTree, vocabulary=None, sampling_rule: str = "eagle1"):
+        if sampling_rule not in SAMPLING_RULES:
+            raise ValueError(f"eagle sampling_rule={sampling_rule!r}; valid: {', '.join(SAMPLING_RULES)}")
         super().__init__(target, head, vocabulary)
         self.tree = tree
+        self.sampling_rule = sampling_rule
 
     def describe(self):
         return {**super().describe(), "tree_nodes": len(self.tree), "tree_depth": self.tree.max_depth,
-                "top_k": self.tree.top_k()}
+                "top_k": self.tree.top_k(), "sampling_rule": self.sampling_rule}
+
+    def _sampled(self) -> bool:
+        """Whether this step's children are sampled (EAGLE-1 at temperature > 0)."""
+        sampling = getattr(self, "sampling", None)
+        return self.sampling_rule == "eagle1" and sampling is not None and not sampling.greedy
 
     def propose(self, root: int, budget: int) -> Tree:
         tree = self.tree
+        sampled = self._sampled()
         depth_limit = min(tree.max_depth, budget)
         count = sum(1 for d in tree.depths if d <= depth_limit)
         parents = tree.parents[:count]
         children = [[] for _ in range(count)]
         for node in range(1, count):
-            children[parents[node]].append(node)
+            children[parents[node]].append(node)  # in rank order: the template lists paths by (depth, ranks)
         tokens = [root] + [0] * (count - 1)
+        alive = [True] * count  # sampling: children beyond what q can give leave the tree, with their subtrees
         logits_of = {0: self.drafter.root_logits}
         hidden_of = {0: self.drafter.root_hidden}
+        draft_probs: dict[int, torch.Tensor] = {}  # sampling: q at each node whose children were drawn
         slot_of: dict[int, int] = {}
         for depth in range(1, depth_limit + 1):
-            level = [n for n in range(1, count) if tree.depths[n] == depth]
-            k = tree.top_k(depth)
-            ranked = {p: torch.topk(logits_of[p], k).indices.tolist() for p in {parents[n] for n in level}}
-            for node in level:
-                tokens[node] = ranked[parents[node]][tree.ranks[node]]
-            expand = [n for n in level if children[n]]
+            level = [n for n in range(1, count) if tree.depths[n] == depth and alive[parents[n]]]
+            if not level:
+                break
+            if sampled:
+                for parent in dict.fromkeys(parents[n] for n in level):
+                    kids = children[parent]
+                    drawn = self._draw(logits_of[parent], len(kids), draft_probs, parent)
+                    for i, node in enumerate(kids):
+                        if i < len(drawn):
+                            tokens[node] = drawn[i]
+                        else:
+                            alive[node] = False
+                level = [n for n in level if alive[n]]
+            else:
+                k = tree.top_k(depth)
+                ranked = {p: torch.topk(logits_of[p], k).indices.tolist() for p in {parents[n] for n in level}}
+                for node in level:
+                    tokens[node] = ranked[parents[node]][tree.ranks[node]]
+            expand = [n for n in level if any(alive[c] for c in children[n])]
             if not expand or depth == depth_limit:
                 break
             visible = [[slot_of[a] for a in ancestors_of(parents, n)] for n in expand]
@@ -160,7 +201,28 @@ class EagleDecoder(_EagleBase):
             for i, node in enumerate(expand):
                 slot_of[node] = base + i
                 hidden_of[node], logits_of[node] = hidden[i], logits[i]
-        return Tree(torch.tensor(tokens), parents)
+        if not sampled or not draft_probs:
+            return Tree(torch.tensor(tokens), parents)
+        return self._sampled_tree(tokens, parents, alive, draft_probs)
+
+    def _draw(self, logits: torch.Tensor, n: int, draft_probs: dict, node: int) -> list[int]:
+        """EAGLE-1's `Model.sample`: up to n children drawn from the processed q without replacement,
+        in draw order (fewer when q has fewer tokens); q is kept for verification."""
+        q = logits_to_probs(logits, self.sampling)
+        draft_probs[node] = q
+        n = min(n, int((q > 0).sum()))
+        return torch.multinomial(q, n, replacement=False, generator=self.generator).tolist() if n else []
+
+    @staticmethod
+    def _sampled_tree(tokens, parents, alive, draft_probs) -> Tree:
+        kept = [n for n in range(len(tokens)) if alive[n]]
+        index = {n: i for i, n in enumerate(kept)}
+        rows = torch.zeros(len(kept), draft_probs[0].shape[-1], device=draft_probs[0].device)
+        for node, q in draft_probs.items():
+            if node in index:
+                rows[index[node]] = q
+        return Tree(torch.tensor([tokens[n] for n in kept]), [-1] + [index[parents[n]] for n in kept[1:]],
+                    draft_probs=rows, without_replacement=True)
 
 
 class Eagle2Decoder(_EagleBase):
@@ -276,12 +338,13 @@ class Eagle2Decoder(_EagleBase):
 
 
 @register("eagle", params={"tree": one_of("auto", *NAMED_TREES) | paths(), "head": null() | mapping(),
-                           "draft_vocab": DRAFT_VOCAB})
+                           "draft_vocab": DRAFT_VOCAB, "sampling_rule": one_of(*SAMPLING_RULES)})
 def build_eagle(target, params: dict, context: BuildContext) -> EagleDecoder:
     head = load_eagle_head(head_spec(params, context, "eagle"), context.target_model)
     # auto: EAGLE's own tree, cut to what one verification may hold on this machine
     tree, sizing = context.static_tree(params, target, "eagle_mc_sim_7b_63")
-    decoder = EagleDecoder(target, head, tree, vocabulary=context.draft_vocabulary(params))
+    decoder = EagleDecoder(target, head, tree, vocabulary=context.draft_vocabulary(params),
+                           sampling_rule=params.get("sampling_rule", "eagle1"))
     decoder.sizing = sizing
     return decoder
 

@@ -272,14 +272,19 @@ def test_summary_numbers_recomputed_from_records():
 
 def test_speedup_decomposition_explains_the_decoding_speedup():
     """Per decoding step, in AR steps: τ / (verify + draft + other) is the decoding speedup."""
-    ar = record(1, 11, 0.0, 11)  # 1 turn: a prefill + 10 decoding steps of 1 token
+    ar = record(1, 11, 0.0, 11)  # 1 turn: a prefill + 10 decoding steps of 1 token (AR's prefill is a step)
+    ar["choices"][0]["stats"][0].update(steps=11, prefill_step=True)
     ar["choices"][0]["stats"][0]["phase_time"] = {"prefill": 1.0, "verify": 9.0, "other": 1.0}  # AR step: 1.0 s
-    method = record(1, 13, 0.0, 5)  # a prefill + 4 steps emitting 12 tokens: τ 3
+    method = record(1, 13, 0.0, 4)  # a prefill + 4 steps emitting 12 tokens: 3 per step (Spec-Bench's τ 13/4)
+    method["choices"][0]["stats"][0]["steps"] = 5  # target forwards, the prefill included
     method["choices"][0]["stats"][0]["phase_time"] = {"prefill": 1.0, "verify": 4.8, "draft": 0.8, "accept": 0.2,
                                                       "commit": 0.1, "other": 0.1}
     for r in (ar, method):
         r["choices"][0]["wall_time"] = [sum(r["choices"][0]["stats"][0]["phase_time"].values())]
-    explained = summarize("x", [method], [ar], {})["explained"]
+    summary = summarize("x", [method], [ar], {})
+    assert summary["decoder"]["tau"] == pytest.approx(13 / 4) and summary["baseline"]["tau"] == 1.0
+    assert (summary["decoder"]["target_forwards"], summary["baseline"]["target_forwards"]) == (5, 11)
+    explained = summary["explained"]
     assert explained["tau"] == pytest.approx(3.0) and explained["ar_step_seconds"] == pytest.approx(1.0)
     assert (explained["verify"], explained["draft"], explained["other"]) == (
         pytest.approx(1.2), pytest.approx(0.2), pytest.approx(0.1))

@@ -24,7 +24,7 @@ def record(qid, category, tokens, wall, steps, accepted=(), tested=(), prompt_le
              "position_proposed": list(tested), "position_tested": list(tested), "position_accepted": list(accepted),
              "phase_time": {"draft": 0.3 * wall, "verify": 0.6 * wall, "other": 0.1 * wall}, "extra": {}}
     output = [t if diverge_at is None or t < diverge_at else -1 for t in range(tokens)]
-    return {"question_id": qid, "category": category, "choices": [{
+    return {"question_id": qid, "category": category, "records_format": 2, "choices": [{  # steps: Spec-Bench's
         "turns": ["x"], "new_tokens": [tokens], "wall_time": [wall], "decoding_steps": [steps],
         "accept_lengths": [], "prompt_ids": [list(range(prompt_len))], "output_ids": [output],
         "stats": [stats]}]}
