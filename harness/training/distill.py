@@ -105,29 +105,25 @@ LANGUAGES = ["French", "German", "Spanish", "Italian", "Portuguese", "Chinese"]
 SAMPLED_SHARE = 0.2  # prompts answered by sampling at T = 1 (diversity); the rest greedily
 
 
+MATH_TEMPLATES = [
+    "{name} has {a} {item}. {name} buys {b} packs with {c} {item} in each pack. "
+    "How many {item} does {name} have now? Explain your reasoning.",
+    "A store sells {item} for ${c} each. {name} spends ${ac} on {item} and gives {b} of them away. "
+    "How many {item} are left? Show your work.",
+    "What is {a} multiplied by {b}, plus {c7}? Think step by step.",
+    "{name} reads {b} pages every day. The book has {abc} pages. How many days does {name} need to finish the book?",
+    "A train travels at {a20} km per hour for {b} hours and then at {a} km per hour for {c} hours. "
+    "How far does it travel in total? Explain each step.",
+    "A rectangle is {a} cm long and {bc} cm wide. What are its area and its perimeter? Show the formulas you use.",
+    "{name} saves ${b} every week and already has ${a}. How many weeks until {name} has ${goal}? Reason step by step.",
+]
+
+
 def _math_prompt(rng: random.Random) -> str:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     a, b, c = rng.randint(3, 60), rng.randint(2, 12), rng.randint(1, 9)
-    kind = rng.randrange(7)
-    if kind == 0:
-        return (f"{name} has {a} {item}. {name} buys {b} packs with {c} {item} in each pack. "
-                f"How many {item} does {name} have now? Explain your reasoning.")
-    if kind == 1:
-        return (f"A store sells {item} for ${c} each. {name} spends ${a * c} on {item} and gives {b} of them "
-                f"away. How many {item} are left? Show your work.")
-    if kind == 2:
-        return f"What is {a} multiplied by {b}, plus {c * 7}? Think step by step."
-    if kind == 3:
-        return (f"{name} reads {b} pages every day. The book has {a * b + c} pages. "
-                f"How many days does {name} need to finish the book?")
-    if kind == 4:
-        return (f"A train travels at {a + 20} km per hour for {b} hours and then at {a} km per hour for {c} hours. "
-                f"How far does it travel in total? Explain each step.")
-    if kind == 5:
-        return (f"A rectangle is {a} cm long and {b + c} cm wide. What are its area and its perimeter? "
-                f"Show the formulas you use.")
-    return (f"{name} saves ${b} every week and already has ${a}. How many weeks until {name} has "
-            f"${a + b * (c + 3)}? Reason step by step.")
+    return rng.choice(MATH_TEMPLATES).format(name=name, item=item, a=a, b=b, c=c, ac=a * c, c7=c * 7, abc=a * b + c,
+                                             a20=a + 20, bc=b + c, goal=a + b * (c + 3))
 
 
 def _stdlib_functions() -> list[tuple[str, str]]:

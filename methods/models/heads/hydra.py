@@ -35,13 +35,12 @@ weight is then [K, H], its bias [K], and the file holds `draft_ids` [K] (the tar
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
 from ..specs import ModelSpec
 from .checkpoints import checkpoint_folder, read_config, read_state_dict
+from .medusa import count_heads_and_layers
 
 WEIGHT_FILES = ("hydra_lm_head.pt", "hydra_lm_head.safetensors")
 ARCHS = ("mlp", "prefix-mlp")
@@ -176,19 +175,6 @@ class HydraHeads(nn.Module):
         return out
 
 
-def count_heads_and_layers(state: dict[str, torch.Tensor], arch: str) -> tuple[int, int]:
-    heads, blocks = set(), set()
-    for key in state:
-        match = re.fullmatch(r"hydra_mlp\.(\d+)\.(\d+)\.linear\.weight", key)
-        if match:
-            heads.add(int(match[1]))
-            blocks.add(int(match[2]))
-    if not heads:
-        raise ValueError("no Hydra ResBlock keys ('hydra_mlp.{i}.{j}.linear.weight') in the checkpoint")
-    layers = len(blocks)
-    return max(heads) + 1, layers
-
-
 def load_hydra_heads(spec: ModelSpec, target_model) -> tuple[HydraHeads, dict]:
     """The heads of a Hydra checkpoint folder (or Hub id) and its config.json."""
     folder = checkpoint_folder(spec, WEIGHT_FILES)
@@ -202,7 +188,7 @@ def load_hydra_heads(spec: ModelSpec, target_model) -> tuple[HydraHeads, dict]:
     state = {k: v for k, v in state.items()
              if not k.startswith(("input_embed_fn.", "prefix_embeding_layer.embed_tokens.")) and not k.endswith("inv_freq")}
     grounded = bool(config.get("grounded_heads", False))
-    num_heads, num_layers = count_heads_and_layers(state, arch)
+    num_heads, num_layers = count_heads_and_layers(state, prefix="hydra_mlp.", kind="Hydra")
     declared = config.get("hydra_num_heads")
     if declared is not None and declared != num_heads:
         raise ValueError(f"{spec.describe()}: config.json says hydra_num_heads={declared}, the weights hold {num_heads} heads")

@@ -73,16 +73,19 @@ class MedusaHeads(nn.ModuleList):
         return torch.stack([head[-1](f) for head, f in zip(used, features)]).float()
 
 
-def count_heads_and_layers(state: dict[str, torch.Tensor]) -> tuple[int, int]:
+def count_heads_and_layers(state: dict[str, torch.Tensor], prefix: str = "", kind: str = "Medusa") -> tuple[int, int]:
+    """Heads and ResBlocks per head of a checkpoint whose blocks are `{prefix}{head}.{index}.linear.*`
+    (Medusa's; Hydra's with `prefix="hydra_mlp."`, whose prefix-mlp heads put Dropouts between the
+    blocks: the blocks are counted, not their largest index)."""
     heads, layers = set(), set()
     for key in state:
-        match = re.fullmatch(r"(\d+)\.(\d+)\.linear\.weight", key)
+        match = re.fullmatch(re.escape(prefix) + r"(\d+)\.(\d+)\.linear\.weight", key)
         if match:
             heads.add(int(match[1]))
             layers.add(int(match[2]))
     if not heads:
-        raise ValueError("no Medusa ResBlock keys ('{i}.{j}.linear.weight') in the checkpoint")
-    return max(heads) + 1, max(layers) + 1
+        raise ValueError(f"no {kind} ResBlock keys ('{prefix}{{i}}.{{j}}.linear.weight') in the checkpoint")
+    return max(heads) + 1, len(layers)
 
 
 def load_medusa_heads(spec: ModelSpec, target_model) -> MedusaHeads:
