@@ -17,6 +17,7 @@ from harness.training.loop import train
 from tests.conftest import hf_greedy, tiny_model
 
 BATCH, EPOCHS, STOP = 4, 3.0, 4  # 12 examples: 9 steps of 4 conversations; the interrupted run stops after 4
+FEATURE_LAYERS = (0, 1, 2)  # EAGLE-3 features of the 3-layer target: the inputs of its layers
 
 
 def _data():
@@ -86,6 +87,12 @@ def _worker(rank: int, world: int, port: int, out: Path) -> None:
     cached = [Example(e.ids, e.answer_start) for e in examples]
     attach_hidden(target, cached, out / "hidden_states.pt", batch_tokens=64)
     report = {"cache": [(e.hidden.float().clone(), e.top.clone()) for e in cached]}
+    # EAGLE-3's feature cache, the same machinery: both ranks at once into one file
+    from harness.training.eagle3 import attach_features
+
+    featured = [Example(e.ids, e.answer_start) for e in examples]
+    attach_features(target, featured, FEATURE_LAYERS, out / "eagle3_features.pt", batch_tokens=64)
+    report["features"] = [(e.features.float().clone(), e.hidden.float().clone(), e.top.clone()) for e in featured]
     for kind in ("eagle", "medusa"):
         recipe, result = _run(kind, out / kind / "full")
         _run(kind, out / kind / "resumed", stop_after=STOP)
@@ -136,6 +143,21 @@ def test_two_processes_compute_one_hidden_state_cache(two_processes):
     assert (out / "hidden_states.pt.bin").stat().st_size == sum(len(e.ids) for e in examples) * 32 * 2
     for rank in ranks:
         for (hidden, top), e in zip(rank["cache"], examples, strict=True):
+            torch.testing.assert_close(hidden, e.hidden, rtol=2e-3, atol=2e-3)
+            assert torch.equal(top, e.top)
+
+
+def test_two_processes_compute_one_eagle3_feature_cache(two_processes):
+    from harness.training.eagle3 import attach_features
+
+    out, ranks = two_processes
+    target, examples = _data()
+    expected = [Example(e.ids, e.answer_start) for e in examples]
+    attach_features(target, expected, FEATURE_LAYERS)  # one process, in RAM, float32
+    assert (out / "eagle3_features.pt.bin").stat().st_size == sum(len(e.ids) for e in examples) * 4 * 32 * 2
+    for rank in ranks:
+        for (features, hidden, top), e in zip(rank["features"], expected, strict=True):
+            torch.testing.assert_close(features, e.features, rtol=2e-3, atol=2e-3)
             torch.testing.assert_close(hidden, e.hidden, rtol=2e-3, atol=2e-3)
             assert torch.equal(top, e.top)
 

@@ -338,6 +338,140 @@ def test_training_time_test_equals_inference_and_saves_the_released_format(tmp_p
     torch.testing.assert_close(loaded.lm_head.weight, recipe.head.lm_head.weight.detach().to(torch.bfloat16).float())
 
 
+def _trained_recipe(steps=4, seed=68):
+    from harness.training.eagle3 import Eagle3Recipe
+
+    target = tiny_model("llama", seed=seed, vocab_size=32, layers=LAYERS)
+    vocabulary = DraftVocabulary(torch.tensor([0, 2, 3, 5, 7, 8, 9, 11, 12, 13, 15, 16, 20, 21, 22, 25, 30]), 32)
+    recipe = Eagle3Recipe(target, 0, vocabulary, steps=steps)
+    with torch.no_grad():  # off the identity-like initialization: every branch contributes
+        for p in recipe.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return target, recipe
+
+
+def _conversations(shapes, seed=1):
+    """Examples of unequal lengths and answer starts (padding, and rows starting at different positions)."""
+    from harness.training.examples import Example
+
+    generator = torch.Generator().manual_seed(seed)
+    return [Example(torch.randint(0, 32, (length,), generator=generator), start) for length, start in shapes]
+
+
+def _loss_by_the_definition(recipe, example):
+    """The per-example loss written out position by position from the (inference-checked) unbatched
+    unroll: step j at position i predicts the target's distribution at i + 1 + j; answer positions
+    only, the cross-entropy zeroed where the target's argmax is outside the draft vocabulary, each
+    step's mean over its answer positions weighted 0.8^j."""
+    ids, T, start = example.ids, len(example.ids), example.answer_start
+    n = T - 1
+    steps = recipe.unroll(torch.cat([ids[1:], ids.new_zeros(recipe.steps)]), recipe.head.fuse(example.features[:n].float()))
+    total = torch.zeros(())
+    for j, out in enumerate(steps):
+        terms = []
+        for i in range(len(out)):
+            t = i + 1 + j  # the target position whose next token it predicts
+            if start <= t + 1 <= T - 1:
+                p = (example.hidden[t].float() @ recipe.target_rows.T).softmax(-1)
+                ce = -(p * recipe.head.draft_logits(out[i]).log_softmax(-1)).sum()
+                terms.append(ce * float(bool(recipe.head.t2d[example.top[t]])))
+        if terms:
+            total = total + 0.8 ** j * torch.stack(terms).mean()
+    return total
+
+
+def test_batched_training_time_test_equals_the_per_example_losses_and_gradients():
+    from harness.training.eagle3 import attach_features
+
+    target, recipe = _trained_recipe()
+    # lengths 9..20, answers starting early (rows from 0) and late (rows from start - 1 - steps)
+    batch = _conversations([(14, 6), (20, 3), (9, 7), (17, 12), (11, 1), (20, 16)])
+    attach_features(target, batch, recipe.layers)
+    batched, stats = recipe.batch_loss(batch, 0.0, [None] * len(batch))
+    grads = torch.autograd.grad(batched, recipe.parameters())
+    defined = [_loss_by_the_definition(recipe, e) for e in batch]
+    expected_grads = torch.autograd.grad(sum(defined), recipe.parameters())
+    torch.testing.assert_close(batched, sum(defined), rtol=1e-5, atol=1e-5)
+    for g, h in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-6)
+    singles = [recipe.batch_loss([e], 0.0, [None]) for e in batch]
+    for one, by_definition in zip(singles, defined):
+        torch.testing.assert_close(one[0], by_definition, rtol=1e-5, atol=1e-5)
+    assert sorted(stats) == ["acc_1", "acc_2", "acc_3", "acc_4"]
+    for key in stats:  # the batch's accuracies are the examples' own, in order
+        assert torch.equal(stats[key], torch.cat([s[1][key] for s in singles if key in s[1]]))
+    # step j predicts the target's next token at positions t in [max(start - 1, 1 + j), T - 2]
+    assert len(stats["acc_2"]) == sum(len(e.ids) - max(e.answer_start, 3) for e in batch) == 44
+    # the batch was padded (and its rows start at different positions): the singles were not
+    assert len({len(e.ids) for e in batch}) > 3 and len({max(0, e.answer_start - 5) for e in batch}) > 3
+
+
+def test_eagle3_features_are_cached_in_16_bits_memory_mapped_and_reused_only_when_they_match(tmp_path):
+    import copy
+
+    import numpy as np
+
+    from harness.training.eagle3 import attach_features
+    from harness.training.examples import attach_hidden
+
+    target, recipe = _trained_recipe()
+    H = target.config.hidden_size
+    shapes = [(14, 6), (20, 3), (9, 7), (17, 12), (11, 1), (20, 16)]
+    expected = _conversations(shapes)
+    attach_features(target, expected, recipe.layers)  # in RAM, float32
+    for e in expected:
+        torch.testing.assert_close(e.features, target_features(target, e.ids.tolist()))
+        assert e.features.dtype == torch.float32 and e.hidden.shape == (len(e.ids), H)
+    cache = tmp_path / "eagle3_features.pt"
+    cached = _conversations(shapes)
+    attach_features(target, cached, recipe.layers, cache=cache, batch_tokens=40)  # several right-padded batches
+    assert (tmp_path / "eagle3_features.pt.bin").stat().st_size == sum(len(e.ids) for e in expected) * 4 * H * 2
+    for a, e in zip(cached, expected):
+        assert a.features.dtype == a.hidden.dtype == torch.float16
+        torch.testing.assert_close(a.features.float(), e.features, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(a.hidden.float(), e.hidden, rtol=2e-3, atol=2e-3)
+        assert torch.equal(a.top, e.top)
+    # the batched loss reads the 16-bit views: the float32 loss to float16's precision
+    with torch.no_grad():
+        torch.testing.assert_close(recipe.batch_loss(cached, 0.0, [None] * 6)[0],
+                                   recipe.batch_loss(expected, 0.0, [None] * 6)[0], rtol=1e-2, atol=1e-2)
+    # a later run maps the file (marked: example 0's first feature row + 1), it does not recompute
+    data = np.fromfile(tmp_path / "eagle3_features.pt.bin", dtype=np.float16)
+    data[:3 * H] += 1
+    data.tofile(tmp_path / "eagle3_features.pt.bin")
+    again = _conversations(shapes)
+    attach_features(target, again, recipe.layers, cache=cache)
+    torch.testing.assert_close(again[0].features[0].float(), expected[0].features[0] + 1, rtol=2e-3, atol=1e-2)
+    torch.testing.assert_close(again[0].hidden[0].float(), expected[0].hidden[0], rtol=2e-3, atol=2e-3)
+    # other examples, other layers, or attach_hidden's kind on the same file: computed afresh
+    other = _conversations(shapes[:-1])
+    attach_features(target, other, recipe.layers, cache=cache)
+    torch.testing.assert_close(other[0].features[0].float(), expected[0].features[0], rtol=2e-3, atol=2e-3)
+    layers = (1, 3, 5)
+    moved = _conversations(shapes[:-1])
+    attach_features(target, moved, layers, cache=cache)
+    with torch.no_grad():
+        states = target(input_ids=moved[1].ids[None], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(moved[1].features.float(), torch.cat([states[i][0] for i in layers], -1), rtol=2e-3, atol=2e-3)
+    hidden_only = _conversations(shapes[:-1])
+    attach_hidden(target, hidden_only, cache)
+    assert hidden_only[0].features is None and hidden_only[0].hidden.shape == (14, H)
+    assert (tmp_path / "eagle3_features.pt.bin").stat().st_size == sum(len(e.ids) for e in hidden_only) * H * 2
+    # layer inputs beyond float16's range: the whole file in bfloat16
+    loud = copy.deepcopy(target)
+    with torch.no_grad():
+        loud.model.embed_tokens.weight.mul_(1e6)  # the residual stream (the layers' inputs) beyond 65504
+    big = _conversations(shapes[:3])
+    attach_features(loud, big, recipe.layers)
+    assert max(float(e.features.abs().max()) for e in big) > 65504  # float16 overflows
+    stored = _conversations(shapes[:3])
+    attach_features(loud, stored, recipe.layers, cache=tmp_path / "loud.pt")
+    for a, e in zip(stored, big):
+        assert a.features.dtype == torch.bfloat16 and torch.isfinite(a.features.float()).all()
+        torch.testing.assert_close(a.features.float(), e.features, rtol=1e-2, atol=1e-2 * float(e.features.abs().max()))
+        assert torch.equal(a.top, e.top)
+
+
 # ---------------------------------------------------------------------------------------------
 # The harness: `make bench METHOD=eagle3` on a tiny model with a head in the released format
 

@@ -99,10 +99,11 @@ def main(argv=None) -> None:
     examples = load_examples(data_file)
     train_set, val_set = split(examples, args.held_out, args.seed)
     train_set = train_set[: args.train_examples]
-    if args.kind == "eagle3":  # three layers' inputs too: computed for the examples used, not cached
+    if args.kind == "eagle3":  # three layers' inputs + last hidden state: their own 16-bit cache beside the data
         from methods.models.heads.eagle3 import feature_layers
 
-        attach_features(target, train_set + val_set, feature_layers(target.config.num_hidden_layers), progress=True)
+        attach_features(target, examples, feature_layers(target.config.num_hidden_layers),
+                        cache=data_file.with_name("eagle3_features.pt"), progress=True)
     elif args.kind != "draft-lm":
         attach_hidden(target, examples, cache=data_file.with_name("hidden_states.pt"), progress=True)
     # classification losses over the model config's reduced draft vocabulary, where it names one

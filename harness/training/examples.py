@@ -9,6 +9,9 @@ tokens x 576 dims is 3 GB. The rows are memory-mapped, not read: an example's `h
 that reads its rows from the page cache when a recipe touches it, so a process holds in RAM only
 what it is using, and under torchrun a rank touches only its shard (`distributed.LaneSampler`).
 Computing the cache writes the file as it goes (ranks write disjoint rows of the same file).
+The machinery is `attach_states`, for any tensor per position: EAGLE-3 caches the inputs of three
+layers beside the last hidden state with it (`eagle3.attach_features`; the index then names its
+`kind` and `fields`, the columns each attribute reads).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Example:
     answer_start: int
     hidden: torch.Tensor | None = None  # [T, H] target's last hidden state (after the final norm); may be 16-bit
     top: torch.Tensor | None = None  # [T] the target's argmax at each position (predicts token t + 1)
+    features: torch.Tensor | None = None  # [T, 3H] EAGLE-3: the inputs of the target's three feature layers; may be 16-bit
 
 
 def load_examples(file: Path) -> list[Example]:
@@ -47,31 +51,43 @@ def _digest(examples: list[Example]) -> str:
 
 
 _DTYPES = {"float16": (torch.float16, np.float16), "bfloat16": (torch.bfloat16, np.uint16)}
+_HIDDEN = "hidden"  # the kind of attach_hidden's cache (an index without a `kind` is one)
 
 
-def _attach_from(cache: Path, examples: list[Example]) -> bool:
-    """Attach memory-mapped views of the cache when it holds exactly these examples."""
+def _attach_from(cache: Path, examples: list[Example], kind: str, fields: dict[str, int]) -> bool:
+    """Attach memory-mapped views of the cache when it holds exactly these examples and fields."""
     try:
         index = torch.load(cache, weights_only=True)
     except Exception:
         return False
     if not isinstance(index, dict) or index.get("version") != 2 or index.get("digest") != _digest(examples):
         return False
+    width = sum(fields.values())
+    if index.get("kind", _HIDDEN) != kind or index.get("fields", {_HIDDEN: index["hidden_size"]}) != fields:
+        return False
     torch_dtype, np_dtype = _DTYPES[index["dtype"]]
     lengths = index["lengths"].tolist()
     data = cache.with_name(cache.name + ".bin")
-    if not data.is_file() or data.stat().st_size != sum(lengths) * index["hidden_size"] * 2:
+    if not data.is_file() or data.stat().st_size != sum(lengths) * width * 2 or index["hidden_size"] != width:
         return False
-    rows = np.memmap(cache.with_name(cache.name + ".bin"), dtype=np_dtype, mode="c",
-                     shape=(sum(lengths), index["hidden_size"]))
+    rows = np.memmap(data, dtype=np_dtype, mode="c", shape=(sum(lengths), width))
     top = index["top"]
     start = 0
     for example, length in zip(examples, lengths):
         view = torch.from_numpy(rows[start:start + length])
-        example.hidden = view.view(torch.bfloat16) if torch_dtype == torch.bfloat16 else view
+        view = view.view(torch.bfloat16) if torch_dtype == torch.bfloat16 else view
+        column = 0
+        for name, size in fields.items():  # a view of the field's columns: nothing is read yet
+            setattr(example, name, view[:, column:column + size])
+            column += size
         example.top = top[start:start + length].long()
         start += length
     return True
+
+
+def _last_hidden(target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden = target.model(input_ids=ids).last_hidden_state.float()
+    return hidden, hidden
 
 
 @torch.no_grad()
@@ -82,12 +98,24 @@ def attach_hidden(target, examples: list[Example], cache: Path | None = None, pr
     `batch_tokens` tokens (under torchrun each rank computes every world-th batch). Without a cache
     they stay in RAM as float32; with a `cache` file they are written in 16 bits and memory-mapped,
     and the next recipe reuses them when the examples match."""
+    hidden_size = target.get_input_embeddings().embedding_dim
+    attach_states(target, examples, _last_hidden, {_HIDDEN: hidden_size}, _HIDDEN, cache, progress, batch_tokens)
+
+
+@torch.no_grad()
+def attach_states(target, examples: list[Example], compute, fields: dict[str, int], kind: str,
+                  cache: Path | None = None, progress: bool = False, batch_tokens: int = 4096) -> None:
+    """The cache machinery of `attach_hidden`, for any tensor per position: `compute(target, ids
+    [B, W]) -> (rows [B, W, D], last hidden state [B, W, H])` (float32, right-padded ids); each
+    example gets one attribute per `fields` entry (name -> its D columns, in order) and `top` (the
+    target's argmax, from the last hidden state). `kind` names what `compute` computes: a cache of
+    another kind, or of other examples, is recomputed. In RAM as float32 without a `cache`."""
     from tqdm import tqdm
 
     ctx = distributed.context()
-    if cache is not None and _attach_from(cache, examples):
+    if cache is not None and _attach_from(cache, examples, kind, fields):
         return
-    hidden_size = target.get_input_embeddings().embedding_dim
+    width_d = sum(fields.values())
     lengths = [len(e.ids) for e in examples]
     offsets = np.cumsum([0] + lengths)
     order = sorted(range(len(examples)), key=lambda i: lengths[i])
@@ -105,27 +133,28 @@ def attach_hidden(target, examples: list[Example], cache: Path | None = None, pr
         dtype = "float16"
         if ctx.is_main:
             with open(cache.with_name(cache.name + ".bin"), "wb") as f:
-                f.truncate(int(offsets[-1]) * hidden_size * 2)
+                f.truncate(int(offsets[-1]) * width_d * 2)
         distributed.barrier()
         rows = np.memmap(cache.with_name(cache.name + ".bin"), dtype=np.float16, mode="r+",
-                         shape=(int(offsets[-1]), hidden_size))
+                         shape=(int(offsets[-1]), width_d))
         top_all = torch.zeros(int(offsets[-1]), dtype=torch.int32)
         peak = 0.0
     lm_head = target.get_output_embeddings()
     device = lm_head.weight.device
-    for chunk in tqdm(mine, desc="target hidden states", unit="batch", disable=not progress):
-        width = max(lengths[i] for i in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+    for chunk, states, last in tqdm(_forward(target, examples, mine, lengths, compute, device), total=len(mine),
+                                    desc=f"target {kind}", unit="batch", disable=not progress):
         for row, i in enumerate(chunk):
-            ids[row, :lengths[i]] = examples[i].ids
-        # right padding: the attention is causal, no mask needed
-        hidden = target.model(input_ids=ids.to(device)).last_hidden_state.float()
-        for row, i in enumerate(chunk):
-            h = hidden[row, :lengths[i]]
-            top = torch.cat([lm_head(part.to(lm_head.weight.dtype)).argmax(-1) for part in h.split(1024)]).cpu()
+            h = states[row, :lengths[i]]
+            top = torch.cat([lm_head(part.to(lm_head.weight.dtype)).argmax(-1)
+                             for part in last[row, :lengths[i]].split(1024)]).cpu()
             h = h.cpu()
             if cache is None:
-                examples[i].hidden, examples[i].top = h.clone(), top
+                h = h.clone()
+                column = 0
+                for name, size in fields.items():
+                    setattr(examples[i], name, h[:, column:column + size])
+                    column += size
+                examples[i].top = top
             else:
                 peak = max(peak, float(h.abs().max()))
                 rows[offsets[i]:offsets[i + 1]] = h.to(torch.float16).numpy()
@@ -136,27 +165,38 @@ def attach_hidden(target, examples: list[Example], cache: Path | None = None, pr
     del rows
     if max(distributed.gather_objects(peak)) > 60000:  # beyond float16: store bfloat16 instead
         dtype = "bfloat16"
-        _convert_to_bf16(target, examples, cache, offsets, hidden_size, ctx, batches, lengths)
+        _convert_to_bf16(target, examples, cache, offsets, width_d, ctx, batches, lengths, compute)
     tops = distributed.gather_objects(top_all)
     if ctx.is_main:
         top_all = sum(t.long() for t in tops).to(torch.int32)  # each rank filled its own rows, zeros elsewhere
-        torch.save({"version": 2, "digest": _digest(examples), "dtype": dtype, "hidden_size": hidden_size,
-                    "lengths": torch.tensor(lengths), "top": top_all}, cache)
+        index = {"version": 2, "digest": _digest(examples), "dtype": dtype, "hidden_size": width_d,
+                 "lengths": torch.tensor(lengths), "top": top_all}
+        if kind != _HIDDEN:  # attach_hidden's index stays as it was (caches written before still read)
+            index |= {"kind": kind, "fields": dict(fields)}
+        torch.save(index, cache)
     distributed.barrier()
-    if not _attach_from(cache, examples):
-        raise RuntimeError(f"{cache}: the hidden-state cache just written does not read back")
+    if not _attach_from(cache, examples, kind, fields):
+        raise RuntimeError(f"{cache}: the cache just written does not read back")
 
 
-def _convert_to_bf16(target, examples, cache, offsets, hidden_size, ctx, batches, lengths) -> None:
-    rows = np.memmap(cache.with_name(cache.name + ".bin"), dtype=np.uint16, mode="r+", shape=(int(offsets[-1]), hidden_size))
-    for chunk in batches[ctx.rank::ctx.world]:  # recomputed: float16 overflowed
+def _forward(target, examples, batches, lengths, compute, device):
+    """(batch, rows, last hidden state) for each right-padded batch (the attention is causal: no mask needed)."""
+    for chunk in batches:
         width = max(lengths[i] for i in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         for row, i in enumerate(chunk):
             ids[row, :lengths[i]] = examples[i].ids
-        hidden = target.model(input_ids=ids.to(target.get_output_embeddings().weight.device)).last_hidden_state.float().cpu()
+        states, last = compute(target, ids.to(device))
+        yield chunk, states, last
+
+
+def _convert_to_bf16(target, examples, cache, offsets, width_d, ctx, batches, lengths, compute) -> None:
+    rows = np.memmap(cache.with_name(cache.name + ".bin"), dtype=np.uint16, mode="r+", shape=(int(offsets[-1]), width_d))
+    device = target.get_output_embeddings().weight.device
+    for chunk, states, _ in _forward(target, examples, batches[ctx.rank::ctx.world], lengths, compute, device):
+        states = states.cpu()  # recomputed: float16 overflowed
         for row, i in enumerate(chunk):
-            rows[offsets[i]:offsets[i + 1]] = hidden[row, :lengths[i]].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            rows[offsets[i]:offsets[i + 1]] = states[row, :lengths[i]].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     rows.flush()
     distributed.barrier()
 
