@@ -127,20 +127,24 @@ def main(argv=None) -> int:
             print(f"(--check only) {unmet}", file=sys.stderr)
         return 0
     from harness import figures, report
+    from harness.metrics import fidelity_failure
     from harness.run import run
 
-    folders = {}
+    folders, failures = {}, []
     for method, overrides in runs.items():
         print(f"== {method}: {' '.join(overrides)}", flush=True)
         summary = run(configs[method])
         folders[method] = summary["results"]
+        failures += [failure] if (failure := fidelity_failure(summary)) else []
     results = Path(configs[method].results_dir)
     report.main([str(results), "--out", str(results / "report")])
     for beside in sorted((results / "report").glob("*/published.md")):  # where a published setting matches
         print(beside.read_text())
     figures.main([str(results), "--out", str(args.figures or config.figures_dir)])
     print(json.dumps(folders, indent=2))
-    return 0
+    for failure in failures:  # every run, report and figure is written first; then the headline fails
+        print(failure, file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

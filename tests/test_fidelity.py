@@ -126,3 +126,17 @@ def test_a_broken_acceptor_is_a_mismatch_and_fails_the_run(tiny_chat_model_dir, 
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert done.returncode == 1, done.stderr[-2000:]
     assert "FIDELITY FAILURE: 2 of 2 outputs" in done.stderr and "FIDELITY MISMATCH" in done.stdout
+
+
+def test_a_headline_with_a_mismatch_writes_its_report_and_fails(tiny_chat_model_dir, questions_file, tmp_path, monkeypatch):
+    from harness.headline import main
+
+    monkeypatch.setattr(SpeculativeSamplingDecoder, "_accept", broken_accept)
+    results = tmp_path / "results"
+    headline = tmp_path / "headline.yaml"
+    headline.write_text(json.dumps({"model": "smollm2-135m", "dataset": "spec_bench", "limit": 2, "max_new_tokens": 12,
+                                    "results_dir": str(results), "figures_dir": str(tmp_path / "plots"),
+                                    "methods": {"sps": []}}))
+    overrides = tiny_overrides(tiny_chat_model_dir, questions_file, results, "warmup=0")
+    assert main(["--config", str(headline), *overrides]) == 1
+    assert any((results / "report").rglob("speedup.md"))  # the report is written before the headline fails
