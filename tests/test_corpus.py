@@ -127,3 +127,30 @@ def test_fp32_attention_of_a_bf16_answerer_is_the_models_own_attention(tiny_chat
     for record, answer in zip(records, expected):
         got = record["ids"][record["answer_start"]:]
         assert got == answer[:len(got)] and len(got) >= 1
+
+
+def test_corpus_writes_the_answers_and_a_manifest_with_their_checksum(tiny_chat_model_dir, tmp_path, monkeypatch, capsys):
+    import argparse
+    import hashlib
+
+    from harness.prompts import ChatTemplate
+    from harness.training import distill
+    from methods.models.loading import load_model, load_tokenizer
+    from methods.models.specs import ModelSpec
+
+    spec = ModelSpec(path=str(tiny_chat_model_dir))
+    model, tokenizer = load_model(spec, torch.float32, torch.device("cpu")), load_tokenizer(spec)
+    monkeypatch.setattr(distill, "_answer_target", lambda name, dtype: (model, ChatTemplate("tokenizer", tokenizer)))
+    args = argparse.Namespace(model="tiny", prompts=12, seed=0, max_new_tokens=6, distill_batch=4, distill_dtype="float32",
+                              measure=False, questions=SPEC_BENCH_SAMPLE)
+    data, manifest_file = tmp_path / "answers.jsonl", tmp_path / "corpus.json"
+    distill.corpus(args, data, manifest_file)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    manifest = json.loads(manifest_file.read_text())
+    assert manifest["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+    assert manifest["prompts"] == len(rows) == 12 and not data.with_suffix(".partial.jsonl").exists()
+    assert manifest["answer_tokens"] == sum(len(r["ids"]) - r["answer_start"] for r in rows)
+    assert sum(manifest["modes"].values()) == 12 and sum(manifest["kinds"].values()) == 12
+    assert str(SPEC_BENCH_SAMPLE) in manifest["disjoint_from"] and manifest["dtype"] == "float32"
+    assert "--prompts 12 --seed 0" in manifest["command"]
+    assert "none sharing 13 words" in capsys.readouterr().out

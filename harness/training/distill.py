@@ -390,7 +390,7 @@ def measure_batches(model_name: str, prompts: list[dict], max_new_tokens: int, s
     return rows
 
 
-def corpus(args, data_file: Path) -> None:
+def corpus(args, data_file: Path, manifest_file: Path | None = None) -> None:
     """`python -m harness.training data`: the prompts (checked disjoint from every evaluation set on
     this machine), the target's answers (journalled: an interrupted run resumes) and a manifest with
     the recipe and the corpus's checksum (`drafts/<model>/corpus.json`, committed; the corpus is not)."""
@@ -435,7 +435,7 @@ def corpus(args, data_file: Path) -> None:
                     "passages": "the Python language reference shipped as pydoc_data.topics (PSF License)",
                     "code": "first lines of standard-library docstrings (PSF License)"},
     }
-    manifest_file = ROOT / "drafts" / args.model / "corpus.json"
+    manifest_file = manifest_file or ROOT / "drafts" / args.model / "corpus.json"
     manifest_file.parent.mkdir(parents=True, exist_ok=True)
     manifest_file.write_text(json.dumps(manifest, indent=2) + "\n")
     print(f"wrote {data_file}: {len(records)} answers, {tokens} answer tokens; manifest {manifest_file}")
