@@ -146,3 +146,18 @@ def write_checkpoint(folder: Path, config: dict, state: dict, safetensors: bool)
         save_file(state, str(folder / "model.safetensors"))
     else:
         torch.save(state, folder / "pytorch_model.bin")
+
+
+def tiny_target_with_answers(n: int):
+    """A tiny target (tied embeddings, as SmolLM2) and `n` training examples: its own greedy
+    continuations of random prompts, with its hidden states attached (the draft recipes' tests)."""
+    from harness.training.examples import Example, attach_hidden
+
+    target = tiny_model("llama", seed=5, vocab_size=96, hidden=32, layers=3, tie_word_embeddings=True, init_std=0.3)
+    generator = torch.Generator().manual_seed(0)
+    examples = []
+    for _ in range(n):
+        prompt = torch.randint(0, 96, (6,), generator=generator).tolist()
+        examples.append(Example(torch.tensor(prompt + hf_greedy(target, prompt, 20)), len(prompt)))
+    attach_hidden(target, examples)
+    return target, examples

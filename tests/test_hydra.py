@@ -21,7 +21,7 @@ from methods.engine.stopping import StopCondition
 from methods.hydra import HydraDecoder
 from methods.models.heads.hydra import load_hydra_heads
 from methods.models.specs import ModelSpec, ModelUnavailableError
-from tests.conftest import tiny_model
+from tests.conftest import tiny_model, tiny_target_with_answers
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 
 # ---------------------------------------------------------------------------------------------
@@ -269,18 +269,7 @@ def test_registry_builds_hydra_and_rejects_unsupported_heads(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_target_data():
-    """A tiny target (tied embeddings, as SmolLM2) and its own greedy continuations of random prompts."""
-    from harness.training.examples import Example, attach_hidden
-    from tests.conftest import hf_greedy
-
-    target = tiny_model("llama", seed=5, vocab_size=96, hidden=32, layers=3, tie_word_embeddings=True, init_std=0.3)
-    generator = torch.Generator().manual_seed(0)
-    examples = []
-    for _ in range(10):
-        prompt = torch.randint(0, 96, (6,), generator=generator).tolist()
-        examples.append(Example(torch.tensor(prompt + hf_greedy(target, prompt, 20)), len(prompt)))
-    attach_hidden(target, examples)
-    return target, examples
+    return tiny_target_with_answers(10)
 
 
 @pytest.mark.parametrize("arch, reduced", [("prefix-mlp", True), ("mlp", False)])

@@ -13,21 +13,12 @@ from harness.training.eagle import EagleRecipe
 from harness.training.examples import Example, attach_hidden
 from harness.training.loop import evaluate, train
 from harness.training.medusa import MedusaRecipe
-from tests.conftest import hf_greedy, tiny_model
+from tests.conftest import tiny_target_with_answers
 
 
 @pytest.fixture(scope="module")
 def tiny_target_data():
-    """A tiny target (tied embeddings, as SmolLM2) and its own greedy continuations of random prompts."""
-    target = tiny_model("llama", seed=5, vocab_size=96, hidden=32, layers=3, tie_word_embeddings=True, init_std=0.3)
-    generator = torch.Generator().manual_seed(0)
-    examples = []
-    for _ in range(12):
-        prompt = torch.randint(0, 96, (6,), generator=generator).tolist()
-        answer = hf_greedy(target, prompt, 20)
-        examples.append(Example(torch.tensor(prompt + answer), len(prompt)))
-    attach_hidden(target, examples)
-    return target, examples
+    return tiny_target_with_answers(12)
 
 
 def _rounded_to_bf16(module):
