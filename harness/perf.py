@@ -3,9 +3,13 @@
 In one run, on the same model, prompts, dtype and stopping rule (greedy, EOS, max new tokens):
   * the machine: read bandwidth (a 256 MB tensor of random values summed) and the roofline of one
     forward, weight bytes / bandwidth;
-  * the target's forward latency against tokens per forward (1..64 after a 256-token prefix), with
-    the engine's linear path (`engine.skinny_gemm=auto`) and with stock `F.linear` (`off`),
-    interleaved round by round: the curve that decides what speculation can gain;
+  * the target's forward latency against tokens per forward (1..64 after a 256-token prefix):
+    the engine as it runs (its own fused forward, `engine.decoder=auto`, and the measured linear
+    path, `engine.skinny_gemm=auto`), the `transformers` decoder stack on that linear path, and
+    stock `transformers` (`F.linear`), interleaved round by round: the curve that decides what
+    speculation can gain;
+  * where a one-token forward's time goes: its GEMMs (and the bandwidth they reach) against
+    everything else (the other aten ops and Python), and how many aten calls it makes;
   * one EAGLE draft level (a head forward over 4 nodes + the vocabulary projection) with the full
     vocabulary and with the reduced one, in units of the target's one-token forward;
   * our AR loop vs `transformers` `generate(do_sample=False)`, and our SpS vs
@@ -32,6 +36,7 @@ from harness.prompts import ChatTemplate, Message
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
 from methods.engine.hardware import read_bandwidth, weight_bytes
+from methods.engine.linear import gemms_skipped
 from methods.engine.runner import ModelRunner
 from methods.models.heads.checkpoints import head_spec
 from methods.models.heads.eagle import load_eagle_head
@@ -74,6 +79,49 @@ def latency_curves(runners: dict[str, ModelRunner], sizes=SIZES, prefix: int = 2
     for runner in runners.values():
         runner.reset()
     return {name: {n: statistics.median(v) for n, v in by_size.items()} for name, by_size in samples.items()}
+
+
+def count_aten_calls(fn) -> int:
+    """The aten operator calls `fn()` makes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.calls
+
+
+@torch.inference_mode()
+def forward_breakdown(runner: ModelRunner, weights: int, prefix: int = 256, rounds: int = 9) -> dict:
+    """A one-token forward after a `prefix`-token prefix, timed whole and without its GEMMs (each
+    linear returns a remembered output: `linear.gemms_skipped`), interleaved: the difference is
+    the GEMMs' time, and weight bytes over it the bandwidth they reach."""
+    runner.reset()
+    runner.prefill([0] * prefix)
+
+    def one():
+        runner.forward([0])
+        runner.rollback(prefix)
+
+    memo: dict = {}
+    with gemms_skipped(memo):
+        one()  # remember every linear's output
+    total, rest = [], []
+    for _ in range(rounds):
+        total.append(timed(one, runner.device))
+        with gemms_skipped(memo):
+            rest.append(timed(one, runner.device))
+    calls = count_aten_calls(one)
+    runner.reset()
+    t, other = statistics.median(total), statistics.median(rest)
+    return {"t1_seconds": t, "without_gemms_seconds": other, "gemm_seconds": t - other,
+            "gemm_bytes_per_second": weights / (t - other) if t > other else None, "aten_calls": calls}
 
 
 @torch.inference_mode()
@@ -138,14 +186,16 @@ def main(argv=None) -> dict:
     weights = weight_bytes(model)
     roofline = weights / bandwidth if bandwidth else None
     print("measuring the linear path (once per machine; cached) ...", flush=True)
-    runners = {"auto": ModelRunner(model, "auto"), "off": ModelRunner(model, "off")}
+    runners = {"auto": ModelRunner(model, "auto", "auto"), "transformers": ModelRunner(model, "auto", "transformers"),
+               "off": ModelRunner(model, "off", "transformers")}
     curves = latency_curves(runners)
+    breakdown = {name: forward_breakdown(runners[name], weights) for name in ("auto", "transformers")}
     context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True))
     level = eagle_level_cost(model, runners["auto"], context)
     result = {
         "dtype": dtype_name, "device": str(device), "hardware": hardware, "environment": env,
         "read_bandwidth_bytes_per_second": bandwidth, "weight_bytes": weights, "roofline_seconds": roofline,
-        "forward_seconds_by_tokens": curves, "linear_kernels": runners["auto"].linear.describe(),
+        "forward_seconds_by_tokens": curves, "one_token_forward_breakdown": breakdown, "linear_kernels": runners["auto"].linear.describe(),
         "eagle_level_seconds": level,
     }
     print_curves(result)
@@ -165,13 +215,22 @@ def print_curves(result: dict) -> None:
         print(f"read bandwidth {result['read_bandwidth_bytes_per_second'] / 1e9:.1f} GB/s; weights "
               f"{result['weight_bytes'] / 1e6:.0f} MB -> roofline t(1) = {1000 * result['roofline_seconds']:.1f} ms")
     print("target forward by tokens per forward (256-token prefix), median ms and ratio to one token:")
-    print("  " + f"{'linear path':<14}" + "".join(f"{n:>13}" for n in SIZES))
+    labels = {"auto": "engine (fused forward, measured linears)", "transformers": "transformers stack, measured linears",
+              "off": "transformers stack, F.linear"}
+    width = max(len(label) for label in labels.values())
+    print("  " + f"{'':<{width}}" + "".join(f"{n:>13}" for n in SIZES))
     for name, curve in curves.items():
-        label = {"auto": "measured (auto)", "off": "F.linear (off)"}.get(name, name)
-        print("  " + f"{label:<14}" + "".join(f"{1000 * curve[n]:>7.1f} {curve[n] / curve[1]:>4.2f}x" for n in SIZES))
+        print("  " + f"{labels.get(name, name):<{width}}" + "".join(f"{1000 * curve[n]:>7.1f} {curve[n] / curve[1]:>4.2f}x" for n in SIZES))
     if result["roofline_seconds"]:
         one = curves["auto"][1]
         print(f"  t(1) = {one / result['roofline_seconds']:.2f}x the roofline")
+    for name, part in (result.get("one_token_forward_breakdown") or {}).items():
+        bandwidth = part["gemm_bytes_per_second"]
+        share = f", {bandwidth / result['read_bandwidth_bytes_per_second']:.0%} of the read bandwidth" \
+            if bandwidth and result["read_bandwidth_bytes_per_second"] else ""
+        print(f"  {labels.get(name, name)}: t(1) {1000 * part['t1_seconds']:.1f} ms = GEMMs "
+              f"{1000 * part['gemm_seconds']:.1f} ms ({(bandwidth or 0) / 1e9:.1f} GB/s{share}) + everything else "
+              f"{1000 * part['without_gemms_seconds']:.1f} ms ({part['aten_calls']} aten calls)")
     level = result.get("eagle_level_seconds")
     if level:
         one = curves["auto"][1]

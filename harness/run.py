@@ -63,16 +63,20 @@ class Benchmark:
         self.max_new_tokens = int(cfg.max_new_tokens or cfg.dataset.max_new_tokens)
         context = BuildContext(self.model, cfg.model.name, OmegaConf.to_container(cfg.model, resolve=True))
         params = OmegaConf.to_container(cfg.method, resolve=True)
-        skinny = cfg.engine.skinny_gemm
+        skinny, forward = cfg.engine.skinny_gemm, cfg.engine.decoder
         self.decoders: dict[str, Decoder] = {
-            cfg.method.name: get_method(cfg.method.name)(ModelRunner(self.model, skinny), params, context)}
+            cfg.method.name: get_method(cfg.method.name)(ModelRunner(self.model, skinny, forward), params, context)}
         if cfg.baseline and cfg.method.name != BASELINE:
-            self.decoders = {BASELINE: get_method(BASELINE)(ModelRunner(self.model, skinny), {}, context), **self.decoders}
+            self.decoders = {BASELINE: get_method(BASELINE)(ModelRunner(self.model, skinny, forward), {}, context),
+                             **self.decoders}
 
     def engine_record(self) -> dict:
-        """How the engine ran: the dtype and why, the linear path and the kernels it chose."""
-        linear = next(iter(self.decoders.values())).target.linear
+        """How the engine ran: the dtype and why, the forward (fused or not, and why not), the linear
+        path and the kernels it chose."""
+        target = next(iter(self.decoders.values())).target
+        linear = target.linear
         return {"dtype_reason": self.dtype_reason, "skinny_gemm": self.cfg.engine.skinny_gemm,
+                "decoder": "fused" if target.fused else f"transformers ({target.unfused_reason})",
                 "linear_kernels": linear.plan.to_dict()["kernels"] if linear.plan else None}
 
     def max_new_tokens_for(self, category: str) -> int:

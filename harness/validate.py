@@ -13,6 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from methods.base import check_method_params
+from methods.engine.fused import DECODER_MODES
 from methods.engine.hardware import SKINNY_GEMM_MODES
 from methods.engine.params import BOOL, Check, ConfigError, integer, null, number, one_of
 from methods.models.loading import DTYPES
@@ -34,6 +35,7 @@ SCHEMA: dict[str, Check] = {
     "results_dir": TEXT,
     "run_name": null() | Check(lambda v: isinstance(v, str) and v.strip() != "" and "/" not in v, "a folder name"),
     "engine.skinny_gemm": one_of(*SKINNY_GEMM_MODES),
+    "engine.decoder": one_of(*DECODER_MODES),
 }
 
 

@@ -220,7 +220,7 @@ def latency_curve(runner, model_name: str, sizes=(1, 2, 4, 8, 16, 32, 64), prefi
     """Median seconds of one forward of n tokens after a `prefix`-token prefix, for each n: measured
     once per (machine, model, dtype, linear path) and kept in the profile folder. It decides how
     large a draft tree can be before verifying it stops paying (EAGLE-2 `adaptive`, `make perf`)."""
-    mode = runner.skinny_gemm
+    mode = runner.skinny_gemm + ("-fused" if runner.fused else "")
     shape = hashlib.sha1(json.dumps(runner.config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:8]
     dtype = str(runner.dtype).replace("torch.", "")
     file = profile_dir(runner.device) / f"curve-{model_name}-{shape}-{dtype}-{mode}.json"

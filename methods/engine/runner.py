@@ -6,9 +6,11 @@
     runner.commit(path)        -> keep only the path's KV entries, contiguous after the prefix
     runner.rollback(length)    -> plain truncation
 
-Models are `transformers` models used as they are (Llama, Qwen2, Mistral, ...): the runner calls the
-decoder stack with a custom float mask and explicit position ids, and applies the LM head only to
-the positions whose logits are needed. Every linear runs through the machine's linear path
+Models are `transformers` models (Llama, Qwen2, Mistral, ...). Llama-family decoders run on the
+engine's own forward over the model's weights (`fused.py`: fused projections, one attention call,
+fewer small ops; `decoder="transformers"` for the stock one); others call the `transformers`
+decoder stack. Either way with a custom float mask and explicit position ids, and the LM head only
+on the positions whose logits are needed. Every linear runs through the machine's linear path
 (`linear.py`: the fastest measured formulation per weight shape and token count; `skinny_gemm="off"`
 for stock `F.linear`).
 """
@@ -21,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from .fused import DECODER_MODES, fused_decoder, unsupported
 from .hardware import linear_path
 from .kv_cache import TreeKVCache
 from .tree import Tree, attention_mask
@@ -55,10 +58,16 @@ def layer_inputs(decoder, layers: Sequence[int]):
 
 
 class ModelRunner:
-    def __init__(self, model, skinny_gemm: str = "auto"):
+    def __init__(self, model, skinny_gemm: str = "auto", decoder: str = "auto"):
+        if decoder not in DECODER_MODES:
+            raise ValueError(f"engine.decoder={decoder!r}; valid: {', '.join(DECODER_MODES)}")
         self.model = model
         self.skinny_gemm = skinny_gemm
-        self.linear = linear_path([model], skinny_gemm)
+        self.decoder_mode = decoder
+        # why the stock forward runs instead of the fused one (None: the fused one runs)
+        self.unfused_reason = "engine.decoder=transformers" if decoder == "transformers" else unsupported(model)
+        self.fused = None if self.unfused_reason else fused_decoder(model)
+        self.linear = linear_path([model, *self._fused_linears()], skinny_gemm)
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.config = model.config
@@ -88,7 +97,10 @@ class ModelRunner:
 
     def cover(self, *modules) -> None:
         """Measure the linear path for other modules this runner's decoder drives (draft heads)."""
-        self.linear = linear_path([self.model, *modules], self.skinny_gemm)
+        self.linear = linear_path([self.model, *self._fused_linears(), *modules], self.skinny_gemm)
+
+    def _fused_linears(self) -> list:
+        return self.fused.linears if self.fused else []
 
     # ---------------------------------------------------------------------------------------
     @property
@@ -127,16 +139,22 @@ class ModelRunner:
             # Causal continuation over a non-empty cache: state the mask rather than rely on the
             # model's own construction from cache lengths.
             mask = attention_mask(torch.ones(n, n, dtype=torch.bool).tril_(), start, self.dtype, self.device)
-        capturing = layer_inputs(self.decoder, self.feature_layers) if self.feature_layers else nullcontext()
+        fused = self.fused is not None and (self.fused.window is None or start + n <= self.fused.window)
+        capturing = layer_inputs(self.decoder, self.feature_layers) if self.feature_layers and not fused \
+            else nullcontext({})
         with self.linear.active(), capturing as captured:
-            out = self.decoder(
-                input_ids=ids,
-                position_ids=positions.view(1, -1),
-                attention_mask=mask,
-                past_key_values=self.cache,
-                use_cache=True,
-            )
-            hidden = out.last_hidden_state[0]  # [n, H]
+            if fused:
+                hidden, captured = self.fused.forward(ids, positions.view(1, -1), mask, self.cache, self.feature_layers)
+                hidden = hidden[0]  # [n, H]
+            else:
+                out = self.decoder(
+                    input_ids=ids,
+                    position_ids=positions.view(1, -1),
+                    attention_mask=mask,
+                    past_key_values=self.cache,
+                    use_cache=True,
+                )
+                hidden = out.last_hidden_state[0]  # [n, H]
             if logits_for is None:
                 logits = None
             elif self.vocabulary is not None:

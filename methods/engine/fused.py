@@ -1,0 +1,188 @@
+"""The engine's own forward for Llama-family decoders (Llama 1-3, Vicuna, SmolLM2, Qwen2, Mistral).
+
+`transformers` runs a decoder layer as ~70 small aten calls (per-projection linears, RoPE by
+`cat`, mask construction, dtype casts, cache bookkeeping); for a 135M model on a CPU those calls,
+not the weights, are half of a one-token forward. This forward computes the same thing with fewer
+calls over the model's own weights:
+
+  * q, k and v are one linear (`qkv`), gate and up one (`gate_up`): the model's projection weights
+    become row views of the fused matrices, so no weight is stored twice, and the linear path
+    (`linear.py`) streams each fused matrix in one kernel call;
+  * RoPE rotates q and k together, with cos/sin read from a table made once by the model's own
+    rotary module (so every `rope_type` whose frequencies do not depend on the sequence length
+    is exact: default, linear, llama3, yarn, longrope's short factor is not: see `ROPE_TYPES`);
+  * attention is one `scaled_dot_product_attention` over the cache's buffers (`kv_cache.py`),
+    grouped-query heads without copies;
+  * RMSNorm is `transformers`' formula (fp32 statistics, cast, weight), so numerics match.
+
+Every tensor keeps a leading batch dimension `[B, n, ...]`; masks broadcast over it.
+Architectures or configurations outside this set run through `transformers` (`unsupported()`
+says why), exactly as before.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ARCHITECTURES = ("llama", "qwen2", "mistral")
+ROPE_TYPES = ("default", "linear", "llama3")
+DECODER_MODES = ("auto", "transformers")
+
+
+def unsupported(model) -> str | None:
+    """Why this model cannot run on the fused forward; None when it can."""
+    config = model.config
+    kind = getattr(config, "model_type", None)
+    if kind not in ARCHITECTURES:
+        return f"model_type {kind!r} (the fused forward runs {', '.join(ARCHITECTURES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r}"
+    decoder = model.get_decoder()
+    rope = getattr(getattr(decoder, "rotary_emb", None), "rope_type", None)
+    if rope not in ROPE_TYPES:
+        return f"rope_type {rope!r} (exact from a table: {', '.join(ROPE_TYPES)})"
+    if getattr(decoder.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        return f"attention implementation {decoder.config._attn_implementation!r}"
+    return None
+
+
+def _fuse(linears: Sequence[nn.Linear]) -> nn.Linear:
+    """One Linear whose rows are the given Linears' rows; theirs become views of its weight."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    has_bias = [m.bias is not None for m in linears]
+    bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]) \
+        if any(has_bias) else None
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    row = 0
+    for m in linears:
+        m.weight.data = fused.weight.data[row:row + m.out_features]
+        if m.bias is not None:
+            m.bias.data = fused.bias.data[row:row + m.out_features]
+        row += m.out_features
+    return fused
+
+
+def sliding_window(config) -> int | None:
+    """The attention window `transformers` applies, if any: a forward whose keys would reach past
+    it runs on the stock forward (`ModelRunner.forward`), below it the window changes nothing."""
+    window = getattr(config, "sliding_window", None)
+    if window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
+        return int(window)
+    return None
+
+
+def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """`LlamaRMSNorm.forward` in the fewest calls: statistics in fp32, the weight in x's dtype (in
+    fp32 torch's fused kernel computes the same formula: measured identical on the embedded model)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    x32 = x.float()
+    return norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon))).to(x.dtype)
+
+
+class FusedLayer:
+    def __init__(self, layer, config):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj = attn.o_proj
+        self.gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = mlp.down_proj
+        self.input_norm = layer.input_layernorm
+        self.post_norm = layer.post_attention_layernorm
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.intermediate = mlp.gate_proj.out_features
+        self.index = attn.layer_idx
+
+
+def _fused_layer(layer, config) -> FusedLayer:
+    """A layer's fused form, made once per layer module: every runner of the model shares it."""
+    fused = getattr(layer, "_decodebench_fused", None)
+    if fused is None:
+        fused = layer._decodebench_fused = FusedLayer(layer, config)
+    return fused
+
+
+def fused_decoder(model) -> "FusedDecoder":
+    """The model's fused forward, made once per model."""
+    fused = getattr(model, "_decodebench_fused", None)
+    if fused is None:
+        fused = model._decodebench_fused = FusedDecoder(model)
+    return fused
+
+
+class FusedDecoder:
+    """`forward(ids [B, n], positions [B, n], mask, cache)` -> last hidden state [B, n, H] after the
+    final norm, and the hidden states entering the layers named in `capture`."""
+
+    def __init__(self, model):
+        reason = unsupported(model)
+        if reason:
+            raise ValueError(f"the fused forward does not run this model: {reason}")
+        decoder = model.get_decoder()
+        self.embed = decoder.embed_tokens
+        self.norm = decoder.norm
+        self.rotary = decoder.rotary_emb
+        with torch.no_grad():
+            self.layers = [_fused_layer(layer, model.config) for layer in decoder.layers]
+        self.linears = [m for layer in self.layers for m in (layer.qkv, layer.gate_up)]
+        self.head_dim = self.layers[0].head_dim
+        self.window = sliding_window(model.config)
+        self._cos = self._sin = None  # [positions, head_dim] tables, grown by doubling
+
+    def rope_tables(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos is None or self._cos.shape[0] < needed:
+            size = max(needed, 256 if self._cos is None else 2 * self._cos.shape[0])
+            weight = self.embed.weight
+            positions = torch.arange(size, device=weight.device).view(1, -1)
+            probe = torch.empty(1, dtype=weight.dtype, device=weight.device)
+            cos, sin = self.rotary(probe, positions)
+            half = self.head_dim // 2
+            # sin with rotate_half's sign folded in: rotate_half(x) * sin == x.roll(half) * signed_sin
+            signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
+            self._cos, self._sin = cos[0].contiguous(), signed.contiguous()
+        return self._cos, self._sin
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,
+                capture: Sequence[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        batch, n = ids.shape
+        cos_table, sin_table = self.rope_tables(int(positions.max()) + 1)
+        cos = cos_table[positions].unsqueeze(2)  # [B, n, 1, d]: broadcast over heads
+        sin = sin_table[positions].unsqueeze(2)
+        causal = mask is None and n > 1
+        half = self.head_dim // 2
+        captured: dict[int, torch.Tensor] = {}
+        x = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                captured[i] = x
+            h = rms_norm(x, layer.input_norm)
+            qkv = layer.qkv(h).view(batch, n, layer.heads + 2 * layer.kv_heads, self.head_dim)
+            qk = qkv[:, :, : layer.heads + layer.kv_heads]
+            qk = qk * cos + qk.roll(half, -1) * sin
+            q = qk[:, :, : layer.heads].transpose(1, 2)
+            k = qk[:, :, layer.heads:].transpose(1, 2)
+            v = qkv[:, :, layer.heads + layer.kv_heads:].transpose(1, 2)
+            keys, values = cache.update(k, v, layer.index)
+            if n == 1 and layer.heads != layer.kv_heads:
+                # one query: a group's heads become rows of its kv head (no broadcast over heads)
+                attn = F.scaled_dot_product_attention(q.reshape(batch, layer.kv_heads, -1, self.head_dim), keys,
+                                                      values, attn_mask=mask, scale=layer.scaling)
+                attn = attn.view(batch, layer.heads, 1, self.head_dim)
+            else:
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
+                                                      scale=layer.scaling, enable_gqa=layer.heads != layer.kv_heads)
+            x = x + layer.o_proj(attn.transpose(1, 2).reshape(batch, n, layer.heads * self.head_dim))
+            h = layer.gate_up(rms_norm(x, layer.post_norm))
+            x = x + layer.down_proj(F.silu(h[..., : layer.intermediate]) * h[..., layer.intermediate:])
+        return rms_norm(x, self.norm), captured
