@@ -139,7 +139,7 @@ def eagle_level_cost(model, runner: ModelRunner, context: BuildContext, nodes: i
     drafters = {"full": EagleDrafter(head, runner.lm_head)}
     if vocabulary is not None:
         drafters[f"reduced_{len(vocabulary)}"] = EagleDrafter(head, runner.lm_head, vocabulary)
-    runner.cover(head, *([vocabulary.head(runner.lm_head.weight)] if vocabulary else []))
+    runner.cover(head, *drafters["full"].linears, *([vocabulary.head(runner.lm_head.weight)] if vocabulary else []))
     hidden = model.config.hidden_size
     features = torch.randn(256, hidden, dtype=runner.dtype)
     samples = {name: [] for name in drafters}

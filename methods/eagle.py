@@ -60,6 +60,9 @@ class EagleDrafter:
         self.head, self.lm_head, self.vocabulary = head, lm_head, vocabulary
         self.device = head.fc.weight.device
         self.dtype = head.fc.weight.dtype
+        # the head's layer on the engine's fused forward where it runs (EAGLE-3's head has its own)
+        self.fused = head.fused() if hasattr(head, "fused") else None
+        self.linears = [self.fused[0].qkv, self.fused[0].gate_up] if self.fused else []
         self.reset()
 
     def reset(self) -> None:
@@ -70,7 +73,12 @@ class EagleDrafter:
     def _feed(self, tokens: Sequence[int] | torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
               mask: torch.Tensor | None) -> torch.Tensor:
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
-        return self.head(tokens, features, positions, mask, self.cache)
+        if self.fused is None:
+            return self.head(tokens, features, positions, mask, self.cache)
+        layer, rope = self.fused
+        x = self.head.inputs(tokens, features)[None]
+        cos, sin = rope.lookup(positions.view(1, -1), x)
+        return layer.forward(x, cos, sin, mask, self.cache)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -109,8 +117,9 @@ class _EagleBase(DraftVerifyDecoder):
         self.drafter = self.make_drafter(head, vocabulary)
 
     def make_drafter(self, head, vocabulary) -> EagleDrafter:
-        self.target.cover(head, *([vocabulary.head(self.target.lm_head.weight)] if vocabulary else []))
-        return EagleDrafter(head, self.target.lm_head, vocabulary)
+        drafter = EagleDrafter(head, self.target.lm_head, vocabulary)
+        self.target.cover(head, *drafter.linears, *([vocabulary.head(self.target.lm_head.weight)] if vocabulary else []))
+        return drafter
 
     def features(self, out) -> torch.Tensor:
         """[n, .] the target features the head reads at each position of a target forward: EAGLE's

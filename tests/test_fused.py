@@ -131,3 +131,28 @@ def test_past_a_sliding_window_the_stock_forward_runs():
     prompt = list(range(3, 19))
     ours = AutoregressiveDecoder(runner).generate(prompt, StopCondition(max_new_tokens=24)).tokens
     assert ours == hf_greedy(reference, prompt, 24)
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True], ids=["llama head", "qwen2 head (q/k/v biases)"])
+def test_eagle_head_drafts_the_same_on_the_fused_layer(qkv_bias):
+    """The EAGLE drafter runs its head's decoder layer on the fused forward: the committed pairs
+    and two tree levels (with their level masks) give the head's own forward's outputs."""
+    from methods.eagle import EagleDrafter
+    from methods.models.heads.eagle import EagleHead, head_config
+
+    target = tiny_model("llama", seed=8)
+    torch.manual_seed(9)
+    head = EagleHead(head_config(target.config.to_dict(), qkv_bias), qkv_bias=qkv_bias).eval().requires_grad_(False)
+    stock_head = copy.deepcopy(head)
+    fused, stock = EagleDrafter(head, target.lm_head), EagleDrafter(stock_head, target.lm_head)
+    stock.fused = None
+    assert fused.fused is not None and len(fused.linears) == 2
+    features = torch.randn(12, target.config.hidden_size)
+    outputs = []
+    for drafter in (fused, stock):
+        drafter.follow(list(range(10, 22)), features)
+        first = drafter.feed_level([4, 5, 6], features[:3], 1, [[], [], []])
+        second = drafter.feed_level([7, 8], first[:2], 2, [[0], [1]])
+        outputs.append((drafter.root_hidden, first, second))
+    for a, b in zip(*outputs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

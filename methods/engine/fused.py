@@ -35,18 +35,22 @@ DECODER_MODES = ("auto", "transformers")
 
 def unsupported(model) -> str | None:
     """Why this model cannot run on the fused forward; None when it can."""
-    config = model.config
+    decoder = model.get_decoder()
+    return unsupported_layers(model.config, getattr(decoder, "rotary_emb", None))
+
+
+def unsupported_layers(config, rotary) -> str | None:
+    """Why decoder layers of this config (and rotary module) cannot run fused; None when they can."""
     kind = getattr(config, "model_type", None)
     if kind not in ARCHITECTURES:
         return f"model_type {kind!r} (the fused forward runs {', '.join(ARCHITECTURES)})"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act {config.hidden_act!r}"
-    decoder = model.get_decoder()
-    rope = getattr(getattr(decoder, "rotary_emb", None), "rope_type", None)
+    rope = getattr(rotary, "rope_type", None)
     if rope not in ROPE_TYPES:
         return f"rope_type {rope!r} (exact from a table: {', '.join(ROPE_TYPES)})"
-    if getattr(decoder.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
-        return f"attention implementation {decoder.config._attn_implementation!r}"
+    if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager", None):
+        return f"attention implementation {config._attn_implementation!r}"
     return None
 
 
@@ -80,7 +84,10 @@ def sliding_window(config) -> int | None:
 
 def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """`LlamaRMSNorm.forward` in the fewest calls: statistics in fp32, the weight in x's dtype (in
-    fp32 torch's fused kernel computes the same formula: measured identical on the embedded model)."""
+    fp32 torch's fused kernel computes the same formula: measured identical on the embedded model).
+    An `nn.Identity` norm (EAGLE's head has no input norm) passes x through."""
+    if isinstance(norm, nn.Identity):
+        return x
     if x.dtype == torch.float32:
         return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
     x32 = x.float()
@@ -88,6 +95,8 @@ def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 
 
 class FusedLayer:
+    """One decoder layer over fused projections (its module's weights become views of them)."""
+
     def __init__(self, layer, config):
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -103,12 +112,58 @@ class FusedLayer:
         self.intermediate = mlp.gate_proj.out_features
         self.index = attn.layer_idx
 
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                cache) -> torch.Tensor:
+        """x [B, n, H] -> [B, n, H]; cos/sin [B, n, 1, d] (sin signed: `RopeTable`); appends k/v to
+        `cache` at this layer's index; no mask: causal over the new tokens (a prefill) or one token."""
+        batch, n, _ = x.shape
+        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
+        qkv = self.qkv(rms_norm(x, self.input_norm)).view(batch, n, heads + 2 * kv_heads, d)
+        qk = qkv[:, :, : heads + kv_heads]
+        qk = qk * cos + qk.roll(d // 2, -1) * sin
+        q = qk[:, :, :heads].transpose(1, 2)
+        keys, values = cache.update(qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads:].transpose(1, 2),
+                                    self.index)
+        if n == 1 and heads != kv_heads:
+            # one query: a group's heads become rows of its kv head (no broadcast over heads)
+            attn = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, -1, d), keys, values, attn_mask=mask,
+                                                  scale=self.scaling).view(batch, heads, 1, d)
+        else:
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and n > 1,
+                                                  scale=self.scaling, enable_gqa=heads != kv_heads)
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(batch, n, heads * d))
+        h = self.gate_up(rms_norm(x, self.post_norm))
+        return x + self.down_proj(F.silu(h[..., : self.intermediate]) * h[..., self.intermediate:])
 
-def _fused_layer(layer, config) -> FusedLayer:
+
+class RopeTable:
+    """cos and sign-folded sin per position, made by the model's own rotary module (so exactly what
+    it computes per forward), grown by doubling."""
+
+    def __init__(self, rotary, head_dim: int):
+        self.rotary, self.head_dim = rotary, head_dim
+        self._cos = self._sin = None  # [positions, head_dim]
+
+    def lookup(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, n] -> cos, sin [B, n, 1, d] in `like`'s dtype (broadcast over heads)."""
+        needed = int(positions.max()) + 1
+        if self._cos is None or self._cos.shape[0] < needed or self._cos.dtype != like.dtype:
+            size = max(needed, 256 if self._cos is None else 2 * self._cos.shape[0])
+            probe = torch.empty(1, dtype=like.dtype, device=like.device)
+            cos, sin = self.rotary(probe, torch.arange(size, device=like.device).view(1, -1))
+            half = self.head_dim // 2
+            # rotate_half(x) * sin == x.roll(half) * signed_sin
+            self._cos = cos[0].contiguous()
+            self._sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1).contiguous()
+        return self._cos[positions].unsqueeze(2), self._sin[positions].unsqueeze(2)
+
+
+def fused_layer(layer, config) -> FusedLayer:
     """A layer's fused form, made once per layer module: every runner of the model shares it."""
     fused = getattr(layer, "_decodebench_fused", None)
     if fused is None:
-        fused = layer._decodebench_fused = FusedLayer(layer, config)
+        with torch.no_grad():
+            fused = layer._decodebench_fused = FusedLayer(layer, config)
     return fused
 
 
@@ -131,58 +186,19 @@ class FusedDecoder:
         decoder = model.get_decoder()
         self.embed = decoder.embed_tokens
         self.norm = decoder.norm
-        self.rotary = decoder.rotary_emb
-        with torch.no_grad():
-            self.layers = [_fused_layer(layer, model.config) for layer in decoder.layers]
+        self.layers = [fused_layer(layer, model.config) for layer in decoder.layers]
         self.linears = [m for layer in self.layers for m in (layer.qkv, layer.gate_up)]
-        self.head_dim = self.layers[0].head_dim
+        self.rope = RopeTable(decoder.rotary_emb, self.layers[0].head_dim)
         self.window = sliding_window(model.config)
-        self._cos = self._sin = None  # [positions, head_dim] tables, grown by doubling
-
-    def rope_tables(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cos is None or self._cos.shape[0] < needed:
-            size = max(needed, 256 if self._cos is None else 2 * self._cos.shape[0])
-            weight = self.embed.weight
-            positions = torch.arange(size, device=weight.device).view(1, -1)
-            probe = torch.empty(1, dtype=weight.dtype, device=weight.device)
-            cos, sin = self.rotary(probe, positions)
-            half = self.head_dim // 2
-            # sin with rotate_half's sign folded in: rotate_half(x) * sin == x.roll(half) * signed_sin
-            signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
-            self._cos, self._sin = cos[0].contiguous(), signed.contiguous()
-        return self._cos, self._sin
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,
                 capture: Sequence[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        batch, n = ids.shape
-        cos_table, sin_table = self.rope_tables(int(positions.max()) + 1)
-        cos = cos_table[positions].unsqueeze(2)  # [B, n, 1, d]: broadcast over heads
-        sin = sin_table[positions].unsqueeze(2)
-        causal = mask is None and n > 1
-        half = self.head_dim // 2
-        captured: dict[int, torch.Tensor] = {}
         x = self.embed(ids)
+        cos, sin = self.rope.lookup(positions, x)
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in capture:
                 captured[i] = x
-            h = rms_norm(x, layer.input_norm)
-            qkv = layer.qkv(h).view(batch, n, layer.heads + 2 * layer.kv_heads, self.head_dim)
-            qk = qkv[:, :, : layer.heads + layer.kv_heads]
-            qk = qk * cos + qk.roll(half, -1) * sin
-            q = qk[:, :, : layer.heads].transpose(1, 2)
-            k = qk[:, :, layer.heads:].transpose(1, 2)
-            v = qkv[:, :, layer.heads + layer.kv_heads:].transpose(1, 2)
-            keys, values = cache.update(k, v, layer.index)
-            if n == 1 and layer.heads != layer.kv_heads:
-                # one query: a group's heads become rows of its kv head (no broadcast over heads)
-                attn = F.scaled_dot_product_attention(q.reshape(batch, layer.kv_heads, -1, self.head_dim), keys,
-                                                      values, attn_mask=mask, scale=layer.scaling)
-                attn = attn.view(batch, layer.heads, 1, self.head_dim)
-            else:
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
-                                                      scale=layer.scaling, enable_gqa=layer.heads != layer.kv_heads)
-            x = x + layer.o_proj(attn.transpose(1, 2).reshape(batch, n, layer.heads * self.head_dim))
-            h = layer.gate_up(rms_norm(x, layer.post_norm))
-            x = x + layer.down_proj(F.silu(h[..., : layer.intermediate]) * h[..., layer.intermediate:])
+            x = layer.forward(x, cos, sin, mask, cache)
         return rms_norm(x, self.norm), captured

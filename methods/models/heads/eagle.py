@@ -59,10 +59,24 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([layer])
         self.rotary_emb = rotary_class(config=config)
 
+    def inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """tokens [n], features [n, H] -> the layer's input fc([e(x); f]) [n, H]"""
+        return self.fc(torch.cat([self.embed_tokens(tokens), features.to(self.fc.weight.dtype)], dim=-1))
+
+    def fused(self):
+        """(layer, rope table) on the engine's fused forward (`engine/fused.py`) for drafting, or
+        None where its layer type is not supported; training keeps `forward`."""
+        from ...engine.fused import RopeTable, fused_layer, unsupported_layers
+
+        if unsupported_layers(self.config, self.rotary_emb):
+            return None
+        layer = fused_layer(self.layers[0], self.config)
+        return layer, RopeTable(self.rotary_emb, layer.head_dim)
+
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor | None, cache) -> torch.Tensor:
         """tokens [n], features [n, H], positions [n] -> predicted next features [n, H]"""
-        x = self.fc(torch.cat([self.embed_tokens(tokens), features.to(self.fc.weight.dtype)], dim=-1))[None]
+        x = self.inputs(tokens, features)[None]
         position_ids = positions.view(1, -1)
         x = self.layers[0](
             x, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True,
