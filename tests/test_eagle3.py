@@ -443,6 +443,16 @@ def test_eagle3_features_are_cached_in_16_bits_memory_mapped_and_reused_only_whe
     attach_features(target, again, recipe.layers, cache=cache)
     torch.testing.assert_close(again[0].features[0].float(), expected[0].features[0] + 1, rtol=2e-3, atol=1e-2)
     torch.testing.assert_close(again[0].hidden[0].float(), expected[0].hidden[0], rtol=2e-3, atol=2e-3)
+    # the head recipes (EAGLE, Medusa, Hydra) read the last hidden state from it without a target pass
+    from harness.training.eagle3 import attach_cached_features
+
+    heads = _conversations(shapes)
+    assert attach_cached_features(target, heads, recipe.layers, cache)
+    torch.testing.assert_close(heads[3].hidden.float(), expected[3].hidden, rtol=2e-3, atol=2e-3)
+    assert torch.equal(heads[3].top, expected[3].top)
+    assert not attach_cached_features(target, _conversations(shapes[:-1]), recipe.layers, cache)  # other examples
+    assert not attach_cached_features(target, _conversations(shapes), (1, 3, 5), cache)  # other layers
+    assert not attach_cached_features(target, _conversations(shapes), recipe.layers, tmp_path / "absent.pt")
     # other examples, other layers, or attach_hidden's kind on the same file: computed afresh
     other = _conversations(shapes[:-1])
     attach_features(target, other, recipe.layers, cache=cache)

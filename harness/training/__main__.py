@@ -13,7 +13,7 @@ from . import __doc__ as RECIPES_DOC
 from .distributed import is_main
 from .draft_lm import DraftLMRecipe
 from .eagle import EagleRecipe
-from .eagle3 import Eagle3Recipe, attach_features
+from .eagle3 import Eagle3Recipe, attach_cached_features, attach_features
 from .examples import attach_hidden, feature_spread, load_examples, split
 from .loop import ROOT, evaluate, model_card, train
 from .hydra import HydraRecipe
@@ -99,13 +99,14 @@ def main(argv=None) -> None:
     examples = load_examples(data_file)
     train_set, val_set = split(examples, args.held_out, args.seed)
     train_set = train_set[: args.train_examples]
-    if args.kind == "eagle3":  # three layers' inputs + last hidden state: their own 16-bit cache beside the data
+    if args.kind != "draft-lm":
         from methods.models.heads.eagle3 import feature_layers
 
-        attach_features(target, examples, feature_layers(target.config.num_hidden_layers),
-                        cache=data_file.with_name("eagle3_features.pt"), progress=True)
-    elif args.kind != "draft-lm":
-        attach_hidden(target, examples, cache=data_file.with_name("hidden_states.pt"), progress=True)
+        layers, features = feature_layers(target.config.num_hidden_layers), data_file.with_name("eagle3_features.pt")
+        if args.kind == "eagle3":  # three layers' inputs + last hidden state: their own 16-bit cache beside the data
+            attach_features(target, examples, layers, cache=features, progress=True)
+        elif not attach_cached_features(target, examples, layers, features):  # it holds the last hidden state too
+            attach_hidden(target, examples, cache=data_file.with_name("hidden_states.pt"), progress=True)
     # classification losses over the model config's reduced draft vocabulary, where it names one
     vocab = draft_vocabulary(args.model, cfg, target) if (cfg.get("draft_vocabulary") or {}).get("frequencies") else None
     recipe = {"draft-lm": lambda: DraftLMRecipe(target, args.layers, vocabulary=vocab),

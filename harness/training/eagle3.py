@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from .examples import Example, attach_states, offset_mask, pad_batch
+from .examples import Example, _attach_from, attach_states, offset_mask, pad_batch
 
 
 def _feature_rows(layers: tuple[int, ...]):
@@ -62,9 +62,20 @@ def attach_features(target, examples: list[Example], layers: tuple[int, ...], ca
     after the final norm) and `top` [T] (the target's argmax at each position), from one target forward
     per right-padded batch. With a `cache` file: `examples.attach_states`'s cache (16-bit rows
     [features | hidden] memory-mapped, reused while the examples and layers match, rank-sharded)."""
+    attach_states(target, examples, _feature_rows(tuple(layers)), *_feature_fields(target, layers), cache, progress,
+                  batch_tokens)
+
+
+def _feature_fields(target, layers) -> tuple[dict[str, int], str]:
     hidden = target.get_input_embeddings().embedding_dim
-    attach_states(target, examples, _feature_rows(tuple(layers)), {"features": len(layers) * hidden, "hidden": hidden},
-                  f"eagle3 layer inputs {list(layers)} + last hidden state", cache, progress, batch_tokens)
+    return {"features": len(layers) * hidden, "hidden": hidden}, f"eagle3 layer inputs {list(layers)} + last hidden state"
+
+
+def attach_cached_features(target, examples: list[Example], layers: tuple[int, ...], cache: Path) -> bool:
+    """Attach an existing `attach_features` cache of exactly these examples and layers (its rows hold
+    the last hidden state too, so EAGLE, Medusa and Hydra train from it without a second target
+    pass); False, computing nothing, when there is none."""
+    return _attach_from(cache, examples, *reversed(_feature_fields(target, layers)))
 
 
 class Eagle3Recipe:
