@@ -8,7 +8,10 @@ float16 (bfloat16 if the target's hidden states exceed float16's range): 9,000 c
 tokens x 576 dims is 3 GB. The rows are memory-mapped, not read: an example's `hidden` is a view
 that reads its rows from the page cache when a recipe touches it, so a process holds in RAM only
 what it is using, and under torchrun a rank touches only its shard (`distributed.LaneSampler`).
-Computing the cache writes the file as it goes (ranks write disjoint rows of the same file).
+Computing the cache writes the file as it goes (ranks write disjoint rows of the same file), and
+journals each finished batch (`<cache>.partial.<rank>` + the argmax rows `<cache>.top.<rank>`): an
+interrupted computation (hours for a large corpus on a CPU) resumes where it stopped when run
+again with the same examples, fields, batch size and number of processes.
 The machinery is `attach_states`, for any tensor per position: EAGLE-3 caches the inputs of three
 layers beside the last hidden state with it (`eagle3.attach_features`; the index then names its
 `kind` and `fields`, the columns each attribute reads).
@@ -128,21 +131,30 @@ def attach_states(target, examples: list[Example], compute, fields: dict[str, in
     if current:
         batches.append(current)
     mine = batches[ctx.rank::ctx.world] if cache is not None else batches
-    rows = top_all = None
+    rows = top_all = journal = None
+    done: set[int] = set()
     if cache is not None:
         dtype = "float16"
-        if ctx.is_main:
+        journal = _Journal(cache, ctx, {"digest": _digest(examples), "kind": kind, "fields": dict(fields),
+                                        "batch_tokens": batch_tokens, "world": ctx.world})
+        resume = all(distributed.gather_objects(journal.readable(int(offsets[-1]) * width_d * 2)))
+        if ctx.is_main and not resume:
             with open(cache.with_name(cache.name + ".bin"), "wb") as f:
                 f.truncate(int(offsets[-1]) * width_d * 2)
         distributed.barrier()
         rows = np.memmap(cache.with_name(cache.name + ".bin"), dtype=np.float16, mode="r+",
                          shape=(int(offsets[-1]), width_d))
-        top_all = torch.zeros(int(offsets[-1]), dtype=torch.int32)
-        peak = 0.0
+        done, peak = journal.start(resume, int(offsets[-1]))
+        top_all = journal.top
+        if done and progress:
+            print(f"{cache}: resuming, {len(done)} of {len(mine)} batches already computed", flush=True)
     lm_head = target.get_output_embeddings()
     device = lm_head.weight.device
-    for chunk, states, last in tqdm(_forward(target, examples, mine, lengths, compute, device), total=len(mine),
-                                    desc=f"target {kind}", unit="batch", disable=not progress):
+    todo = [chunk for number, chunk in enumerate(mine) if number not in done]
+    numbers = [number for number in range(len(mine)) if number not in done]
+    for number, (chunk, states, last) in zip(numbers, tqdm(
+            _forward(target, examples, todo, lengths, compute, device), total=len(mine), initial=len(done),
+            desc=f"target {kind}", unit="batch", disable=not progress)):
         for row, i in enumerate(chunk):
             h = states[row, :lengths[i]]
             top = torch.cat([lm_head(part.to(lm_head.weight.dtype)).argmax(-1)
@@ -158,11 +170,15 @@ def attach_states(target, examples: list[Example], compute, fields: dict[str, in
             else:
                 peak = max(peak, float(h.abs().max()))
                 rows[offsets[i]:offsets[i + 1]] = h.to(torch.float16).numpy()
-                top_all[offsets[i]:offsets[i + 1]] = top.to(torch.int32)
+                top_all[offsets[i]:offsets[i + 1]] = top.to(torch.int32).numpy()
+        if cache is not None:
+            rows.flush()
+            journal.finished(number, peak)
     if cache is None:
         return
     rows.flush()
     del rows
+    top_all = torch.from_numpy(np.array(top_all))
     if max(distributed.gather_objects(peak)) > 60000:  # beyond float16: store bfloat16 instead
         dtype = "bfloat16"
         _convert_to_bf16(target, examples, cache, offsets, width_d, ctx, batches, lengths, compute)
@@ -175,8 +191,56 @@ def attach_states(target, examples: list[Example], compute, fields: dict[str, in
             index |= {"kind": kind, "fields": dict(fields)}
         torch.save(index, cache)
     distributed.barrier()
+    journal.remove()
     if not _attach_from(cache, examples, kind, fields):
         raise RuntimeError(f"{cache}: the cache just written does not read back")
+
+
+class _Journal:
+    """One rank's progress on a cache being computed: the batches finished (a JSON file replaced
+    atomically after each) and its argmax rows (an int32 memory-mapped file)."""
+
+    def __init__(self, cache: Path, ctx, settings: dict):
+        self.file = cache.with_name(f"{cache.name}.partial.{ctx.rank}")
+        self.top_file = cache.with_name(f"{cache.name}.top.{ctx.rank}")
+        self.data = cache.with_name(cache.name + ".bin")
+        self.settings = settings
+        self.done: list[int] = []
+        self.top = None
+
+    def readable(self, data_bytes: int) -> bool:
+        """A journal of these settings, with its data and argmax files in place."""
+        try:
+            state = json.loads(self.file.read_text())
+        except (OSError, ValueError):
+            return False
+        return (state.get("settings") == self.settings and self.data.is_file() and self.data.stat().st_size == data_bytes
+                and self.top_file.is_file())
+
+    def start(self, resume: bool, positions: int) -> tuple[set[int], float]:
+        if resume:
+            state = json.loads(self.file.read_text())
+            self.done, peak = list(state["done"]), float(state["peak"])
+            self.top = np.memmap(self.top_file, dtype=np.int32, mode="r+", shape=(positions,))
+            return set(self.done), peak
+        self.top = np.memmap(self.top_file, dtype=np.int32, mode="w+", shape=(positions,))
+        self._write(0.0)
+        return set(), 0.0
+
+    def finished(self, batch: int, peak: float) -> None:
+        self.top.flush()
+        self.done.append(batch)
+        self._write(peak)
+
+    def _write(self, peak: float) -> None:
+        temporary = self.file.with_name(self.file.name + ".tmp")
+        temporary.write_text(json.dumps({"settings": self.settings, "done": self.done, "peak": peak}))
+        temporary.replace(self.file)
+
+    def remove(self) -> None:
+        self.top = None
+        for file in (self.file, self.top_file):
+            file.unlink(missing_ok=True)
 
 
 def _forward(target, examples, batches, lengths, compute, device):
