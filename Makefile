@@ -84,4 +84,5 @@ DRAFT_KINDS ?= draft-lm eagle medusa eagle3 hydra
 train-drafts: setup
 	test -f data/distill/$(DRAFT_MODEL)/answers.jsonl || $(PY) -m harness.training data --model $(DRAFT_MODEL) $(ARGS)
 	$(PY) -m harness.training vocab --model $(DRAFT_MODEL)
+	$(PY) -m harness.training states --model $(DRAFT_MODEL)
 	for kind in $(DRAFT_KINDS); do $(PY) -m harness.training $$kind --model $(DRAFT_MODEL) || exit 1; done

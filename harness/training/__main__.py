@@ -44,9 +44,10 @@ TRAIN_EXAMPLES = {"eagle3": 240}
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m harness.training", description=RECIPES_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kind", choices=["data", "vocab", *DEFAULTS],
+    parser.add_argument("kind", choices=["data", "vocab", "states", *DEFAULTS],
                         help="data: the target's answers; vocab: their token frequencies (reduced-vocabulary drafting); "
-                             "then a draft recipe")
+                             "states: the target's states every head recipe reads (the EAGLE-3 feature cache, with the "
+                             "last hidden state; resumable); then a draft recipe")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--prompts", type=int, default=9000)
     parser.add_argument("--max-new-tokens", type=int, default=160)
@@ -91,6 +92,13 @@ def main(argv=None) -> None:
     if args.kind == "vocab":
         write_token_frequencies(data_file, args.out or ROOT / "drafts" / args.model / "token_frequencies.json",
                                 target.get_output_embeddings().out_features)
+        return
+    if args.kind == "states":
+        from methods.models.heads.eagle3 import feature_layers
+
+        attach_features(target, load_examples(data_file), feature_layers(target.config.num_hidden_layers),
+                        cache=data_file.with_name("eagle3_features.pt"), progress=True)
+        print(f"wrote {data_file.with_name('eagle3_features.pt')} (+ .bin)")
         return
     epochs, lr, batch, noise = DEFAULTS[args.kind]
     if args.train_examples is None:
