@@ -202,6 +202,8 @@ def main(argv=None) -> dict:
 
     if not args.curve_only:
         result.update(compare_with_transformers(args, model, tokenizer, config, device))
+    from harness import peers  # peers (issue 19.3): our/generate's PLD, llama.cpp; one table
+    result.update(peers.run_peers(args, model, tokenizer, config, device, result))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{hardware_slug(env)}-{dtype_name}.json"
     path.write_text(json.dumps(result, indent=2, default=str) + "\n")
