@@ -219,7 +219,7 @@ def say(line: str) -> None:
 def run_peers(args, model, tokenizer, config, device, result: dict) -> dict:
     """Measure the peers; print the table; return {"peers": {...}} for perf's JSON. Never raises for
     a missing or failing peer: it is skipped with a one-line reason."""
-    from harness.perf import spec_bench_prompts
+    from harness.perf import greedy_generate, spec_bench_prompts
     from harness.prompts import ChatTemplate
     from methods.ar import AutoregressiveDecoder
     from methods.engine.runner import ModelRunner
@@ -237,11 +237,7 @@ def run_peers(args, model, tokenizer, config, device, result: dict) -> dict:
     peers: dict = {"pld": pld, "skipped": {}}
     curve_only = getattr(args, "curve_only", False)
 
-    def hf(prompt, **kwargs):
-        ids = torch.tensor([prompt], device=device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.max_new_tokens,
-                             eos_token_id=eos, pad_token_id=eos[0], **kwargs)
-        return out[0, len(prompt):].tolist()
+    hf = greedy_generate(model, device, args.max_new_tokens, eos)
 
     ours_ar = AutoregressiveDecoder(ModelRunner(model))
     ours_pld = PromptLookupDecoder(ModelRunner(model), **pld)
@@ -305,17 +301,9 @@ def time_contenders(contenders: dict, prompts: list[list[int]], repeats: int, de
             failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             say(f"{ENGINES.get(name, name)} skipped: {failed[name]}")
             del contenders[name]
-    speeds = {name: [] for name in contenders}
-    outputs: dict[str, dict[int, list[int]]] = {name: {} for name in contenders}
-    for _ in range(max(1, repeats)):
-        for index, prompt in enumerate(prompts):
-            for name, run in contenders.items():
-                start = time.perf_counter()
-                tokens = run(prompt)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                speeds[name].append(len(tokens) / (time.perf_counter() - start))
-                outputs[name][index] = tokens
+    from harness.perf import timed_generations
+
+    speeds, outputs = timed_generations(contenders, prompts, repeats, device)
     reference = outputs.get("ar_ours", {})
     identical = {name: identical_cell(out, reference) for name, out in outputs.items() if name != "ar_ours"}
     return {"tokens_per_second_median": {n: statistics.median(v) for n, v in speeds.items()},

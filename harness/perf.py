@@ -240,6 +240,33 @@ def print_curves(result: dict) -> None:
             f"{name} {1000 * s:.1f} ms = {s / one:.3f} t(1)" for name, s in level.items()))
 
 
+def greedy_generate(model, device, max_new_tokens: int, eos: list[int]):
+    """`transformers` `generate`, greedy, as a function prompt ids (+ generate's kwargs) -> new tokens."""
+    def run(prompt, **kwargs):
+        ids = torch.tensor([prompt], device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=eos, pad_token_id=eos[0], **kwargs)
+        return out[0, len(prompt):].tolist()
+    return run
+
+
+def timed_generations(contenders: dict, prompts: list[list[int]], repeats: int, device) -> tuple[dict, dict]:
+    """Every contender (prompt -> new tokens) on every prompt, interleaved per prompt, `repeats`
+    times: ({name: [tokens/s per generation]}, {name: {prompt index: tokens}})."""
+    tokens_per_second = {name: [] for name in contenders}
+    outputs: dict[str, dict[int, list[int]]] = {name: {} for name in contenders}
+    for _ in range(max(1, repeats)):
+        for index, prompt in enumerate(prompts):
+            for name, run in contenders.items():
+                start = time.perf_counter()
+                tokens = run(prompt)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                tokens_per_second[name].append(len(tokens) / (time.perf_counter() - start))
+                outputs[name][index] = tokens
+    return tokens_per_second, outputs
+
+
 def compare_with_transformers(args, model, tokenizer, config, device) -> dict:
     draft_spec = ({"target_layers": args.draft_layers} if args.draft_layers
                   else OmegaConf.to_container(config.drafts.sps, resolve=True))
@@ -252,11 +279,7 @@ def compare_with_transformers(args, model, tokenizer, config, device) -> dict:
     stop = template.stop_condition(args.max_new_tokens)
     eos = sorted(stop.eos_token_ids)
 
-    def hf(prompt, **kwargs):
-        ids = torch.tensor([prompt], device=device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.max_new_tokens,
-                             eos_token_id=eos, pad_token_id=eos[0], **kwargs)
-        return out[0, len(prompt):].tolist()
+    hf = greedy_generate(model, device, args.max_new_tokens, eos)
 
     ours_ar = AutoregressiveDecoder(ModelRunner(model))
     # the same draft as generate's assistant, over the full vocabulary: like for like
@@ -269,17 +292,7 @@ def compare_with_transformers(args, model, tokenizer, config, device) -> dict:
     }
     for run in contenders.values():  # warm-up
         run(prompts[0][:32])
-    tokens_per_second = {name: [] for name in contenders}
-    outputs = {name: {} for name in contenders}
-    for _ in range(args.repeats):
-        for index, prompt in enumerate(prompts):
-            for name, run in contenders.items():
-                start = time.perf_counter()
-                tokens = run(prompt)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                tokens_per_second[name].append(len(tokens) / (time.perf_counter() - start))
-                outputs[name][index] = tokens
+    tokens_per_second, outputs = timed_generations(contenders, prompts, args.repeats, device)
     median = {name: statistics.median(v) for name, v in tokens_per_second.items()}
     result = {
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "gamma": args.gamma,
