@@ -156,3 +156,26 @@ def test_eagle_head_drafts_the_same_on_the_fused_layer(qkv_bias):
         outputs.append((drafter.root_hidden, first, second))
     for a, b in zip(*outputs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_one_token_steps_take_attention_outputs_in_any_memory_layout(monkeypatch):
+    """CUDA's SDPA kernels may return a non-contiguous output (seen on an H200: the one-query grouped
+    path failed with `view size is not compatible`); the CPU's returns a contiguous one. Here SDPA
+    returns its output in a transposed layout, as on CUDA, and the greedy tokens stay generate's."""
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+
+    def strided_sdpa(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, heads not outermost
+
+    model = tiny_model(seed=3, arch="llama")
+    assert model.config.num_key_value_heads != model.config.num_attention_heads  # the grouped one-query path
+    prompt = list(range(3, 20))
+    expected = hf_greedy(copy.deepcopy(model), prompt, 8)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", strided_sdpa)
+    runner = ModelRunner(model, decoder="auto")
+    assert runner.fused is not None
+    out = AutoregressiveDecoder(runner).generate(prompt, StopCondition(max_new_tokens=8))
+    assert out.tokens == expected

@@ -127,7 +127,7 @@ class FusedLayer:
         if n == 1 and heads != kv_heads:
             # one query: a group's heads become rows of its kv head (no broadcast over heads)
             attn = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, -1, d), keys, values, attn_mask=mask,
-                                                  scale=self.scaling).view(batch, heads, 1, d)
+                                                  scale=self.scaling).reshape(batch, heads, 1, d)
         else:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and n > 1,
                                                   scale=self.scaling, enable_gqa=heads != kv_heads)
