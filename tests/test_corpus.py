@@ -140,7 +140,8 @@ def test_corpus_writes_the_answers_and_a_manifest_with_their_checksum(tiny_chat_
 
     spec = ModelSpec(path=str(tiny_chat_model_dir))
     model, tokenizer = load_model(spec, torch.float32, torch.device("cpu")), load_tokenizer(spec)
-    monkeypatch.setattr(distill, "_answer_target", lambda name, dtype: (model, ChatTemplate("tokenizer", tokenizer)))
+    monkeypatch.setattr(distill, "_answer_target",
+                        lambda name, dtype, device="cpu": (model, ChatTemplate("tokenizer", tokenizer)))
     args = argparse.Namespace(model="tiny", prompts=12, seed=0, max_new_tokens=6, distill_batch=4, distill_dtype="float32",
                               measure=False, questions=SPEC_BENCH_SAMPLE)
     data, manifest_file = tmp_path / "answers.jsonl", tmp_path / "corpus.json"
@@ -154,3 +155,22 @@ def test_corpus_writes_the_answers_and_a_manifest_with_their_checksum(tiny_chat_
     assert str(SPEC_BENCH_SAMPLE) in manifest["disjoint_from"] and manifest["dtype"] == "float32"
     assert "--prompts 12 --seed 0" in manifest["command"]
     assert "none sharing 13 words" in capsys.readouterr().out
+
+    # the prompts answered are written beside the answers (their checksum in the manifest): another
+    # machine (another Python, whose standard library would make other passages) answers exactly them
+    prompts_file = tmp_path / "prompts.jsonl"
+    assert [json.loads(line)["id"] for line in prompts_file.read_text().splitlines()] == [r["id"] for r in rows]
+    assert manifest["prompts_sha256"] == hashlib.sha256(prompts_file.read_bytes()).hexdigest()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "given.jsonl").write_text("".join(line + "\n" for line in prompts_file.read_text().splitlines()[:5]))
+    only = argparse.Namespace(**vars(args), prompts_file=elsewhere / "given.jsonl", prompts_only=True)
+    distill.corpus(only, elsewhere / "answers.jsonl", elsewhere / "corpus.json")
+    assert (elsewhere / "prompts.jsonl").read_text() == (elsewhere / "given.jsonl").read_text()
+    assert not (elsewhere / "answers.jsonl").exists() and not (elsewhere / "corpus.json").exists()
+    answered = argparse.Namespace(**vars(args), prompts_file=elsewhere / "prompts.jsonl", prompts_only=False)
+    distill.corpus(answered, elsewhere / "answers.jsonl", elsewhere / "corpus.json")
+    again = [json.loads(line) for line in (elsewhere / "answers.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in again] == [r["id"] for r in rows[:5]]
+    assert [r["ids"] for r in again if r["mode"] == "greedy"] == [r["ids"] for r in rows[:5] if r["mode"] == "greedy"]
+    assert "--prompts-file" in json.loads((elsewhere / "corpus.json").read_text())["command"]

@@ -188,3 +188,27 @@ def test_hidden_state_cache_falls_back_to_bfloat16_beyond_float16s_range(tiny_ta
     for a, e in zip(cached, expected):
         assert a.hidden.dtype == torch.bfloat16 and torch.isfinite(a.hidden.float()).all()
         torch.testing.assert_close(a.hidden.float(), e.hidden, rtol=1e-2, atol=1e-2 * float(e.hidden.abs().max()))
+
+
+def test_the_training_cli_refuses_a_gpu_that_is_not_there_before_loading_anything(monkeypatch):
+    from harness.training.__main__ import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--device cuda: .*CUDA is not available"):
+        main(["eagle3", "--device", "cuda"])
+
+
+def test_the_model_card_names_the_command_that_trains_the_draft_again():
+    import argparse
+
+    from harness.training.__main__ import main
+    from harness.training.loop import recipe_command
+
+    args = argparse.Namespace(kind="eagle3", model="smollm2-135m", seed=0, epochs=3.0, lr=0.002, batch=16,
+                              train_examples=None, ttt_steps=7, heads=4, layers=2, device="cuda:0")
+    command = recipe_command(args)
+    assert command == ("python -m harness.training eagle3 --model smollm2-135m --seed 0 --epochs 3 --lr 0.002 "
+                       "--batch 16 --ttt-steps 7 --device cuda")
+    with pytest.raises(SystemExit) as exit_:  # the CLI parses it (and stops at --help)
+        main(command.split()[3:] + ["--help"])
+    assert exit_.value.code == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from . import __doc__ as RECIPES_DOC
-from .distributed import is_main
+from .distributed import is_main, place
 from .draft_lm import DraftLMRecipe
 from .eagle import EagleRecipe
 from .eagle3 import Eagle3Recipe, attach_cached_features, attach_features
@@ -20,26 +20,37 @@ from .hydra import HydraRecipe
 from .medusa import MedusaRecipe
 
 
-def load_target(model_name: str, dtype: torch.dtype = torch.float32):
+def load_target(model_name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
     from methods.models.loading import load_model, load_tokenizer
     from methods.models.specs import ModelSpec, model_config
 
     cfg = model_config(model_name)
     spec = ModelSpec.from_mapping(cfg)
-    return cfg, load_model(spec, dtype, torch.device("cpu")), load_tokenizer(spec)
+    return cfg, load_model(spec, dtype, torch.device(device)), load_tokenizer(spec)
 
 
-DEFAULTS = {  # kind: (epochs, lr, batch, noise)
-    "draft-lm": (4.0, 1e-3, 8, 0.0),
-    "eagle": (4.0, 3e-4, 8, 0.1),
-    "medusa": (1.0, 1e-3, 8, 0.0),
-    "eagle3": (2.0, 2e-3, 4, 0.0),
-    "hydra": (1.0, 1e-3, 8, 0.0),
+def training_device(name: str) -> torch.device:
+    """`--device`: auto = this rank's GPU (LOCAL_RANK under torchrun) where CUDA is present, else the CPU.
+    The target (fp32) sits there too: its states, argmax and answers are computed where the draft trains."""
+    from methods.models.loading import resolve_device
+
+    from .distributed import launched
+
+    device = resolve_device(name)
+    if device.type == "cuda" and device.index is None:
+        import os
+
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if launched() else 0)
+    return device
+
+
+DEFAULTS = {  # kind: (epochs, lr, batch, noise): the committed zoo's settings (drafts/<model>/<kind>/training.json)
+    "draft-lm": (2.0, 1e-3, 16, 0.0),
+    "eagle": (4.0, 3e-4, 16, 0.1),
+    "medusa": (2.0, 1e-3, 16, 0.0),
+    "eagle3": (3.0, 2e-3, 16, 0.0),
+    "hydra": (1.0, 1e-3, 16, 0.0),
 }
-# Recipes whose committed draft is a short run on part of the training set (`--train-examples`
-# overrides; a number >= the set's size takes all): EAGLE-3's head, ~14 min of one core with the
-# target's three-layer features (the long run on a larger corpus is a later step).
-TRAIN_EXAMPLES = {"eagle3": 240}
 
 
 def main(argv=None) -> None:
@@ -57,6 +68,15 @@ def main(argv=None) -> None:
                         help="dtype of the target that answers: auto = bfloat16 where the CPU has native bf16 "
                              "(2-3x the tokens/s), float32 elsewhere; the drafts' labels are always float32")
     parser.add_argument("--measure", action="store_true", help="data: time the batch sizes and dtypes, write nothing")
+    parser.add_argument("--prompts-file", type=Path, default=None,
+                        help="data: answer these prompts (JSONL: id, kind, text, mode) instead of generating them; the "
+                             "generated ones depend on the Python version (their passages and code come from its "
+                             "standard library), so a corpus answered elsewhere takes the file `--prompts-only` wrote")
+    parser.add_argument("--prompts-only", action="store_true",
+                        help="data: write the prompts (checked disjoint) beside the answers' file, answer none")
+    parser.add_argument("--device", default="auto", help="auto (CUDA where present, else cpu), cpu, cuda or cuda:N")
+    parser.add_argument("--state-batch-tokens", type=int, default=None,
+                        help="tokens per target forward computing the states (default: 1,024 on a CPU, 16,384 on a GPU)")
     parser.add_argument("--data", type=Path, default=None, help="default: data/distill/<model>/answers.jsonl")
     parser.add_argument("--out", type=Path, default=None, help="default: drafts/<model>/<kind>")
     parser.add_argument("--seed", type=int, default=0)
@@ -68,7 +88,7 @@ def main(argv=None) -> None:
     parser.add_argument("--held-out", type=float, default=0.05)
     parser.add_argument("--train-examples", type=int, default=None,
                         help="train on the first N training conversations only (a shorter budget; the held-out set is "
-                             "unchanged); default: all, eagle3: 240 (its committed short run)")
+                             "unchanged); default: all")
     parser.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3: training-time test steps (upstream: 7)")
     # [training-helper edit: distributed/resumable loop, harness/training/loop.py + distributed.py]
     parser.add_argument("--resume", action="store_true",
@@ -78,6 +98,12 @@ def main(argv=None) -> None:
     parser.add_argument("--questions", type=Path, default=ROOT.parent / "shared/data/spec_bench/question.jsonl",
                         help="evaluation questions the prompts must not overlap")
     args = parser.parse_args(argv)
+    try:
+        device = training_device(args.device)
+    except (ValueError, RuntimeError) as error:
+        raise SystemExit(f"--device {args.device}: {error}")
+    args.device = str(device)
+    state_batch = args.state_batch_tokens or (16384 if device.type == "cuda" else 1024)
     torch.manual_seed(args.seed)
     data_file = args.data or ROOT / "data" / "distill" / args.model / "answers.jsonl"
     if args.kind == "data":
@@ -85,7 +111,7 @@ def main(argv=None) -> None:
 
         corpus(args, data_file)
         return
-    cfg, target, tokenizer = load_target(args.model)
+    cfg, target, tokenizer = load_target(args.model, device=device)
 
     if not data_file.is_file():
         raise SystemExit(f"no training data at {data_file}: run `python -m harness.training data --model {args.model}` first")
@@ -97,12 +123,10 @@ def main(argv=None) -> None:
         from methods.models.heads.eagle3 import feature_layers
 
         attach_features(target, load_examples(data_file), feature_layers(target.config.num_hidden_layers),
-                        cache=data_file.with_name("eagle3_features.pt"), progress=True)
+                        cache=data_file.with_name("eagle3_features.pt"), progress=True, batch_tokens=state_batch)
         print(f"wrote {data_file.with_name('eagle3_features.pt')} (+ .bin)")
         return
     epochs, lr, batch, noise = DEFAULTS[args.kind]
-    if args.train_examples is None:
-        args.train_examples = TRAIN_EXAMPLES.get(args.kind)
     args.epochs, args.lr, args.batch = args.epochs or epochs, args.lr or lr, args.batch or batch
     examples = load_examples(data_file)
     train_set, val_set = split(examples, args.held_out, args.seed)
@@ -112,11 +136,13 @@ def main(argv=None) -> None:
 
         layers, features = feature_layers(target.config.num_hidden_layers), data_file.with_name("eagle3_features.pt")
         if args.kind == "eagle3":  # three layers' inputs + last hidden state: their own 16-bit cache beside the data
-            attach_features(target, examples, layers, cache=features, progress=True)
+            attach_features(target, examples, layers, cache=features, progress=True, batch_tokens=state_batch)
         elif not attach_cached_features(target, examples, layers, features):  # it holds the last hidden state too
-            attach_hidden(target, examples, cache=data_file.with_name("hidden_states.pt"), progress=True)
+            attach_hidden(target, examples, cache=data_file.with_name("hidden_states.pt"), progress=True,
+                          batch_tokens=state_batch)
     # classification losses over the model config's reduced draft vocabulary, where it names one
     vocab = draft_vocabulary(args.model, cfg, target) if (cfg.get("draft_vocabulary") or {}).get("frequencies") else None
+    target.to("cpu")  # recipes copy the target's weights into fresh modules on the CPU; then all moves to `device`
     recipe = {"draft-lm": lambda: DraftLMRecipe(target, args.layers, vocabulary=vocab),
               "eagle": lambda: EagleRecipe(target, args.seed, cls_weight=1.0, feature_scale=feature_spread(train_set),
                                            vocabulary=vocab),
@@ -124,11 +150,12 @@ def main(argv=None) -> None:
               "eagle3": lambda: Eagle3Recipe(target, args.seed, draft_vocabulary(args.model, cfg, target), args.ttt_steps),
               "hydra": lambda: HydraRecipe(target, args.heads, vocabulary=draft_vocabulary(args.model, cfg, target)),
               }[args.kind]()
+    place(recipe, device)
     out = args.out or ROOT / "drafts" / args.model / args.kind
     out.mkdir(parents=True, exist_ok=True)
     before = evaluate(recipe, val_set)
     result = train(recipe, train_set, val_set, args.epochs, args.lr, args.seed, out / "train_log.jsonl",
-                   batch=args.batch, noise=noise, resume=args.resume, micro_batch=args.micro_batch)
+                   batch=args.batch, noise=noise, resume=args.resume, micro_batch=args.micro_batch, device=device)
     if is_main():  # under torchrun: rank 0 writes the files
         recipe.save(out)
         model_card(out, args.kind, args, data_file, len(train_set), len(val_set), result, before)

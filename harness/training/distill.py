@@ -326,19 +326,19 @@ def question_files(extra: Path | None = None) -> list[Path]:
     return [f for f in dict.fromkeys(files) if f.is_file()]
 
 
-def distill_dtype(choice: str) -> torch.dtype:
+def distill_dtype(choice: str, device: torch.device | str = "cpu") -> torch.dtype:
     from methods.engine.hardware import native_bf16
 
-    if choice == "auto":
-        return torch.bfloat16 if native_bf16() else torch.float32
+    if choice == "auto":  # a GPU answers in the drafts' own dtype: fp32 is cheap there
+        return torch.bfloat16 if torch.device(device).type == "cpu" and native_bf16() else torch.float32
     return getattr(torch, choice)
 
 
-def _answer_target(model_name: str, dtype: torch.dtype):
+def _answer_target(model_name: str, dtype: torch.dtype, device: torch.device | str = "cpu"):
     from harness.prompts import ChatTemplate
     from harness.training.__main__ import load_target
 
-    cfg, target, tokenizer = load_target(model_name, dtype)
+    cfg, target, tokenizer = load_target(model_name, dtype, device)
     if dtype == torch.bfloat16 and target.device.type == "cpu":
         # torch's bf16 attention kernels on CPU are several times slower than its fp32 ones (and than
         # the bf16 GEMMs): attention runs in fp32, the linears in bf16
@@ -398,7 +398,10 @@ def corpus(args, data_file: Path, manifest_file: Path | None = None) -> None:
 
     from harness.training.loop import ROOT, _machine
 
-    prompts = training_prompts(args.prompts, args.seed)
+    from harness.results import read_jsonl
+
+    prompts_file = getattr(args, "prompts_file", None)
+    prompts = read_jsonl(prompts_file) if prompts_file else training_prompts(args.prompts, args.seed)
     files = question_files(args.questions)
     check_disjoint(prompts, evaluation_texts(files))
     print(f"{len(prompts)} prompts, none sharing {NGRAM} words with " + ", ".join(str(f) for f in files)
@@ -406,9 +409,16 @@ def corpus(args, data_file: Path, manifest_file: Path | None = None) -> None:
     if args.measure:
         measure_batches(args.model, prompts, args.max_new_tokens)
         return
-    dtype = distill_dtype(args.distill_dtype)
-    target, template = _answer_target(args.model, dtype)
     data_file.parent.mkdir(parents=True, exist_ok=True)
+    prompt_copy = data_file.with_name("prompts.jsonl")  # the prompts answered: another machine can answer the same
+    if prompts_file is None or Path(prompts_file).resolve() != prompt_copy.resolve():
+        prompt_copy.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    if getattr(args, "prompts_only", False):
+        print(f"wrote {prompt_copy}: {len(prompts)} prompts (answer them with `data --prompts-file {prompt_copy}`)")
+        return
+    device = getattr(args, "device", "cpu")
+    dtype = distill_dtype(args.distill_dtype, device)
+    target, template = _answer_target(args.model, dtype, device)
     journal = data_file.with_suffix(".partial.jsonl")  # survives an interrupted run; a rerun resumes
     started = time.perf_counter()
     records = self_distill(target, template, prompts, args.max_new_tokens, args.distill_batch, journal=journal,
@@ -421,14 +431,15 @@ def corpus(args, data_file: Path, manifest_file: Path | None = None) -> None:
         "sha256": hashlib.sha256(data_file.read_bytes()).hexdigest(),
         "command": f"python -m harness.training data --model {args.model} --prompts {args.prompts} --seed {args.seed} "
                    f"--max-new-tokens {args.max_new_tokens} --distill-batch {args.distill_batch} "
-                   f"--distill-dtype {args.distill_dtype}",
+                   f"--distill-dtype {args.distill_dtype}" + (f" --prompts-file {prompts_file}" if prompts_file else ""),
+        "prompts_sha256": hashlib.sha256(prompt_copy.read_bytes()).hexdigest(),
         "prompts": len(records), "answer_tokens": tokens,
         "prompt_tokens": sum(r["answer_start"] for r in records),
         "kinds": {k: sum(r["kind"] == k for r in records) for k in KINDS},
         "modes": {m: sum(r["mode"] == m for r in records) for m in ("greedy", "sample")},
         "answer_tokens_by_mode": {m: sum(len(r["ids"]) - r["answer_start"] for r in records if r["mode"] == m)
                                   for m in ("greedy", "sample")},
-        "dtype": str(dtype).removeprefix("torch."), "machine": _machine(),
+        "dtype": str(dtype).removeprefix("torch."), "machine": _machine(device),
         "hours_this_run": round((time.perf_counter() - started) / 3600, 2),
         "disjoint_from": [str(f) for f in files] + ["needle filler (harness/datasets.py)"],
         "sources": {"templates": "harness/training/distill.py (this suite, Apache-2.0)",

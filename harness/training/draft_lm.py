@@ -85,7 +85,7 @@ class DraftLMRecipe:
     def save(self, out: Path) -> None:
         from safetensors.torch import save_file
 
-        state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.model.state_dict().items()
+        state = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in self.model.state_dict().items()
                  if k.startswith(("model.layers.", "model.norm."))}
         save_file(state, str(out / "model.safetensors"))
         config = self.model.config.to_dict()

@@ -239,7 +239,7 @@ class Eagle3Recipe:
         return total, stats
 
     def save(self, out: Path) -> None:
-        state = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).clone()
+        state = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).cpu().clone()
                  for k, v in self.head.state_dict().items() if not k.startswith(("embed_tokens.", "rotary_emb."))}
         torch.save(state, out / "pytorch_model.bin")
         (out / "config.json").write_text(json.dumps(self.config_dict, indent=2))
