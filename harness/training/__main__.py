@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from . import __doc__ as RECIPES_DOC
-from .distributed import is_main, place
+from .distributed import context, is_main, place
 from .draft_lm import DraftLMRecipe
 from .eagle import EagleRecipe
 from .eagle3 import Eagle3Recipe, attach_cached_features, attach_features
@@ -103,6 +103,7 @@ def main(argv=None) -> None:
     except (ValueError, RuntimeError) as error:
         raise SystemExit(f"--device {args.device}: {error}")
     args.device = str(device)
+    context(device)  # under torchrun: join the process group with the device's backend (nccl on GPUs) first
     state_batch = args.state_batch_tokens or (16384 if device.type == "cuda" else 1024)
     torch.manual_seed(args.seed)
     data_file = args.data or ROOT / "data" / "distill" / args.model / "answers.jsonl"
