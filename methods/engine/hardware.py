@@ -194,25 +194,44 @@ def weight_bytes(model) -> int:
 # The target's forward-latency curve, cached
 
 
+# How a curve is measured (`forward_latency`); a cached curve of another method is measured again.
+CURVE_METHOD = "masked-verify, warm-up, interleaved rounds"
+
+
 def forward_latency(runner, sizes: Sequence[int], prefix_length: int = 256, repeats: int = 5) -> dict[int, float]:
     """Median seconds of one forward of `size` tokens after a `prefix_length`-token prefix, per
     size: the hardware curve that decides how large a draft tree can be before it stops paying.
+    Timed as a verification runs: a forward of n > 1 tokens carries an explicit float mask (here a
+    chain's; the masked attention path, not the causal one) and one of 1 token none, as an AR step.
+    Every size runs once untimed first (lazy initialisation, packing for a new row count), then the
+    sizes are interleaved round by round, so that the machine's drift reaches all of them alike.
     Leaves the runner empty."""
+    from .tree import attention_mask
+
     runner.reset()
     runner.prefill([0] * prefix_length)
-    seconds = {}
+    masks = {size: None if size == 1 else attention_mask(torch.ones(size, size, dtype=torch.bool).tril(),
+                                                        prefix_length, runner.dtype, runner.device)
+             for size in sizes}
+    positions = {size: torch.arange(prefix_length, prefix_length + size, device=runner.device) for size in sizes}
+
+    def timed(size: int) -> float:
+        start = time.perf_counter()
+        runner.forward([0] * size, positions=positions[size], mask=masks[size])
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        runner.rollback(prefix_length)
+        return elapsed
+
     for size in sizes:
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            runner.forward([0] * size)
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize()
-            samples.append(time.perf_counter() - start)
-            runner.rollback(prefix_length)
-        seconds[size] = statistics.median(samples)
+        timed(size)
+    samples = {size: [] for size in sizes}
+    for _ in range(repeats):
+        for size in sizes:
+            samples[size].append(timed(size))
     runner.reset()
-    return seconds
+    return {size: statistics.median(samples[size]) for size in sizes}
 
 
 def latency_curve(runner, model_name: str, sizes=(1, 2, 4, 8, 16, 32, 64), prefix: int = 256,
@@ -226,11 +245,12 @@ def latency_curve(runner, model_name: str, sizes=(1, 2, 4, 8, 16, 32, 64), prefi
     file = profile_dir(runner.device) / f"curve-{model_name}-{shape}-{dtype}-{mode}.json"
     if file.is_file() and not refresh:
         stored = json.loads(file.read_text())
-        if stored.get("prefix") == prefix and set(map(int, stored["seconds"])) >= set(sizes):
+        if (stored.get("prefix") == prefix and stored.get("method") == CURVE_METHOD
+                and set(map(int, stored["seconds"])) >= set(sizes)):
             return {int(n): s for n, s in stored["seconds"].items() if int(n) in sizes}
     log.info("measuring %s's forward latency at %s tokens (once per machine, model and dtype, then cached)",
              model_name, ", ".join(map(str, sizes)))
     seconds = forward_latency(runner, sizes, prefix, repeats)
-    _write_json(file, {"model": model_name, "prefix": prefix, "repeats": repeats,
+    _write_json(file, {"model": model_name, "method": CURVE_METHOD, "prefix": prefix, "repeats": repeats,
                        "seconds": {str(n): s for n, s in seconds.items()}})
     return seconds
