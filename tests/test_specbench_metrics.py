@@ -101,27 +101,27 @@ def test_format1_records_are_read_as_today():
 
 
 @pytest.mark.skipif(not (REFERENCE / "pld").is_dir(), reason="the committed reference run is absent")
-def test_the_reference_run_reports_tau_by_the_new_definition(tmp_path):
-    """The committed reference answers (format 1) are read as format 2: τ = tokens ÷ verifications."""
-    run_dir = next((REFERENCE / "pld").iterdir())
-    raw = read_jsonl(run_dir / "answers" / "pld.jsonl")
-    assert all("records_format" not in r for r in raw)  # written before the field existed
-    tokens = sum(sum(r["choices"][0]["new_tokens"]) for r in raw)
-    turns = sum(len(r["choices"][0]["new_tokens"]) for r in raw)
-    forwards = sum(sum(r["choices"][0]["decoding_steps"]) for r in raw)  # format 1: every forward
-    upgraded = read_answers(run_dir / "answers" / "pld.jsonl")
-    assert decoder_stats(upgraded)["tau"] == pytest.approx(tokens / (forwards - turns))
-    assert specbench_mean_accepted(upgraded) == pytest.approx(tokens / (forwards - turns))
-    assert decoder_stats(read_answers(run_dir / "answers" / "ar.jsonl"))["tau"] == 1.0
+def test_the_reference_run_reports_tau_as_spec_bench_counts_it(tmp_path):
+    """The committed reference answers (format 2; format 1 is converted on read, above): τ = new
+    tokens ÷ decoding steps, the same in the records, the run's stats, its summary and the report."""
+    for run_dir in sorted((REFERENCE / "pld").iterdir()):
+        raw = read_jsonl(run_dir / "answers" / "pld.jsonl")
+        assert all(r["records_format"] == RECORDS_FORMAT for r in raw)
+        tokens = sum(sum(r["choices"][0]["new_tokens"]) for r in raw)
+        steps = sum(sum(r["choices"][0]["decoding_steps"]) for r in raw)
+        answers = read_answers(run_dir / "answers" / "pld.jsonl")
+        assert decoder_stats(answers)["tau"] == pytest.approx(tokens / steps)
+        assert specbench_mean_accepted(answers) == pytest.approx(tokens / steps)
+        assert decoder_stats(read_answers(run_dir / "answers" / "ar.jsonl"))["tau"] == 1.0
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["decoder"]["tau"] == pytest.approx(tokens / steps)
     copy = tmp_path / "reference" / "smollm2-135m" / "spec_bench" / "pld" / run_dir.name
     shutil.copytree(run_dir, copy)
-    summary = json.loads((copy / "summary.json").read_text())
     summary["baseline_results"] = str(copy)
     (copy / "summary.json").write_text(json.dumps(summary))
     (_, cells), = report(tmp_path / "reference", tmp_path / "report").values()
     (label, row), = cells.items()
-    assert row[OVERALL]["tau"] == pytest.approx(tokens / (forwards - turns))
-    assert row[OVERALL]["tau"] > summary["decoder"]["tau"]  # the summary stored then: tokens / forwards
+    assert row[OVERALL]["tau"] == pytest.approx(tokens / steps)
 
 
 def test_per_position_counts_follow_the_tree_depth():
