@@ -35,7 +35,7 @@ from harness.environment import environment, hardware_name, hardware_slug
 from harness.prompts import ChatTemplate, Message
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
-from methods.engine.hardware import read_bandwidth, weight_bytes
+from methods.engine.hardware import ForwardTimer, read_bandwidth, weight_bytes
 from methods.engine.linear import gemms_skipped
 from methods.engine.runner import ModelRunner
 from methods.models.heads.checkpoints import head_spec
@@ -62,22 +62,21 @@ def timed(fn, device) -> float:
     return time.perf_counter() - start
 
 
-@torch.inference_mode()
 def latency_curves(runners: dict[str, ModelRunner], sizes=SIZES, prefix: int = 256, rounds: int = 7) -> dict:
-    """Median seconds of one forward of n tokens for each runner, the runners interleaved per round."""
+    """Median seconds of one forward of n tokens for each runner, timed as the engine times its
+    own curve (`hardware.ForwardTimer`: masked as a verification for n > 1, each size warmed once),
+    the runners and sizes interleaved round by round."""
+    timers = {name: ForwardTimer(runner, sizes, prefix) for name, runner in runners.items()}
+    for timer in timers.values():
+        for n in sizes:
+            timer(n)
     samples = {name: {n: [] for n in sizes} for name in runners}
-    for runner in runners.values():
-        runner.reset()
-        runner.prefill([0] * prefix)
-        runner.forward([0] * 4)  # warm: prepacked weights are made on first use
-        runner.rollback(prefix)
     for _ in range(rounds):
         for n in sizes:
-            for name, runner in runners.items():
-                samples[name][n].append(timed(lambda: runner.forward([0] * n), runner.device))
-                runner.rollback(prefix)
-    for runner in runners.values():
-        runner.reset()
+            for name, timer in timers.items():
+                samples[name][n].append(timer(n))
+    for timer in timers.values():
+        timer.close()
     return {name: {n: statistics.median(v) for n, v in by_size.items()} for name, by_size in samples.items()}
 
 

@@ -28,6 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
+from .linear import native_active
+
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")
 DECODER_MODES = ("auto", "transformers")
@@ -82,12 +85,15 @@ def sliding_window(config) -> int | None:
     return None
 
 
-def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, norm: nn.Module, native_kernels: bool = False) -> torch.Tensor:
     """`LlamaRMSNorm.forward` in the fewest calls: statistics in fp32, the weight in x's dtype (in
-    fp32 torch's fused kernel computes the same formula: measured identical on the embedded model).
+    fp32 torch's fused kernel computes the same formula: measured identical on the embedded model;
+    `native_kernels`: one call of `native.c`'s, the same formula with the sum of squares in 8 lanes).
     An `nn.Identity` norm (EAGLE's head has no input norm) passes x through."""
     if isinstance(norm, nn.Identity):
         return x
+    if native_kernels and x.is_contiguous():
+        return native.rms_norm(x, norm.weight, norm.variance_epsilon)
     if x.dtype == torch.float32:
         return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
     x32 = x.float()
@@ -118,9 +124,13 @@ class FusedLayer:
         `cache` at this layer's index; no mask: causal over the new tokens (a prefill) or one token."""
         batch, n, _ = x.shape
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
-        qkv = self.qkv(rms_norm(x, self.input_norm)).view(batch, n, heads + 2 * kv_heads, d)
-        qk = qkv[:, :, : heads + kv_heads]
-        qk = qk * cos + qk.roll(d // 2, -1) * sin
+        glue = native_active(x)  # RMSNorm and RoPE as one native call each (same formulas)
+        qkv = self.qkv(rms_norm(x, self.input_norm, glue)).view(batch, n, heads + 2 * kv_heads, d)
+        if glue and cos.is_contiguous() and sin.is_contiguous():
+            qk = native.rope(qkv, cos, sin, heads + kv_heads)
+        else:
+            qk = qkv[:, :, : heads + kv_heads]
+            qk = qk * cos + qk.roll(d // 2, -1) * sin
         q = qk[:, :, :heads].transpose(1, 2)
         keys, values = cache.update(qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads:].transpose(1, 2),
                                     self.index)
@@ -132,7 +142,7 @@ class FusedLayer:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and n > 1,
                                                   scale=self.scaling, enable_gqa=heads != kv_heads)
         x = x + self.o_proj(attn.transpose(1, 2).reshape(batch, n, heads * d))
-        h = self.gate_up(rms_norm(x, self.post_norm))
+        h = self.gate_up(rms_norm(x, self.post_norm, glue))
         return x + self.down_proj(F.silu(h[..., : self.intermediate]) * h[..., self.intermediate:])
 
 
@@ -201,4 +211,4 @@ class FusedDecoder:
             if i in capture:
                 captured[i] = x
             x = layer.forward(x, cos, sin, mask, cache)
-        return rms_norm(x, self.norm), captured
+        return rms_norm(x, self.norm, native_active(x)), captured

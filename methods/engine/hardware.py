@@ -24,7 +24,8 @@ from typing import Sequence
 import torch
 
 from .storage import cache_root
-from .linear import LinearPath, LinearPlan, linear_shapes, measure_plan
+from . import native
+from .linear import KERNELS, LinearPath, LinearPlan, linear_shapes, measure_plan
 
 SKINNY_GEMM_MODES = ("auto", "off")
 log = logging.getLogger(__name__)
@@ -140,7 +141,9 @@ def _load_plan(device: torch.device, dtype: torch.dtype) -> LinearPlan:
     file = _plan_file(device, dtype)
     if file.is_file():
         try:
-            return LinearPlan.from_dict(json.loads(file.read_text()))
+            data = json.loads(file.read_text())
+            if data.get("candidates") == _candidates():  # a plan chosen among other kernels is measured again
+                return LinearPlan.from_dict(data)
         except (ValueError, KeyError, AttributeError):
             pass  # a damaged file is measured again
     return LinearPlan()
@@ -149,7 +152,12 @@ def _load_plan(device: torch.device, dtype: torch.dtype) -> LinearPlan:
 def _save_plan(device: torch.device, dtype: torch.dtype, plan: LinearPlan) -> None:
     file = _plan_file(device, dtype)
     _write_json(file.parent / "machine.json", machine(device))
-    _write_json(file, plan.to_dict())
+    _write_json(file, {"candidates": _candidates(), **plan.to_dict()})
+
+
+def _candidates() -> list[str]:
+    """The kernels a plan chooses among, the native one named by its build."""
+    return [f"native-{native.DIGEST}" if kernel == "native" else kernel for kernel in KERNELS]
 
 
 def _write_json(file: Path, data) -> None:
@@ -198,39 +206,51 @@ def weight_bytes(model) -> int:
 CURVE_METHOD = "masked-verify, warm-up, interleaved rounds"
 
 
-def forward_latency(runner, sizes: Sequence[int], prefix_length: int = 256, repeats: int = 5) -> dict[int, float]:
-    """Median seconds of one forward of `size` tokens after a `prefix_length`-token prefix, per
-    size: the hardware curve that decides how large a draft tree can be before it stops paying.
-    Timed as a verification runs: a forward of n > 1 tokens carries an explicit float mask (here a
-    chain's; the masked attention path, not the causal one) and one of 1 token none, as an AR step.
-    Every size runs once untimed first (lazy initialisation, packing for a new row count), then the
-    sizes are interleaved round by round, so that the machine's drift reaches all of them alike.
-    Leaves the runner empty."""
-    from .tree import attention_mask
+class ForwardTimer:
+    """Times one forward of n tokens after a `prefix_length`-token prefix, as a verification runs
+    it: a forward of n > 1 tokens carries an explicit float mask (here a chain's; the masked
+    attention path, not the causal one) and one of 1 token none, as an AR step; the cache is rolled
+    back to the prefix after each. `timer(n)` -> seconds; `close()` empties the runner."""
 
-    runner.reset()
-    runner.prefill([0] * prefix_length)
-    masks = {size: None if size == 1 else attention_mask(torch.ones(size, size, dtype=torch.bool).tril(),
-                                                        prefix_length, runner.dtype, runner.device)
-             for size in sizes}
-    positions = {size: torch.arange(prefix_length, prefix_length + size, device=runner.device) for size in sizes}
+    def __init__(self, runner, sizes: Sequence[int], prefix_length: int = 256):
+        from .tree import attention_mask
 
-    def timed(size: int) -> float:
+        self.runner, self.prefix_length = runner, prefix_length
+        runner.reset()
+        runner.prefill([0] * prefix_length)
+        self.masks = {size: None if size == 1 else attention_mask(torch.ones(size, size, dtype=torch.bool).tril(),
+                                                                 prefix_length, runner.dtype, runner.device)
+                      for size in sizes}
+        self.positions = {size: torch.arange(prefix_length, prefix_length + size, device=runner.device) for size in sizes}
+
+    def __call__(self, size: int) -> float:
+        runner = self.runner
         start = time.perf_counter()
-        runner.forward([0] * size, positions=positions[size], mask=masks[size])
+        runner.forward([0] * size, positions=self.positions[size], mask=self.masks[size])
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        runner.rollback(prefix_length)
+        runner.rollback(self.prefix_length)
         return elapsed
 
+    def close(self) -> None:
+        self.runner.reset()
+
+
+def forward_latency(runner, sizes: Sequence[int], prefix_length: int = 256, repeats: int = 5) -> dict[int, float]:
+    """Median seconds of one forward of `size` tokens after a `prefix_length`-token prefix, per
+    size (`ForwardTimer`): the hardware curve that decides how large a draft tree can be before it
+    stops paying. Every size runs once untimed first (lazy initialisation, packing for a new row
+    count), then the sizes are interleaved round by round, so that the machine's drift reaches all
+    of them alike. Leaves the runner empty."""
+    timer = ForwardTimer(runner, sizes, prefix_length)
     for size in sizes:
-        timed(size)
+        timer(size)
     samples = {size: [] for size in sizes}
     for _ in range(repeats):
         for size in sizes:
-            samples[size].append(timed(size))
-    runner.reset()
+            samples[size].append(timer(size))
+    timer.close()
     return {size: statistics.median(samples[size]) for size in sizes}
 
 
@@ -246,11 +266,11 @@ def latency_curve(runner, model_name: str, sizes=(1, 2, 4, 8, 16, 32, 64), prefi
     if file.is_file() and not refresh:
         stored = json.loads(file.read_text())
         if (stored.get("prefix") == prefix and stored.get("method") == CURVE_METHOD
-                and set(map(int, stored["seconds"])) >= set(sizes)):
+                and stored.get("kernels") == _candidates() and set(map(int, stored["seconds"])) >= set(sizes)):
             return {int(n): s for n, s in stored["seconds"].items() if int(n) in sizes}
     log.info("measuring %s's forward latency at %s tokens (once per machine, model and dtype, then cached)",
              model_name, ", ".join(map(str, sizes)))
     seconds = forward_latency(runner, sizes, prefix, repeats)
-    _write_json(file, {"model": model_name, "method": CURVE_METHOD, "prefix": prefix, "repeats": repeats,
+    _write_json(file, {"model": model_name, "method": CURVE_METHOD, "kernels": _candidates(), "prefix": prefix, "repeats": repeats,
                        "seconds": {str(n): s for n, s in seconds.items()}})
     return seconds

@@ -9,6 +9,7 @@ machine, the weight's shape and the number of rows, so it is measured, not assum
     f_linear   torch.nn.functional.linear (MKL on CPU, cuBLAS on CUDA): the reference
     w_xt       (W @ x.T).T: MKL's GEMM with the weight as the left operand
     onednn     oneDNN with the weight prepacked once for this machine (batch hint 8)
+    native     `gemv.c`, compiled for this machine (`native.py`): each weight read once per call
 
 `measure_plan` times every candidate for each weight shape of a model and each row bucket
 (1, 2, 4, 8, 16, 32; larger forwards, prefills, stay on `f_linear`) with the weights cycled
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -32,7 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("f_linear", "w_xt", "onednn")
+from . import native
+
+KERNELS = ("f_linear", "w_xt", "onednn", "native")
 BUCKETS = (1, 2, 4, 8, 16, 32)
 ONEDNN_BATCH_HINT = 8
 _ACTIVE: contextvars.ContextVar["LinearPath | None"] = contextvars.ContextVar("linear_path", default=None)
@@ -41,6 +45,15 @@ _MEMO: contextvars.ContextVar["dict | None"] = contextvars.ContextVar("linear_me
 
 def onednn_available(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def kernel_available(kernel: str, weight: torch.Tensor) -> bool:
+    """Whether `kernel` can compute linears with this weight on this machine."""
+    if kernel == "onednn":
+        return onednn_available(weight.device)
+    if kernel == "native":
+        return native.available(weight.device, weight.dtype) and weight.is_contiguous()
+    return kernel in KERNELS
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
@@ -60,6 +73,8 @@ def run_kernel(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
         return out.reshape(*x.shape[:-1], weight.shape[0])
     if kernel == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if kernel == "native":
+        return native.linear(x, weight, bias)
     raise ValueError(f"unknown linear kernel {kernel!r}; valid: {', '.join(KERNELS)}")
 
 
@@ -118,7 +133,7 @@ def measure_plan(shapes: dict[str, tuple[torch.Tensor, torch.Tensor | None]], ke
     plan = LinearPlan()
     for key, (weight, bias) in shapes.items():
         device = weight.device
-        usable = [k for k in kernels if k != "onednn" or onednn_available(device)]
+        usable = [k for k in kernels if kernel_available(k, weight)]
         copies = min(max_copies, max(2, -(-cache_bytes // (weight.numel() * weight.element_size()))))
         weights = [weight.detach().clone() for _ in range(copies)]
         packed = [prepack(w) for w in weights] if "onednn" in usable else [None] * copies
@@ -150,6 +165,7 @@ class LinearPath:
     def __init__(self, plan: LinearPlan | None):
         self.plan = plan  # None: off (f_linear everywhere)
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, prepacked)
+        self._routes: dict[tuple[int, int], tuple] = {}  # (id(weight), rows) -> (weight, bias, x -> y)
 
     @contextlib.contextmanager
     def active(self):
@@ -167,10 +183,34 @@ class LinearPath:
             entry = self._packed[id(weight)] = (weight, prepack(weight))
         return entry[1]
 
+    def route(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
+        """The function x -> x W^T + b this plan computes for `rows` rows of x, resolved once per
+        (weight, row count): a decode step pays one dict lookup per linear, not the plan's."""
+        entry = self._routes.get((id(weight), rows))
+        if entry is None or entry[0] is not weight or entry[1] is not bias:
+            kernel = self.plan.kernel(shape_key(weight, bias), rows)
+            if kernel == "f_linear":
+                function = functools.partial(_f_linear, weight=weight, bias=bias)
+            elif kernel == "native" and kernel_available("native", weight):
+                function = functools.partial(native.linear, weight=weight, bias=bias)
+            else:
+                packed = self.packed(weight) if kernel == "onednn" else None
+                function = functools.partial(_kernel, kernel, weight=weight, bias=bias, packed=packed)
+            entry = self._routes[(id(weight), rows)] = (weight, bias, function)
+        return entry[2]
+
     def describe(self) -> dict:
         if self.plan is None:
             return {"skinny_gemm": "off"}
         return {"skinny_gemm": "measured", "buckets": list(BUCKETS), **self.plan.to_dict()}
+
+
+def native_active(x: torch.Tensor) -> bool:
+    """Whether the engine computes this tensor's small operations (RMSNorm, RoPE) with the native
+    kernels (`native.c`) too: a measured linear path is active (`engine.skinny_gemm=auto`; `off`
+    is stock torch throughout), x is fp32 on a CPU where they run, and no gradient is recorded."""
+    return (_ACTIVE.get() is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+            and not torch.is_grad_enabled() and native.unavailable_reason() is None)
 
 
 @contextlib.contextmanager
@@ -196,10 +236,15 @@ def _dispatch(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if key not in memo:
             memo[key] = F.linear(x, weight, bias)
         return memo[key]
-    kernel = path.plan.kernel(shape_key(weight, bias), x.numel() // x.shape[-1])
-    if kernel == "f_linear":
-        return F.linear(x, weight, bias)
-    return run_kernel(kernel, x, weight, bias, path.packed(weight) if kernel == "onednn" else None)
+    return path.route(weight, bias, x.numel() // x.shape[-1])(x)
+
+
+def _f_linear(x, weight, bias):
+    return F.linear(x, weight, bias)
+
+
+def _kernel(kernel, x, weight, bias, packed):
+    return run_kernel(kernel, x, weight, bias, packed)
 
 
 def _install_dispatcher() -> None:

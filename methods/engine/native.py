@@ -1,0 +1,115 @@
+"""The `native` kernel of the linear path: `gemv.c`, compiled for this machine class and called
+through ctypes (no torch headers, so it builds in about a second).
+
+MKL's and oneDNN's fp32 GEMV for one row of a 135M model's weights stream them at well under the
+machine's read bandwidth (docs/performance.md); `gemv.c` is a plain AVX2/FMA loop that reads each
+weight once per call. Whether it wins is measured like every other kernel (`linear.measure_plan`),
+per weight shape and row count.
+
+The shared library is built once per (source, compiler flags, CPU class) into the machine's
+profile folder, written whole or not at all (concurrent jobs of a sweep may build it together),
+and reused by every later run. Where there is no C compiler, no AVX2 + FMA, or the build fails,
+`available()` is False with a reason and the plan simply does not consider the kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("native.c")
+# -ffp-contract=off: products and sums round on their own, as torch's eager ops do (no implicit FMA)
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+log = logging.getLogger(__name__)
+# names this build of the kernels: a linear plan measured with another one is measured again
+DIGEST = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+
+
+class NativeUnavailable(RuntimeError):
+    """Why the native kernel cannot run here (one line)."""
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL:
+    from .hardware import cpu_flags, profile_dir
+
+    if not {"avx2", "fma"} <= cpu_flags():
+        raise NativeUnavailable("the CPU lacks AVX2 + FMA")
+    compiler = _compiler()
+    if compiler is None:
+        raise NativeUnavailable("no C compiler (cc, gcc or $CC)")
+    target = profile_dir(torch.device("cpu")) / f"native-{DIGEST}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(f".{os.getpid()}.tmp.so")
+        log.info("building the native linear kernel (%s, once per machine)", target.name)
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True)
+        if done.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise NativeUnavailable(f"{compiler} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+        tmp.replace(target)
+    # torch is imported, so libgomp.so.1 resolves to the OpenMP runtime torch loaded: one thread pool
+    lib = ctypes.CDLL(str(target))
+    pointer, long = ctypes.c_void_p, ctypes.c_long
+    for name, argtypes in (("linear", [pointer] * 4 + [long] * 3),
+                           ("rms_norm", [pointer] * 4 + [long] * 2 + [ctypes.c_float]),
+                           ("rope", [pointer] * 4 + [long] * 4)):
+        function = getattr(lib, f"decodebench_{name}_f32")
+        function.restype, function.argtypes = None, argtypes
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def unavailable_reason() -> str | None:
+    """None when the native kernel runs here, else why not."""
+    try:
+        _library()
+    except (NativeUnavailable, OSError) as err:
+        return str(err)
+    return None
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and unavailable_reason() is None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] @ weight[out, in]^T + bias, fp32 on the CPU; weight and bias contiguous."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = torch.empty(*x.shape[:-1], weight.shape[0])
+    _library().decodebench_linear_f32(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                      out.data_ptr(), weight.shape[0], weight.shape[1], x.numel() // x.shape[-1])
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`LlamaRMSNorm` in fp32 over the last dimension of a contiguous x, bit for bit: the statistic
+    by torch (its summation order), the rest in one call (`native.c`)."""
+    variance = x.pow(2).mean(-1)
+    out = torch.empty_like(x)
+    _library().decodebench_rms_norm_f32(x.data_ptr(), variance.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                        x.numel() // x.shape[-1], x.shape[-1], eps)
+    return out
+
+
+def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    """The first `heads` heads of qkv [B, n, heads + ..., d] rotated: [B, n, heads, d]; cos and the
+    signed sin [B, n, 1, d] (`fused.RopeTable`), all fp32 and contiguous."""
+    batch, n, _, d = qkv.shape
+    out = torch.empty(batch, n, heads, d)
+    _library().decodebench_rope_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                                    batch * n, heads, d, qkv.shape[2] * d)
+    return out
