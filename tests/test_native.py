@@ -1,6 +1,7 @@
-"""The engine's native kernels (`methods/engine/native.c`): RMSNorm and RoPE bit for bit as torch
-computes them, the linear kernel inside a whole model token for token as `generate`, a plan
-measured again when the kernels change, and a machine without a compiler simply going without."""
+"""The engine's native kernels (`methods/engine/native.c`): RMSNorm, RoPE and the KV write bit for
+bit as torch computes them (alone and inside whole forwards), the linear kernel inside a whole
+model token for token as `generate` and independent of the row count, a plan measured again when
+the kernels change, and a machine without a compiler simply going without."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from methods.engine import hardware, native
 from methods.engine.linear import BUCKETS, KERNELS, LinearPath, LinearPlan, linear_shapes, measure_plan
 from methods.engine.runner import ModelRunner
+from methods.engine.tree import attention_mask
 from methods.ar import AutoregressiveDecoder
 from methods.engine.stopping import StopCondition
 from tests.conftest import hf_greedy, tiny_model
@@ -35,13 +37,47 @@ def test_rms_norm_is_llama_rms_norm_bit_for_bit(dim):
 
 
 @needs_native
-def test_rope_is_the_torch_expression_bit_for_bit():
+def test_rope_store_is_the_torch_expression_and_a_cache_write_bit_for_bit():
     gen = torch.Generator().manual_seed(0)
-    for batch, n, heads, rotated, d in ((1, 1, 15, 12, 64), (2, 5, 6, 4, 32)):
-        qkv = torch.randn(batch, n, heads, d, generator=gen)
+    for batch, n, heads, kv, d, start in ((1, 1, 9, 3, 64, 5), (2, 5, 4, 2, 32, 0)):
+        qkv = torch.randn(batch, n, heads + 2 * kv, d, generator=gen)
         cos, sin = torch.randn(batch, n, 1, d, generator=gen), torch.randn(batch, n, 1, d, generator=gen)
-        qk = qkv[:, :, :rotated]
-        assert torch.equal(native.rope(qkv, cos, sin, rotated), qk * cos + qk.roll(d // 2, -1) * sin)
+        keys, values = torch.zeros(batch, kv, 16, d), torch.zeros(batch, kv, 16, d)
+        q = native.rope_store(qkv, cos, sin, keys, values, start, heads, kv)
+        qk = qkv[:, :, : heads + kv]
+        rotated = (qk * cos + qk.roll(d // 2, -1) * sin).transpose(1, 2)
+        assert q.is_contiguous() and torch.equal(q, rotated[:, :heads])
+        assert torch.equal(keys[:, :, start:start + n], rotated[:, heads:])
+        assert torch.equal(values[:, :, start:start + n], qkv[:, :, heads + kv:].transpose(1, 2))
+        assert not keys[:, :, :start].any() and not keys[:, :, start + n:].any()
+
+
+@needs_native
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_native_small_ops_change_no_bit_of_a_forward(arch, monkeypatch):
+    """The same runner and linear plan with RMSNorm, RoPE and the KV write native or torch's: every
+    logit, hidden state and cached key/value equal bit for bit, through a prefill, a tree verify
+    with a commit, and one-token steps."""
+    import methods.engine.fused as fused
+
+    results = []
+    for glue in (True, False):
+        if not glue:
+            monkeypatch.setattr(fused, "native_active", lambda x: False)
+        runner = ModelRunner(tiny_model(arch, seed=7), skinny_gemm="auto")
+        outputs = [runner.prefill(list(range(3, 40)), all_logits=True)]
+        visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        start = runner.length
+        outputs.append(runner.forward([5, 6, 7, 8], positions=start + torch.tensor([0, 1, 1, 2]),
+                                      mask=attention_mask(visible, start, runner.dtype, runner.device)))
+        runner.commit(start, [0, 1, 3])
+        outputs += [runner.forward([9]), runner.forward([10])]
+        results.append((outputs, [(layer.keys.clone(), layer.values.clone()) for layer in runner.cache.layers]))
+    (native_out, native_cache), (torch_out, torch_cache) = results
+    for a, b in zip(native_out, torch_out):
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
+    for (ka, va), (kb, vb) in zip(native_cache, torch_cache):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
 @needs_native

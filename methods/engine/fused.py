@@ -124,16 +124,18 @@ class FusedLayer:
         `cache` at this layer's index; no mask: causal over the new tokens (a prefill) or one token."""
         batch, n, _ = x.shape
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
-        glue = native_active(x)  # RMSNorm and RoPE as one native call each (same formulas)
+        glue = native_active(x) and cos.is_contiguous() and sin.is_contiguous()  # native RMSNorm, RoPE, KV write
         qkv = self.qkv(rms_norm(x, self.input_norm, glue)).view(batch, n, heads + 2 * kv_heads, d)
-        if glue and cos.is_contiguous() and sin.is_contiguous():
-            qk = native.rope(qkv, cos, sin, heads + kv_heads)
+        if glue and hasattr(cache, "reserve"):
+            key_buffer, value_buffer, start = cache.reserve(self.index, n, batch, kv_heads, d, x.dtype, x.device)
+            q = native.rope_store(qkv, cos, sin, key_buffer, value_buffer, start, heads, kv_heads)
+            keys, values = cache.advance(self.index, n)
         else:
             qk = qkv[:, :, : heads + kv_heads]
             qk = qk * cos + qk.roll(d // 2, -1) * sin
-        q = qk[:, :, :heads].transpose(1, 2)
-        keys, values = cache.update(qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads:].transpose(1, 2),
-                                    self.index)
+            q = qk[:, :, :heads].transpose(1, 2)
+            keys, values = cache.update(qk[:, :, heads:].transpose(1, 2),
+                                        qkv[:, :, heads + kv_heads:].transpose(1, 2), self.index)
         if n == 1 and heads != kv_heads:
             # one query: a group's heads become rows of its kv head (no broadcast over heads)
             attn = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, -1, d), keys, values, attn_mask=mask,

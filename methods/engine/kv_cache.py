@@ -88,6 +88,28 @@ class TreeKVCache(Cache):
     def __init__(self):
         super().__init__(layer_class_to_replicate=BufferedLayer)
 
+    def reserve(self, index: int, added: int, batch: int, kv_heads: int, head_dim: int,
+                dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for `added` positions in layer `index` (made as `update` makes it): its key and
+        value buffers [batch, kv_heads, capacity, head_dim] and the first free position. The caller
+        writes positions start .. start + added - 1 in place, then calls `advance`."""
+        while len(self.layers) <= index:
+            self.layers.append(BufferedLayer())
+        layer = self.layers[index]
+        capacity = 0 if not layer.is_initialized or layer._keys is None else layer._keys.shape[-2]
+        if capacity < layer.get_seq_length() + added:
+            like = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
+            if not layer.is_initialized:
+                layer.lazy_initialization(like, like)
+            layer._reserve(like, like, layer.length + added)
+        return layer._keys, layer._values, layer.length
+
+    def advance(self, index: int, added: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """After `reserve` and the writes: the layer holds `added` more positions; its keys, values."""
+        layer = self.layers[index]
+        layer._set_length(layer.length + added)
+        return layer.keys, layer.values
+
     def rollback(self, length: int) -> None:
         """Drop everything after the first `length` positions."""
         current = self.get_seq_length()

@@ -121,22 +121,35 @@ void decodebench_rms_norm_f32(const float *x, const float *variance, const float
     }
 }
 
-/* RoPE on the q and k heads of a fused qkv row, as `x * cos + rotate_half(x) * sin` with the sign
- * folded into `sin` (`fused.RopeTable`): y[h, i] = x[h, i] * cos[i] + x[h, (i + d/2) % d] * sin[i],
- * each product rounded on its own. x: rows of `stride` floats whose first `heads * d` are rotated;
- * y [rows, heads, d]; cos, sin [rows, d]. */
-void decodebench_rope_f32(const float *x, const float *cos, const float *sin, float *y,
-                          long rows, long heads, long d, long stride) {
+/* RoPE as `x * cos + rotate_half(x) * sin` with the sign folded into `sin` (`fused.RopeTable`):
+ * y[i] = x[i] * cos[i] + x[(i + d/2) % d] * sin[i], each product rounded on its own. */
+static inline void rope_row(const float *x, const float *c, const float *s, float *y, long d) {
     const long half = d / 2;
-    for (long r = 0; r < rows; r++) {
-        const float *c = cos + r * d, *s = sin + r * d;
-        for (long h = 0; h < heads; h++) {
-            const float *xh = x + r * stride + h * d;
-            float *yh = y + (r * heads + h) * d;
-            for (long i = 0; i < d; i++) {
-                const float a = xh[i] * c[i];
-                const float b = xh[i < half ? i + half : i - half] * s[i];
-                yh[i] = a + b;
+    for (long i = 0; i < d; i++) {
+        const float a = x[i] * c[i];
+        const float b = x[i < half ? i + half : i - half] * s[i];
+        y[i] = a + b;
+    }
+}
+
+/* One decoder layer's new q, k, v from its fused projection: qkv [batch, n, heads + 2 kv, d]
+ * (contiguous), cos and sin [batch, n, d]. Writes q rotated as [batch, heads, n, d] (the layout
+ * attention reads), and k rotated and v copied into the KV cache's buffers [batch, kv, capacity, d]
+ * at positions start .. start + n - 1. */
+void decodebench_rope_store_f32(const float *qkv, const float *cos, const float *sin, float *q, float *keys,
+                                float *values, long batch, long n, long heads, long kv, long d,
+                                long capacity, long start) {
+    const long width = (heads + 2 * kv) * d;
+    for (long b = 0; b < batch; b++) {
+        for (long t = 0; t < n; t++) {
+            const float *row = qkv + (b * n + t) * width, *c = cos + (b * n + t) * d, *s = sin + (b * n + t) * d;
+            for (long h = 0; h < heads; h++)
+                rope_row(row + h * d, c, s, q + ((b * heads + h) * n + t) * d, d);
+            for (long h = 0; h < kv; h++) {
+                const long slot = ((b * kv + h) * capacity + start + t) * d;
+                rope_row(row + (heads + h) * d, c, s, keys + slot, d);
+                const float *v = row + (heads + kv + h) * d;
+                for (long i = 0; i < d; i++) values[slot + i] = v[i];
             }
         }
     }

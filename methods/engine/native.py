@@ -65,7 +65,7 @@ def _library() -> ctypes.CDLL:
     pointer, long = ctypes.c_void_p, ctypes.c_long
     for name, argtypes in (("linear", [pointer] * 4 + [long] * 3),
                            ("rms_norm", [pointer] * 4 + [long] * 2 + [ctypes.c_float]),
-                           ("rope", [pointer] * 4 + [long] * 4)):
+                           ("rope_store", [pointer] * 6 + [long] * 7)):
         function = getattr(lib, f"decodebench_{name}_f32")
         function.restype, function.argtypes = None, argtypes
     return lib
@@ -105,11 +105,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
-    """The first `heads` heads of qkv [B, n, heads + ..., d] rotated: [B, n, heads, d]; cos and the
-    signed sin [B, n, 1, d] (`fused.RopeTable`), all fp32 and contiguous."""
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               start: int, heads: int, kv_heads: int) -> torch.Tensor:
+    """A layer's fused projection qkv [B, n, heads + 2 kv_heads, d] -> its rotated queries
+    [B, heads, n, d]; the rotated keys and the values are written into the cache buffers `keys`,
+    `values` [B, kv_heads, capacity, d] at positions start .. start + n - 1. cos and the signed sin
+    [B, n, 1, d] (`fused.RopeTable`); everything fp32 and contiguous; bit for bit torch's RoPE."""
     batch, n, _, d = qkv.shape
-    out = torch.empty(batch, n, heads, d)
-    _library().decodebench_rope_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-                                    batch * n, heads, d, qkv.shape[2] * d)
-    return out
+    q = torch.empty(batch, heads, n, d)
+    _library().decodebench_rope_store_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), keys.data_ptr(),
+                                          values.data_ptr(), batch, n, heads, kv_heads, d, keys.shape[2], start)
+    return q
