@@ -89,9 +89,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """x [..., in] @ weight[out, in]^T + bias, fp32 on the CPU; weight and bias contiguous."""
     if not x.is_contiguous():
         x = x.contiguous()
-    out = torch.empty(*x.shape[:-1], weight.shape[0])
-    _library().decodebench_linear_f32(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                                      out.data_ptr(), weight.shape[0], weight.shape[1], x.numel() // x.shape[-1])
+    out = x.new_empty(x.shape[:-1] + weight.shape[:1])
+    _library().decodebench_linear_f32(weight.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None,
+                                      out.data_ptr(), weight.shape[0], weight.shape[1], x.numel() // weight.shape[1])
     return out
 
 
