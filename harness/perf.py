@@ -254,7 +254,10 @@ def timed_generations(contenders: dict, prompts: list[list[int]], repeats: int, 
     times: ({name: [tokens/s per generation]}, {name: {prompt index: tokens}})."""
     tokens_per_second = {name: [] for name in contenders}
     outputs: dict[str, dict[int, list[int]]] = {name: {} for name in contenders}
-    for _ in range(max(1, repeats)):
+    rounds, began = max(1, repeats), time.perf_counter()
+    for round_ in range(rounds):
+        print(f"  round {round_ + 1}/{rounds}: {len(prompts)} prompts x {', '.join(contenders)} "
+              f"({time.perf_counter() - began:.0f} s so far)", flush=True)
         for index, prompt in enumerate(prompts):
             for name, run in contenders.items():
                 start = time.perf_counter()
