@@ -1,10 +1,12 @@
-"""The `native` kernel of the linear path: `gemv.c`, compiled for this machine class and called
-through ctypes (no torch headers, so it builds in about a second).
+"""The engine's native CPU kernels: `native.c`, compiled for this machine class and called through
+ctypes (no torch headers, so it builds in about a second).
 
-MKL's and oneDNN's fp32 GEMV for one row of a 135M model's weights stream them at well under the
-machine's read bandwidth (docs/performance.md); `gemv.c` is a plain AVX2/FMA loop that reads each
-weight once per call. Whether it wins is measured like every other kernel (`linear.measure_plan`),
-per weight shape and row count.
+* `linear`, the `native` kernel of the linear path: MKL's and oneDNN's fp32 GEMV for one row of a
+  135M model's weights stream them at well under the machine's read bandwidth (docs/performance.md);
+  this is a plain AVX2/FMA loop that reads each weight once per call. Whether it wins is measured
+  like every other kernel (`linear.measure_plan`), per weight shape and row count.
+* `rms_norm` and `rope_store`: the fused forward's small operations (`fused.py`), bit for bit what
+  torch computes, in one call each instead of four to ten.
 
 The shared library is built once per (source, compiler flags, CPU class) into the machine's
 profile folder, written whole or not at all (concurrent jobs of a sweep may build it together),
@@ -34,7 +36,7 @@ DIGEST = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest(
 
 
 class NativeUnavailable(RuntimeError):
-    """Why the native kernel cannot run here (one line)."""
+    """Why the native kernels cannot run here (one line)."""
 
 
 def _compiler() -> str | None:
@@ -54,7 +56,7 @@ def _library() -> ctypes.CDLL:
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(f".{os.getpid()}.tmp.so")
-        log.info("building the native linear kernel (%s, once per machine)", target.name)
+        log.info("building the native kernels (%s, once per machine)", target.name)
         done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True)
         if done.returncode != 0:
             tmp.unlink(missing_ok=True)
@@ -73,7 +75,7 @@ def _library() -> ctypes.CDLL:
 
 @functools.lru_cache(maxsize=1)
 def unavailable_reason() -> str | None:
-    """None when the native kernel runs here, else why not."""
+    """None when the native kernels run here, else why not."""
     try:
         _library()
     except (NativeUnavailable, OSError) as err:
