@@ -149,3 +149,15 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call():
         alone = torch.cat([native.linear(x[i:i + 1], weight, bias) for i in range(9)])
         for rows in (2, 3, 4, 5, 9):
             assert torch.equal(native.linear(x[:rows], weight, bias), alone[:rows])
+
+
+@needs_native
+def test_a_weight_the_native_kernel_cannot_read_falls_back_to_f_linear():
+    """A plan names a kernel per shape; a non-contiguous weight of that shape (a transposed view)
+    is computed by F.linear, not handed to the native kernel, which reads rows of contiguous memory."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(16, 8, generator=gen).T  # [8, 16], not contiguous
+    path = LinearPath(LinearPlan({"8x16": {b: "native" for b in BUCKETS}}))
+    x = torch.randn(3, 16, generator=gen)
+    with torch.inference_mode():
+        torch.testing.assert_close(path.route(weight, None, 3)(x), torch.nn.functional.linear(x, weight), rtol=0, atol=0)

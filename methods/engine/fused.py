@@ -88,7 +88,7 @@ def sliding_window(config) -> int | None:
 def rms_norm(x: torch.Tensor, norm: nn.Module, native_kernels: bool = False) -> torch.Tensor:
     """`LlamaRMSNorm.forward` in the fewest calls: statistics in fp32, the weight in x's dtype (in
     fp32 torch's fused kernel computes the same formula: measured identical on the embedded model;
-    `native_kernels`: one call of `native.c`'s, the same formula with the sum of squares in 8 lanes).
+    `native_kernels`: torch's statistic, then the rest in one call of `native.c`'s, bit for bit).
     An `nn.Identity` norm (EAGLE's head has no input norm) passes x through."""
     if isinstance(norm, nn.Identity):
         return x

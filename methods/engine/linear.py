@@ -9,7 +9,7 @@ machine, the weight's shape and the number of rows, so it is measured, not assum
     f_linear   torch.nn.functional.linear (MKL on CPU, cuBLAS on CUDA): the reference
     w_xt       (W @ x.T).T: MKL's GEMM with the weight as the left operand
     onednn     oneDNN with the weight prepacked once for this machine (batch hint 8)
-    native     `gemv.c`, compiled for this machine (`native.py`): each weight read once per call
+    native     `native.c`, compiled for this machine (`native.py`): each weight read once per call
 
 `measure_plan` times every candidate for each weight shape of a model and each row bucket
 (1, 2, 4, 8, 16, 32; larger forwards, prefills, stay on `f_linear`) with the weights cycled
@@ -189,13 +189,15 @@ class LinearPath:
         entry = self._routes.get((id(weight), rows))
         if entry is None or entry[0] is not weight or entry[1] is not bias:
             kernel = self.plan.kernel(shape_key(weight, bias), rows)
+            if not kernel_available(kernel, weight):  # e.g. a non-contiguous weight of a measured shape
+                kernel = "f_linear"
             if kernel == "f_linear":
-                function = functools.partial(_f_linear, weight=weight, bias=bias)
-            elif kernel == "native" and kernel_available("native", weight):
-                function = functools.partial(native.linear, weight=weight, bias=bias)
+                function = functools.partial(F.linear, weight=weight, bias=bias)
             else:
                 packed = self.packed(weight) if kernel == "onednn" else None
-                function = functools.partial(_kernel, kernel, weight=weight, bias=bias, packed=packed)
+
+                def function(x, kernel=kernel, weight=weight, bias=bias, packed=packed):
+                    return run_kernel(kernel, x, weight, bias, packed)
             entry = self._routes[(id(weight), rows)] = (weight, bias, function)
         return entry[2]
 
@@ -237,14 +239,6 @@ def _dispatch(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             memo[key] = F.linear(x, weight, bias)
         return memo[key]
     return path.route(weight, bias, x.numel() // x.shape[-1])(x)
-
-
-def _f_linear(x, weight, bias):
-    return F.linear(x, weight, bias)
-
-
-def _kernel(kernel, x, weight, bias, packed):
-    return run_kernel(kernel, x, weight, bias, packed)
 
 
 def _install_dispatcher() -> None:

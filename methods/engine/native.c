@@ -7,11 +7,11 @@
  *   row-major and contiguous, y [rows, out]. Each OpenMP thread takes blocks of 8 consecutive rows
  *   of W and computes them against every row of x: one row against all 8 at once (a decode step),
  *   several rows three at a time against 4 (12 accumulators), then two. Summation is the same
- *   for every row count, so a row's result does not depend on how many rows share the call: 8 lanes of fused multiply-adds in one chain per output, then the
- *   lanes pairwise, then the tail of `in` % 8 in order (not MKL's order: same fp32 class, not the
- *   same bits).
- * decodebench_rms_norm_f32, decodebench_rope_f32: bit for bit what torch's eager ops compute
- *   (tests/test_native.py), in one call instead of four to six. */
+ *   for every row count, so a row's result does not depend on how many rows share the call: 8
+ *   lanes of fused multiply-adds in one chain per output, then the lanes pairwise, then the tail
+ *   of `in` % 8 in order (not MKL's order: same fp32 class, not the same bits).
+ * decodebench_rms_norm_f32, decodebench_rope_store_f32: bit for bit what torch's eager ops compute
+ *   (tests/test_native.py), in one call instead of four to ten. */
 #include <immintrin.h>
 #include <math.h>
 
@@ -82,7 +82,7 @@ static inline void rows2x4(const float *const w[4], const float *x, const float 
     }
 }
 
-/* one row of x against `count` (<= 8) weight rows w[0..7] (8 accumulators: a decode step's GEMV
+/* one row of x against nb (<= 8) weight rows w[0..7] (8 accumulators: a decode step's GEMV
  * keeps 8 weight rows streaming at once) */
 static inline void row1x8(const float *const w[8], const float *x, const float *b, float *y, long out, long in,
                           long body, long o0, long nb, long r) {
@@ -128,11 +128,11 @@ void decodebench_rms_norm_f32(const float *x, const float *variance, const float
     for (long r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
         float *yr = y + r * dim;
-        const __m256 scale = _mm256_set1_ps(1.0f / sqrtf(variance[r] + eps));
+        const float s = 1.0f / sqrtf(variance[r] + eps);
+        const __m256 scale = _mm256_set1_ps(s);
         long i = 0;
         for (; i + 8 <= dim; i += 8)
             _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(xr + i), scale)));
-        const float s = 1.0f / sqrtf(variance[r] + eps);
         for (; i < dim; i++) yr[i] = w[i] * (xr[i] * s);
     }
 }
