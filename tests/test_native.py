@@ -54,10 +54,12 @@ def test_rope_store_is_the_torch_expression_and_a_cache_write_bit_for_bit():
 
 @needs_native
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_native_small_ops_change_no_bit_of_a_forward(arch, monkeypatch):
+@pytest.mark.parametrize("kernel", ["measured", "w_xt"])
+def test_the_native_small_ops_change_no_bit_of_a_forward(arch, kernel, monkeypatch):
     """The same runner and linear plan with RMSNorm, RoPE and the KV write native or torch's: every
     logit, hidden state and cached key/value equal bit for bit, through a prefill, a tree verify
-    with a commit, and one-token steps."""
+    with a commit, and one-token steps; also with every linear on `w_xt`, whose outputs come back
+    transposed (not contiguous)."""
     import methods.engine.fused as fused
 
     results = []
@@ -65,6 +67,9 @@ def test_the_native_small_ops_change_no_bit_of_a_forward(arch, monkeypatch):
         if not glue:
             monkeypatch.setattr(fused, "native_active", lambda x: False)
         runner = ModelRunner(tiny_model(arch, seed=7), skinny_gemm="auto")
+        if kernel != "measured":
+            shapes = linear_shapes(runner.model, *runner.fused.linears)
+            runner.linear = LinearPath(LinearPlan({key: {b: kernel for b in BUCKETS} for key in shapes}))
         outputs = [runner.prefill(list(range(3, 40)), all_logits=True)]
         visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
         start = runner.length

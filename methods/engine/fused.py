@@ -92,7 +92,7 @@ def rms_norm(x: torch.Tensor, norm: nn.Module, native_kernels: bool = False) -> 
     An `nn.Identity` norm (EAGLE's head has no input norm) passes x through."""
     if isinstance(norm, nn.Identity):
         return x
-    if native_kernels and x.is_contiguous():
+    if native_kernels:
         return native.rms_norm(x, norm.weight, norm.variance_epsilon)
     if x.dtype == torch.float32:
         return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
@@ -124,9 +124,11 @@ class FusedLayer:
         `cache` at this layer's index; no mask: causal over the new tokens (a prefill) or one token."""
         batch, n, _ = x.shape
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
-        glue = native_active(x) and cos.is_contiguous() and sin.is_contiguous()  # native RMSNorm, RoPE, KV write
+        glue = native_active(x)  # native RMSNorm, RoPE, KV write
         qkv = self.qkv(rms_norm(x, self.input_norm, glue)).view(batch, n, heads + 2 * kv_heads, d)
-        if glue and hasattr(cache, "reserve"):
+        # native RoPE + KV write where the projection came back in rows (a transposed `w_xt` output
+        # goes the torch way: attention's rounding follows q's memory layout, and torch's q has qkv's)
+        if glue and qkv.is_contiguous() and hasattr(cache, "reserve"):
             key_buffer, value_buffer, start = cache.reserve(self.index, n, batch, kv_heads, d, x.dtype, x.device)
             q = native.rope_store(qkv, cos, sin, key_buffer, value_buffer, start, heads, kv_heads)
             keys, values = cache.advance(self.index, n)

@@ -98,9 +98,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`LlamaRMSNorm` in fp32 over the last dimension of a contiguous x, bit for bit: the statistic
+    """`LlamaRMSNorm` in fp32 over the last dimension of x (any layout), bit for bit: the statistic
     by torch (its summation order), the rest in one call (`native.c`)."""
-    variance = x.pow(2).mean(-1)
+    variance = x.pow(2).mean(-1)  # on x as it is laid out: a reduction's order follows the layout
+    x = x.contiguous()  # the kernel reads rows of contiguous memory (a no-op when x is)
     out = torch.empty_like(x)
     _library().decodebench_rms_norm_f32(x.data_ptr(), variance.data_ptr(), weight.data_ptr(), out.data_ptr(),
                                         x.numel() // x.shape[-1], x.shape[-1], eps)
@@ -112,7 +113,9 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: to
     """A layer's fused projection qkv [B, n, heads + 2 kv_heads, d] -> its rotated queries
     [B, heads, n, d]; the rotated keys and the values are written into the cache buffers `keys`,
     `values` [B, kv_heads, capacity, d] at positions start .. start + n - 1. cos and the signed sin
-    [B, n, 1, d] (`fused.RopeTable`); everything fp32 and contiguous; bit for bit torch's RoPE."""
+    [B, n, 1, d] (`fused.RopeTable`), any layout; the buffers contiguous; bit for bit torch's RoPE."""
+    # the kernel reads contiguous memory: a linear kernel may return a transposed layout (`w_xt`)
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     batch, n, _, d = qkv.shape
     q = torch.empty(batch, heads, n, d)
     _library().decodebench_rope_store_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), keys.data_ptr(),
