@@ -23,7 +23,7 @@ def test_every_kernel_equals_f_linear(kernel, shape, bias):
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
     b = torch.randn(shape[0], generator=gen) if bias else None
-    packed = prepack(weight) if kernel == "onednn" else None
+    packed = prepack(kernel, weight)
     for rows in (1, 2, 3, 4, 7, 8, 16, 24, 32, 40):
         for lead in ((rows,), (1, rows)):  # with and without a batch dimension
             x = torch.randn(*lead, shape[1], generator=gen)

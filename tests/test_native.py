@@ -96,9 +96,9 @@ def test_every_linear_on_the_native_kernel_decodes_as_generate(arch):
     calls = []
     original = native.linear
 
-    def spy(x, weight, bias):
+    def spy(x, packed, out_features, bias):
         calls.append(x.numel() // x.shape[-1])
-        return original(x, weight, bias)
+        return original(x, packed, out_features, bias)
 
     native.linear = spy
     try:
@@ -148,21 +148,28 @@ def test_without_a_compiler_the_plan_goes_without_the_native_kernel(tmp_path, mo
 @needs_native
 def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call():
     gen = torch.Generator().manual_seed(1)
-    for shape in ((576, 576), (13, 37)):
-        weight, bias = torch.randn(*shape, generator=gen), torch.randn(shape[0], generator=gen)
-        x = torch.randn(9, shape[1], generator=gen)
-        alone = torch.cat([native.linear(x[i:i + 1], weight, bias) for i in range(9)])
-        for rows in (2, 3, 4, 5, 9):
-            assert torch.equal(native.linear(x[:rows], weight, bias), alone[:rows])
+    # 72 panels of 8 outputs in blocks of 3; 2 panels (the last padded); 7 panels (blocks 3, 3, 1)
+    for shape in ((576, 576), (13, 37), (50, 19)):
+        weight, bias = torch.randn(*shape, generator=gen) / shape[1] ** 0.5, torch.randn(shape[0], generator=gen)
+        packed = native.pack(weight)
+        x = torch.randn(17, shape[1], generator=gen)
+        alone = torch.cat([native.linear(x[i:i + 1], packed, shape[0], bias) for i in range(17)])
+        torch.testing.assert_close(alone, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        for rows in (2, 3, 4, 5, 8, 9, 16, 17):  # rows go 4 at a time, the rest 1-3 together
+            assert torch.equal(native.linear(x[:rows], packed, shape[0], bias), alone[:rows])
 
 
 @needs_native
 def test_a_weight_the_native_kernel_cannot_read_falls_back_to_f_linear():
-    """A plan names a kernel per shape; a non-contiguous weight of that shape (a transposed view)
-    is computed by F.linear, not handed to the native kernel, which reads rows of contiguous memory."""
+    """A plan names a kernel per shape, not per dtype: a bf16 weight of a shape planned on the
+    native (fp32) kernel is computed by F.linear; a transposed view is packed from its values."""
     gen = torch.Generator().manual_seed(2)
-    weight = torch.randn(16, 8, generator=gen).T  # [8, 16], not contiguous
     path = LinearPath(LinearPlan({"8x16": {b: "native" for b in BUCKETS}}))
     x = torch.randn(3, 16, generator=gen)
     with torch.inference_mode():
-        torch.testing.assert_close(path.route(weight, None, 3)(x), torch.nn.functional.linear(x, weight), rtol=0, atol=0)
+        half = torch.randn(8, 16, generator=gen).bfloat16()
+        assert path.route(half, None, 3)(x.bfloat16()).dtype == torch.bfloat16
+        torch.testing.assert_close(path.route(half, None, 3)(x.bfloat16()), torch.nn.functional.linear(x.bfloat16(), half),
+                                   rtol=0, atol=0)
+        view = torch.randn(16, 8, generator=gen).T  # [8, 16], not contiguous
+        torch.testing.assert_close(path.route(view, None, 3)(x), torch.nn.functional.linear(x, view), rtol=1e-5, atol=1e-5)

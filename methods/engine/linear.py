@@ -9,7 +9,8 @@ machine, the weight's shape and the number of rows, so it is measured, not assum
     f_linear   torch.nn.functional.linear (MKL on CPU, cuBLAS on CUDA): the reference
     w_xt       (W @ x.T).T: MKL's GEMM with the weight as the left operand
     onednn     oneDNN with the weight prepacked once for this machine (batch hint 8)
-    native     `native.c`, compiled for this machine (`native.py`): each weight read once per call
+    native     `native.c`, compiled for this machine (`native.py`), on the weight packed once
+               into panels of 8 outputs: read once per call, 4 rows x 24 outputs a step
 
 `measure_plan` times every candidate for each weight shape of a model and each row bucket
 (1, 2, 4, 8, 16, 32; larger forwards, prefills, stay on `f_linear`) with the weights cycled
@@ -52,12 +53,17 @@ def kernel_available(kernel: str, weight: torch.Tensor) -> bool:
     if kernel == "onednn":
         return onednn_available(weight.device)
     if kernel == "native":
-        return native.available(weight.device, weight.dtype) and weight.is_contiguous()
+        return native.available(weight.device, weight.dtype)
     return kernel in KERNELS
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_BATCH_HINT)
+def prepack(kernel: str, weight: torch.Tensor) -> torch.Tensor | None:
+    """The copy of `weight` the kernel reads, made once (None: it reads the weight itself)."""
+    if kernel == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_BATCH_HINT)
+    if kernel == "native":
+        return native.pack(weight)
+    return None
 
 
 def run_kernel(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -74,7 +80,7 @@ def run_kernel(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     if kernel == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if kernel == "native":
-        return native.linear(x, weight, bias)
+        return native.linear(x, packed, weight.shape[0], bias)
     raise ValueError(f"unknown linear kernel {kernel!r}; valid: {', '.join(KERNELS)}")
 
 
@@ -136,15 +142,15 @@ def measure_plan(shapes: dict[str, tuple[torch.Tensor, torch.Tensor | None]], ke
         usable = [k for k in kernels if kernel_available(k, weight)]
         copies = min(max_copies, max(2, -(-cache_bytes // (weight.numel() * weight.element_size()))))
         weights = [weight.detach().clone() for _ in range(copies)]
-        packed = [prepack(w) for w in weights] if "onednn" in usable else [None] * copies
+        packed = {k: [prepack(k, w) for w in weights] for k in usable}
         samples: dict[int, dict[str, list[float]]] = {b: {k: [] for k in usable} for b in buckets}
         for _ in range(rounds):
             for bucket in buckets:
                 x = torch.randn(bucket, weight.shape[1], dtype=weight.dtype, device=device)
                 for kernel in usable:
-                    run_kernel(kernel, x, weights[0], bias, packed[0])  # warm the kernel, not the weights
+                    run_kernel(kernel, x, weights[0], bias, packed[kernel][0])  # warm the kernel, not the weights
                     start = time.perf_counter()
-                    for w, p in zip(weights, packed):
+                    for w, p in zip(weights, packed[kernel]):
                         run_kernel(kernel, x, w, bias, p)
                     if device.type == "cuda":
                         torch.cuda.synchronize()
@@ -164,7 +170,7 @@ class LinearPath:
 
     def __init__(self, plan: LinearPlan | None):
         self.plan = plan  # None: off (f_linear everywhere)
-        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, prepacked)
+        self._packed: dict[tuple[int, str], tuple] = {}  # (id(weight), kernel) -> (weight, its packed copy)
         self._routes: dict[tuple[int, int], tuple] = {}  # (id(weight), rows) -> (weight, bias, x -> y)
 
     @contextlib.contextmanager
@@ -176,11 +182,11 @@ class LinearPath:
         finally:
             _ACTIVE.reset(token)
 
-    def packed(self, weight: torch.Tensor) -> torch.Tensor:
-        """The prepacked copy of `weight`, made on first use (warm-up pays it) and kept."""
-        entry = self._packed.get(id(weight))
+    def packed(self, kernel: str, weight: torch.Tensor) -> torch.Tensor | None:
+        """The kernel's packed copy of `weight`, made on first use (warm-up pays it) and kept."""
+        entry = self._packed.get((id(weight), kernel))
         if entry is None or entry[0] is not weight:
-            entry = self._packed[id(weight)] = (weight, prepack(weight))
+            entry = self._packed[(id(weight), kernel)] = (weight, prepack(kernel, weight))
         return entry[1]
 
     def route(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
@@ -189,12 +195,12 @@ class LinearPath:
         entry = self._routes.get((id(weight), rows))
         if entry is None or entry[0] is not weight or entry[1] is not bias:
             kernel = self.plan.kernel(shape_key(weight, bias), rows)
-            if not kernel_available(kernel, weight):  # e.g. a non-contiguous weight of a measured shape
+            if not kernel_available(kernel, weight):  # e.g. a plan measured where the kernel ran
                 kernel = "f_linear"
             if kernel == "f_linear":
                 function = functools.partial(F.linear, weight=weight, bias=bias)
             else:
-                packed = self.packed(weight) if kernel == "onednn" else None
+                packed = self.packed(kernel, weight)
 
                 def function(x, kernel=kernel, weight=weight, bias=bias, packed=packed):
                     return run_kernel(kernel, x, weight, bias, packed)

@@ -2,121 +2,90 @@
  * -ffp-contract=off -fopenmp` once per machine class and linked to the OpenMP runtime torch has
  * already loaded (one thread pool; `torch.set_num_threads` applies).
  *
- * decodebench_linear_f32: y = x W^T (+ b) for a few rows of x, for the case that matters on a
- *   CPU: W streamed once from memory at the machine's bandwidth. W [out, in] and x [rows, in]
- *   row-major and contiguous, y [rows, out]. Each OpenMP thread takes blocks of 8 consecutive rows
- *   of W and computes them against every row of x: one row against all 8 at once (a decode step),
- *   several rows three at a time against 4 (12 accumulators), then two. Summation is the same
- *   for every row count, so a row's result does not depend on how many rows share the call: 8
- *   lanes of fused multiply-adds in one chain per output, then the lanes pairwise, then the tail
- *   of `in` % 8 in order (not MKL's order: same fp32 class, not the same bits).
+ * decodebench_pack_f32, decodebench_linear_f32: y = x W^T (+ b) for a few rows of x, the case
+ *   that matters on a CPU: W streamed once from memory at the machine's bandwidth, and a forward
+ *   over 2-16 rows (verification) computed while it streams. W [out, in] is packed once into
+ *   panels of 8 output rows, P [ceil(out / 8)][in][8] (zero padded), so that one 32-byte load
+ *   holds one input's weight for 8 outputs. Each OpenMP thread takes blocks of 3 panels (24
+ *   outputs) and computes them for the rows of x, 4 rows at a time: 12 accumulators, 3 weight
+ *   loads and 4 broadcasts of x per 12 fused multiply-adds, no horizontal sums. Every output is
+ *   one chain of fused multiply-adds over `in` in order, then + b, whatever the number of rows
+ *   and their grouping: a row's result does not depend on how many rows share the call (not
+ *   MKL's order: same fp32 class, not the same bits).
  * decodebench_rms_norm_f32, decodebench_rope_store_f32: bit for bit what torch's eager ops compute
  *   (tests/test_native.py), in one call instead of four to ten. */
 #include <immintrin.h>
 #include <math.h>
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+void decodebench_pack_f32(const float *W, float *P, long out, long in) {
+    const long panels = (out + 7) / 8;
+    #pragma omp parallel for schedule(static)
+    for (long p = 0; p < panels; p++)
+        for (long k = 0; k < in; k++)
+            for (long c = 0; c < 8; c++) {
+                const long o = p * 8 + c;
+                P[(p * in + k) * 8 + c] = o < out ? W[o * in + k] : 0.0f;
+            }
 }
 
-/* y[r, o0 .. o0+nb-1] for rows r0 .. r0+2 of x against 4 weight rows w[0..3] (12 accumulators) */
-static inline void rows3x4(const float *const w[4], const float *x, const float *b, float *y, long out, long in,
-                           long body, long o0, long nb, long r) {
-    const float *x0 = x + r * in, *x1 = x0 + in, *x2 = x1 + in;
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-    __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-    __m256 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
-    for (long i = 0; i < body; i += 8) {
-        const __m256 w0 = _mm256_loadu_ps(w[0] + i), w1 = _mm256_loadu_ps(w[1] + i);
-        const __m256 w2 = _mm256_loadu_ps(w[2] + i), w3 = _mm256_loadu_ps(w[3] + i);
-        __m256 v = _mm256_loadu_ps(x0 + i);
-        a00 = _mm256_fmadd_ps(w0, v, a00); a01 = _mm256_fmadd_ps(w1, v, a01);
-        a02 = _mm256_fmadd_ps(w2, v, a02); a03 = _mm256_fmadd_ps(w3, v, a03);
-        v = _mm256_loadu_ps(x1 + i);
-        a10 = _mm256_fmadd_ps(w0, v, a10); a11 = _mm256_fmadd_ps(w1, v, a11);
-        a12 = _mm256_fmadd_ps(w2, v, a12); a13 = _mm256_fmadd_ps(w3, v, a13);
-        v = _mm256_loadu_ps(x2 + i);
-        a20 = _mm256_fmadd_ps(w0, v, a20); a21 = _mm256_fmadd_ps(w1, v, a21);
-        a22 = _mm256_fmadd_ps(w2, v, a22); a23 = _mm256_fmadd_ps(w3, v, a23);
-    }
-    float s[3][4] = {{hsum(a00), hsum(a01), hsum(a02), hsum(a03)},
-                     {hsum(a10), hsum(a11), hsum(a12), hsum(a13)},
-                     {hsum(a20), hsum(a21), hsum(a22), hsum(a23)}};
-    for (int k = 0; k < 3; k++) {
-        const float *xk = x0 + k * in;
-        for (int j = 0; j < nb; j++) {
-            for (long i = body; i < in; i++) s[k][j] += w[j][i] * xk[i];
-            y[(r + k) * out + o0 + j] = s[k][j] + (b ? b[o0 + j] : 0.0f);
-        }
-    }
+/* outputs o0 .. o0+7 of one row: the accumulator + b, the padding left out */
+static inline void store8(__m256 acc, const float *b, float *y, long out, long o0) {
+    float t[8];
+    _mm256_storeu_ps(t, acc);
+    const long n = out - o0 < 8 ? out - o0 : 8;
+    for (long i = 0; i < n; i++) y[o0 + i] = t[i] + (b ? b[o0 + i] : 0.0f);
 }
 
-/* the same for rows r0, r0+1 (8 accumulators) */
-static inline void rows2x4(const float *const w[4], const float *x, const float *b, float *y, long out, long in,
-                           long body, long o0, long nb, long r) {
-    const float *x0 = x + r * in, *x1 = x0 + in;
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-    __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-    for (long i = 0; i < body; i += 8) {
-        const __m256 v0 = _mm256_loadu_ps(x0 + i), v1 = _mm256_loadu_ps(x1 + i);
-        const __m256 w0 = _mm256_loadu_ps(w[0] + i), w1 = _mm256_loadu_ps(w[1] + i);
-        const __m256 w2 = _mm256_loadu_ps(w[2] + i), w3 = _mm256_loadu_ps(w[3] + i);
-        a00 = _mm256_fmadd_ps(w0, v0, a00); a01 = _mm256_fmadd_ps(w1, v0, a01);
-        a02 = _mm256_fmadd_ps(w2, v0, a02); a03 = _mm256_fmadd_ps(w3, v0, a03);
-        a10 = _mm256_fmadd_ps(w0, v1, a10); a11 = _mm256_fmadd_ps(w1, v1, a11);
-        a12 = _mm256_fmadd_ps(w2, v1, a12); a13 = _mm256_fmadd_ps(w3, v1, a13);
+/* named accumulators a<row><panel> (an array of them would live on the stack: a store per FMA) */
+#define ACC(m) __m256 a##m##0 = _mm256_setzero_ps(), a##m##1 = a##m##0, a##m##2 = a##m##0;
+#define FMA(m) if (M > m) { const __m256 xb = _mm256_broadcast_ss(x##m + k); \
+        a##m##0 = _mm256_fmadd_ps(w0, xb, a##m##0); \
+        if (V > 1) a##m##1 = _mm256_fmadd_ps(w1, xb, a##m##1); \
+        if (V > 2) a##m##2 = _mm256_fmadd_ps(w2, xb, a##m##2); }
+#define STORE(m) if (M > m) { float *ym = y + (r0 + m) * out; store8(a##m##0, b, ym, out, o0); \
+        if (V > 1) store8(a##m##1, b, ym, out, o0 + 8); \
+        if (V > 2) store8(a##m##2, b, ym, out, o0 + 16); }
+
+/* rows r0 .. r0+M-1 of x (M <= 4) against V (<= 3) consecutive panels from P (outputs from o0);
+ * M and V are constants where it is inlined, so only the live accumulators exist. pf (or NULL):
+ * memory to prefetch meanwhile, `stride` bytes a step */
+static inline __attribute__((always_inline)) void panels_rows(const int M, const int V, const float *P, const float *x,
+                                                              long in, const float *b, float *y, long out, long o0, long r0,
+                                                              const char *pf, long stride) {
+    ACC(0) ACC(1) ACC(2) ACC(3)
+    const float *x0 = x + r0 * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;
+    const float *p0 = P, *p1 = P + in * 8, *p2 = P + 2 * in * 8;
+    for (long k = 0; k < in; k++) {
+        if (pf) { _mm_prefetch(pf + k * stride, _MM_HINT_T0); _mm_prefetch(pf + k * stride + 64, _MM_HINT_T0); }
+        const __m256 w0 = _mm256_loadu_ps(p0 + k * 8);
+        const __m256 w1 = V > 1 ? _mm256_loadu_ps(p1 + k * 8) : w0, w2 = V > 2 ? _mm256_loadu_ps(p2 + k * 8) : w0;
+        FMA(0) FMA(1) FMA(2) FMA(3)
     }
-    float s0[4] = {hsum(a00), hsum(a01), hsum(a02), hsum(a03)};
-    float s1[4] = {hsum(a10), hsum(a11), hsum(a12), hsum(a13)};
-    for (int j = 0; j < nb; j++) {
-        for (long i = body; i < in; i++) {
-            s0[j] += w[j][i] * x0[i];
-            s1[j] += w[j][i] * x1[i];
-        }
-        const float bj = b ? b[o0 + j] : 0.0f;
-        y[r * out + o0 + j] = s0[j] + bj;
-        y[(r + 1) * out + o0 + j] = s1[j] + bj;
-    }
+    STORE(0) STORE(1) STORE(2) STORE(3)
 }
 
-/* one row of x against nb (<= 8) weight rows w[0..7] (8 accumulators: a decode step's GEMV
- * keeps 8 weight rows streaming at once) */
-static inline void row1x8(const float *const w[8], const float *x, const float *b, float *y, long out, long in,
-                          long body, long o0, long nb, long r) {
-    const float *x0 = x + r * in;
-    __m256 a[8];
-    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-    for (long i = 0; i < body; i += 8) {
-        const __m256 v = _mm256_loadu_ps(x0 + i);
-        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(w[j] + i), v, a[j]);
-    }
-    for (int j = 0; j < nb; j++) {
-        float s = hsum(a[j]);
-        for (long i = body; i < in; i++) s += w[j][i] * x0[i];
-        y[r * out + o0 + j] = s + (b ? b[o0 + j] : 0.0f);
-    }
-}
+#define ROWS(V) switch (m) { \
+        case 4: panels_rows(4, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        case 3: panels_rows(3, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        case 2: panels_rows(2, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        default: panels_rows(1, V, pp, x, in, b, y, out, o0, r, pf, stride); }
 
-void decodebench_linear_f32(const float *W, const float *x, const float *b, float *y,
-                            long out, long in, long rows) {
-    const long blocks = (out + 7) / 8, body = in - in % 8;
+/* Rows go 4 at a time; the first group streams the block's 3 panels from memory, the later ones
+ * read them from cache. From 3 groups on (9+ rows) the later groups also prefetch the next
+ * block, a share each, so that memory streams while they compute (measured: 20% off 16 rows;
+ * with 2 groups it costs more than it saves). */
+void decodebench_linear_f32(const float *P, const float *x, const float *b, float *y, long out, long in, long rows) {
+    const long panels = (out + 7) / 8, blocks = (panels + 2) / 3;
     #pragma omp parallel for schedule(static)
     for (long blk = 0; blk < blocks; blk++) {
-        const long o8 = blk * 8, n8 = out - o8 < 8 ? out - o8 : 8;
-        const float *w[8];
-        for (int j = 0; j < 8; j++) w[j] = W + (o8 + (j < n8 ? j : 0)) * in;  /* past the end: a stand-in, unused */
-        long r = 0;
-        for (long o0 = o8; o0 < o8 + n8 && rows > 1; o0 += 4) {  /* several rows: two halves of 4 */
-            const long nb = o8 + n8 - o0 < 4 ? o8 + n8 - o0 : 4;
-            const float *w4[4];
-            for (int j = 0; j < 4; j++) w4[j] = w[o0 - o8 + (j < nb ? j : 0)];
-            for (r = 0; r + 3 <= rows; r += 3) rows3x4(w4, x, b, y, out, in, body, o0, nb, r);
-            for (; r + 2 <= rows; r += 2) rows2x4(w4, x, b, y, out, in, body, o0, nb, r);
+        const long p0 = blk * 3, v = panels - p0 < 3 ? panels - p0 : 3, o0 = p0 * 8;
+        const float *pp = P + p0 * in * 8;
+        const long groups = (rows + 3) / 4, stride = groups >= 3 ? 96 / (groups - 1) : 0;  /* 3 panels: 96 B a step */
+        for (long r = 0, g = 0; r < rows; r += 4, g++) {
+            const char *pf = stride && g > 0 && blk + 1 < blocks ? (const char *)(pp + 3 * in * 8) + (g - 1) * stride * in : 0;
+            const long m = rows - r < 4 ? rows - r : 4;
+            if (v == 3) { ROWS(3) } else if (v == 2) { ROWS(2) } else { ROWS(1) }
         }
-        for (; r < rows; r++) row1x8(w, x, b, y, out, in, body, o8, n8, r);  /* the rows left: 0 or 1 */
     }
 }
 

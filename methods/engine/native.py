@@ -1,10 +1,12 @@
 """The engine's native CPU kernels: `native.c`, compiled for this machine class and called through
 ctypes (no torch headers, so it builds in about a second).
 
-* `linear`, the `native` kernel of the linear path: MKL's and oneDNN's fp32 GEMV for one row of a
-  135M model's weights stream them at well under the machine's read bandwidth (docs/performance.md);
-  this is a plain AVX2/FMA loop that reads each weight once per call. Whether it wins is measured
-  like every other kernel (`linear.measure_plan`), per weight shape and row count.
+* `pack` and `linear`, the `native` kernel of the linear path: MKL's and oneDNN's fp32 GEMV for one
+  row of a 135M model's weights stream them at well under the machine's read bandwidth, and their
+  GEMM for 2-16 rows computes slower than the weights stream (docs/performance.md). This one reads
+  a copy of each weight packed once into panels of 8 outputs and computes 4 rows x 24 outputs per
+  step from registers. Whether it wins is measured like every other kernel
+  (`linear.measure_plan`), per weight shape and row count.
 * `rms_norm` and `rope_store`: the fused forward's small operations (`fused.py`), bit for bit what
   torch computes, in one call each instead of four to ten.
 
@@ -65,7 +67,8 @@ def _library() -> ctypes.CDLL:
     # torch is imported, so libgomp.so.1 resolves to the OpenMP runtime torch loaded: one thread pool
     lib = ctypes.CDLL(str(target))
     pointer, long = ctypes.c_void_p, ctypes.c_long
-    for name, argtypes in (("linear", [pointer] * 4 + [long] * 3),
+    for name, argtypes in (("pack", [pointer] * 2 + [long] * 2),
+                           ("linear", [pointer] * 4 + [long] * 3),
                            ("rms_norm", [pointer] * 4 + [long] * 2 + [ctypes.c_float]),
                            ("rope_store", [pointer] * 6 + [long] * 7)):
         function = getattr(lib, f"decodebench_{name}_f32")
@@ -87,13 +90,25 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and unavailable_reason() is None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] @ weight[out, in]^T + bias, fp32 on the CPU; weight and bias contiguous."""
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """fp32 weight [out, in] (any layout) -> the copy `linear` reads: [ceil(out / 8), in, 8], each
+    panel the weights of 8 consecutive outputs for every input (the last zero padded)."""
+    out_features, in_features = weight.shape
+    weight = weight.detach().contiguous()
+    packed = weight.new_empty(-(-out_features // 8), in_features, 8)
+    _library().decodebench_pack_f32(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
+    return packed
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] @ W^T + bias for the weight W [out_features, in] that `pack` packed; fp32 on
+    the CPU; bias contiguous."""
     if not x.is_contiguous():
         x = x.contiguous()
-    out = x.new_empty(x.shape[:-1] + weight.shape[:1])
-    _library().decodebench_linear_f32(weight.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None,
-                                      out.data_ptr(), weight.shape[0], weight.shape[1], x.numel() // weight.shape[1])
+    out = x.new_empty(x.shape[:-1] + (out_features,))
+    in_features = packed.shape[1]
+    _library().decodebench_linear_f32(packed.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None,
+                                      out.data_ptr(), out_features, in_features, x.numel() // in_features)
     return out
 
 
