@@ -188,7 +188,7 @@ def llama_greedy(llama, prompt: Sequence[int], stop) -> list[int]:
 
 def llama_curve(llama, sizes=CURVE_SIZES, prefix: int = 256, rounds: int = 7) -> dict[int, float]:
     """Median seconds of `llama.eval` over n tokens after a `prefix`-token prefix (the cache rolled
-    back to the prefix after each), sizes interleaved round by round, as perf's `latency_curves`."""
+    back to the prefix after each), sizes interleaved round by round, as the engine's `hardware.forward_latencies`."""
     llama.reset()
     llama.eval([0] * prefix)
     llama.eval([0] * 4)  # warm

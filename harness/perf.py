@@ -35,7 +35,7 @@ from harness.environment import environment, hardware_name, hardware_slug
 from harness.prompts import ChatTemplate, Message
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
-from methods.engine.hardware import ForwardTimer, read_bandwidth, weight_bytes
+from methods.engine.hardware import forward_latencies, read_bandwidth, weight_bytes
 from methods.engine.linear import gemms_skipped
 from methods.engine.runner import ModelRunner
 from methods.models.heads.checkpoints import head_spec
@@ -60,24 +60,6 @@ def timed(fn, device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
-
-
-def latency_curves(runners: dict[str, ModelRunner], sizes=SIZES, prefix: int = 256, rounds: int = 7) -> dict:
-    """Median seconds of one forward of n tokens for each runner, timed as the engine times its
-    own curve (`hardware.ForwardTimer`: masked as a verification for n > 1, each size warmed once),
-    the runners and sizes interleaved round by round."""
-    timers = {name: ForwardTimer(runner, sizes, prefix) for name, runner in runners.items()}
-    for timer in timers.values():
-        for n in sizes:
-            timer(n)
-    samples = {name: {n: [] for n in sizes} for name in runners}
-    for _ in range(rounds):
-        for n in sizes:
-            for name, timer in timers.items():
-                samples[name][n].append(timer(n))
-    for timer in timers.values():
-        timer.close()
-    return {name: {n: statistics.median(v) for n, v in by_size.items()} for name, by_size in samples.items()}
 
 
 def count_aten_calls(fn) -> int:
@@ -187,7 +169,7 @@ def main(argv=None) -> dict:
     print("measuring the linear path (once per machine; cached) ...", flush=True)
     runners = {"auto": ModelRunner(model, "auto", "auto"), "transformers": ModelRunner(model, "auto", "transformers"),
                "off": ModelRunner(model, "off", "transformers")}
-    curves = latency_curves(runners)
+    curves = forward_latencies(runners, SIZES, prefix_length=256, repeats=7)
     breakdown = {name: forward_breakdown(runners[name], weights) for name in ("auto", "transformers")}
     context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True))
     level = eagle_level_cost(model, runners["auto"], context)

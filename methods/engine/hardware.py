@@ -237,21 +237,29 @@ class ForwardTimer:
         self.runner.reset()
 
 
-def forward_latency(runner, sizes: Sequence[int], prefix_length: int = 256, repeats: int = 5) -> dict[int, float]:
+def forward_latencies(runners: dict, sizes: Sequence[int], prefix_length: int = 256, repeats: int = 5) -> dict:
     """Median seconds of one forward of `size` tokens after a `prefix_length`-token prefix, per
-    size (`ForwardTimer`): the hardware curve that decides how large a draft tree can be before it
-    stops paying. Every size runs once untimed first (lazy initialisation, packing for a new row
-    count), then the sizes are interleaved round by round, so that the machine's drift reaches all
-    of them alike. Leaves the runner empty."""
-    timer = ForwardTimer(runner, sizes, prefix_length)
-    for size in sizes:
-        timer(size)
-    samples = {size: [] for size in sizes}
+    runner and size (`ForwardTimer`): {name: {size: seconds}}. Every size runs once untimed first
+    (lazy initialisation, packing for a new row count), then runners and sizes are interleaved
+    round by round, so that the machine's drift reaches all of them alike. Leaves the runners empty."""
+    timers = {name: ForwardTimer(runner, sizes, prefix_length) for name, runner in runners.items()}
+    for timer in timers.values():
+        for size in sizes:
+            timer(size)
+    samples = {name: {size: [] for size in sizes} for name in runners}
     for _ in range(repeats):
         for size in sizes:
-            samples[size].append(timer(size))
-    timer.close()
-    return {size: statistics.median(samples[size]) for size in sizes}
+            for name, timer in timers.items():
+                samples[name][size].append(timer(size))
+    for timer in timers.values():
+        timer.close()
+    return {name: {size: statistics.median(v) for size, v in by_size.items()} for name, by_size in samples.items()}
+
+
+def forward_latency(runner, sizes: Sequence[int], prefix_length: int = 256, repeats: int = 5) -> dict[int, float]:
+    """One runner's `forward_latencies`: the hardware curve that decides how large a draft tree can
+    be before it stops paying."""
+    return forward_latencies({"runner": runner}, sizes, prefix_length, repeats)["runner"]
 
 
 def latency_curve(runner, model_name: str, sizes=(1, 2, 4, 8, 16, 32, 64), prefix: int = 256,

@@ -195,7 +195,7 @@ class LinearPath:
         entry = self._routes.get((id(weight), rows))
         if entry is None or entry[0] is not weight or entry[1] is not bias:
             kernel = self.plan.kernel(shape_key(weight, bias), rows)
-            if not kernel_available(kernel, weight):  # e.g. a plan measured where the kernel ran
+            if not kernel_available(kernel, weight):  # e.g. a bf16 weight of a shape planned on native (fp32)
                 kernel = "f_linear"
             if kernel == "f_linear":
                 function = functools.partial(F.linear, weight=weight, bias=bias)
