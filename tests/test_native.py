@@ -1,7 +1,9 @@
 """The engine's native kernels (`methods/engine/native.c`): RMSNorm, RoPE and the KV write bit for
 bit as torch computes them (alone and inside whole forwards), the linear kernel inside a whole
-model token for token as `generate` and independent of the row count, a plan measured again when
-the kernels change, and a machine without a compiler simply going without."""
+model token for token as `generate` and independent of the row count, the whole decoder layer in
+one call (the torch layer's outputs and cache; a token verified in a tree or a batch gets the bits
+it gets alone), a plan measured again when the kernels change, and a machine without a compiler
+simply going without."""
 
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ def test_the_native_small_ops_change_no_bit_of_a_forward(arch, kernel, monkeypat
     transposed (not contiguous)."""
     import methods.engine.fused as fused
 
+    monkeypatch.setattr(fused.FusedLayer, "native_layer", lambda *args: None)  # the ops one by one, here
     results = []
     for glue in (True, False):
         if not glue:
@@ -87,12 +90,13 @@ def test_the_native_small_ops_change_no_bit_of_a_forward(arch, kernel, monkeypat
 
 @needs_native
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_every_linear_on_the_native_kernel_decodes_as_generate(arch):
+def test_every_linear_on_the_native_kernel_decodes_as_generate(arch, monkeypatch):
+    """Every decoder layer in one native call, the LM head on the native linear kernel."""
     model = tiny_model(arch, seed=5)
     reference = tiny_model(arch, seed=5)
     runner = ModelRunner(model, skinny_gemm="auto")
-    shapes = linear_shapes(model, *runner.fused.linears)
-    runner.linear = LinearPath(LinearPlan({key: {b: "native" for b in BUCKETS} for key in shapes}))
+    runner.linear = all_native(runner)
+    layers = layer_calls(monkeypatch)
     calls = []
     original = native.linear
 
@@ -113,7 +117,144 @@ def test_every_linear_on_the_native_kernel_decodes_as_generate(arch):
     finally:
         native.linear = original
     assert tokens == hf_greedy(reference, prompt, 40)
-    assert 1 in calls and 6 in calls
+    assert 1 in calls and 6 in calls and 1 in layers and 6 in layers
+
+
+def all_native(runner_or_modules) -> LinearPath:
+    """A linear path that computes every linear of these modules on the native kernel."""
+    modules = runner_or_modules
+    if isinstance(runner_or_modules, ModelRunner):
+        modules = [runner_or_modules.model, *runner_or_modules.fused.linears]
+    return LinearPath(LinearPlan({key: {b: "native" for b in BUCKETS} for key in linear_shapes(*modules)}))
+
+
+def layer_calls(monkeypatch) -> list[int]:
+    """Records the row count of every whole-layer native call."""
+    calls, original = [], native.NativeLayer.__call__
+
+    def spy(self, x, *args):
+        calls.append(x.shape[0] * x.shape[1])
+        return original(self, x, *args)
+
+    monkeypatch.setattr(native.NativeLayer, "__call__", spy)
+    return calls
+
+
+@needs_native
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_native_layer_computes_the_torch_layer_and_its_cache(arch, monkeypatch):
+    """A prefill, a tree verify with a commit, and one-token steps with every layer in one native
+    call give the logits, hidden states and KV cache of the same layers as torch operations
+    (qwen2: q/k/v biases) on the same native projections, within fp32 rounding."""
+    import methods.engine.fused as fused
+
+    calls = layer_calls(monkeypatch)
+    results = []
+    for whole in (True, False):
+        if not whole:
+            monkeypatch.setattr(fused.FusedLayer, "native_layer", lambda *args: None)
+        runner = ModelRunner(tiny_model(arch, seed=7), skinny_gemm="auto")
+        runner.linear = all_native(runner)
+        outputs = [runner.prefill(list(range(3, 30)), all_logits=True)]
+        visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        start = runner.length
+        outputs.append(runner.forward([5, 6, 7, 8], positions=start + torch.tensor([0, 1, 1, 2]),
+                                      mask=attention_mask(visible, start, runner.dtype, runner.device)))
+        runner.commit(start, [0, 1, 3])
+        outputs += [runner.forward([9]), runner.forward([10])]
+        results.append((outputs, [(layer.keys.clone(), layer.values.clone()) for layer in runner.cache.layers]))
+    layers = len(runner.cache.layers)
+    assert calls == [27] * layers + [4] * layers + [1] * 2 * layers
+    (native_out, native_cache), (torch_out, torch_cache) = results
+    for a, b in zip(native_out, torch_out):
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.hidden, b.hidden, rtol=1e-5, atol=1e-5)
+    for (ka, va), (kb, vb) in zip(native_cache, torch_cache):
+        torch.testing.assert_close(ka, kb, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(va, vb, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_token_verified_in_a_tree_gets_the_bits_it_gets_decoded_alone(arch, monkeypatch):
+    """The accepted path of a tree whose nodes sit away from their depth (node 3 at depth 2 after a
+    sibling) gets, bit for bit, the logits and the committed KV that decoding its tokens one by one
+    gets: attention walks each row's visible keys in position order, whatever the tree."""
+    calls = layer_calls(monkeypatch)
+    runner = ModelRunner(tiny_model(arch, seed=11), skinny_gemm="auto")
+    runner.linear = all_native(runner)
+    prompt = list(range(3, 40))
+    runner.prefill(prompt)
+    start = runner.length
+    # 0 -> {1, 2}; 2 -> 3; 1 -> 4: the path 0, 2, 3 sits at cache slots start + 0, 2, 3
+    visible = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 0, 0, 1]],
+                           dtype=torch.bool)
+    tokens = [20, 21, 22, 23, 24]
+    tree = runner.forward(tokens, positions=start + torch.tensor([0, 1, 1, 2, 2]),
+                          mask=attention_mask(visible, start, runner.dtype, runner.device))
+    runner.commit(start, [0, 2, 3])
+    committed = [(layer.keys.clone(), layer.values.clone()) for layer in runner.cache.layers]
+    runner.rollback(start)
+    alone = [runner.forward([tokens[i]]) for i in (0, 2, 3)]
+    assert 5 in calls and 1 in calls
+    for node, step in zip((0, 2, 3), alone):
+        assert torch.equal(tree.logits[node], step.logits[0]) and torch.equal(tree.hidden[node], step.hidden[0])
+    for (keys, values), layer in zip(committed, runner.cache.layers):
+        assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
+
+
+@needs_native
+def test_a_sequence_in_a_batch_gets_the_bits_it_gets_alone():
+    from methods.engine.fused import FusedDecoder
+    from methods.engine.kv_cache import TreeKVCache
+
+    model = tiny_model("llama", seed=5)
+    decoder = FusedDecoder(model)
+    path = all_native([model, *decoder.linears])
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (2, 12), generator=gen)
+    positions = torch.arange(12).expand(2, 12)
+    with path.active():
+        batch_cache = TreeKVCache()
+        together, _ = decoder.forward(ids, positions, None, batch_cache)
+        step, _ = decoder.forward(ids[:, :1], positions[:, -1:] + 1, None, batch_cache)
+        for b in range(2):
+            cache = TreeKVCache()
+            alone, _ = decoder.forward(ids[b:b + 1], positions[b:b + 1], None, cache)
+            alone_step, _ = decoder.forward(ids[b:b + 1, :1], positions[b:b + 1, -1:] + 1, None, cache)
+            assert torch.equal(together[b], alone[0]) and torch.equal(step[b], alone_step[0])
+            for mine, theirs in zip(batch_cache.layers, cache.layers):
+                assert torch.equal(mine.keys[b], theirs.keys[0]) and torch.equal(mine.values[b], theirs.values[0])
+
+
+@needs_native
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_an_eagle_head_drafts_the_same_on_the_native_layer(qkv_bias, monkeypatch):
+    """EAGLE's head layer (no input norm) in one native call: the committed pairs and two tree
+    levels give the head's own `transformers` layer's outputs."""
+    import copy
+
+    from methods.eagle import EagleDrafter
+    from methods.models.heads.eagle import EagleHead, head_config
+
+    calls = layer_calls(monkeypatch)
+    target = tiny_model("llama", seed=8)
+    torch.manual_seed(9)
+    head = EagleHead(head_config(target.config.to_dict(), qkv_bias), qkv_bias=qkv_bias).eval().requires_grad_(False)
+    fused, stock = EagleDrafter(head, target.lm_head), EagleDrafter(copy.deepcopy(head), target.lm_head)
+    stock.fused = None
+    path = all_native([head, *fused.linears])
+    features = torch.randn(12, target.config.hidden_size)
+    outputs = []
+    for drafter in (fused, stock):
+        with path.active():
+            drafter.follow(list(range(10, 22)), features)
+            first = drafter.feed_level([4, 5, 6], features[:3], 1, [[], [], []])
+            second = drafter.feed_level([7, 8], first[:2], 2, [[0], [1]])
+        outputs.append((drafter.root_hidden, first, second))
+    assert calls[:3] == [12, 3, 2]
+    for a, b in zip(*outputs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_a_plan_chosen_among_other_kernels_is_measured_again(tmp_path, monkeypatch):

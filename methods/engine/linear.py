@@ -172,6 +172,7 @@ class LinearPath:
         self.plan = plan  # None: off (f_linear everywhere)
         self._packed: dict[tuple[int, str], tuple] = {}  # (id(weight), kernel) -> (weight, its packed copy)
         self._routes: dict[tuple[int, int], tuple] = {}  # (id(weight), rows) -> (weight, bias, x -> y)
+        self._native: dict[tuple, tuple] = {}  # (ids of the weights, rows) -> (weights, packed copies or None)
 
     @contextlib.contextmanager
     def active(self):
@@ -207,10 +208,28 @@ class LinearPath:
             entry = self._routes[(id(weight), rows)] = (weight, bias, function)
         return entry[2]
 
+    def native_packed(self, linears, rows: int) -> list[torch.Tensor] | None:
+        """The native kernel's packed copies of these linears' weights when the plan computes every
+        one of them on it for `rows` rows (so a whole layer may run in one native call), else None;
+        resolved once per (linears, row count)."""
+        weights = tuple(m.weight for m in linears)
+        key = (tuple(map(id, weights)), rows)
+        entry = self._native.get(key)
+        if entry is None or any(a is not b for a, b in zip(entry[0], weights)):
+            native_all = all(self.plan.kernel(shape_key(m.weight, m.bias), rows) == "native"
+                             and kernel_available("native", m.weight) for m in linears)
+            entry = self._native[key] = (weights, [self.packed("native", w) for w in weights] if native_all else None)
+        return entry[1]
+
     def describe(self) -> dict:
         if self.plan is None:
             return {"skinny_gemm": "off"}
         return {"skinny_gemm": "measured", "buckets": list(BUCKETS), **self.plan.to_dict()}
+
+
+def active_path() -> LinearPath | None:
+    """The measured linear path routing linears in this context (None: stock `F.linear`)."""
+    return _ACTIVE.get()
 
 
 def native_active(x: torch.Tensor) -> bool:

@@ -13,7 +13,8 @@
  *   and their grouping: a row's result does not depend on how many rows share the call (not
  *   MKL's order: same fp32 class, not the same bits).
  * decodebench_rms_norm_f32, decodebench_rope_store_f32: bit for bit what torch's eager ops compute
- *   (tests/test_native.py), in one call instead of four to ten. */
+ *   (tests/test_native.py), in one call instead of four to ten.
+ * decodebench_layer_f32: a whole decoder layer in one call (below). */
 #include <immintrin.h>
 #include <math.h>
 
@@ -138,4 +139,216 @@ void decodebench_rope_store_f32(const float *qkv, const float *cos, const float 
             }
         }
     }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * decodebench_layer_f32: one whole Llama-family decoder layer for a few rows (a decode step, a
+ * verification, a draft head's level), in one call instead of ~30 torch operations and five
+ * kernel calls: RMSNorm, the fused qkv projection, RoPE with the KV write, attention over the
+ * cache, o_proj + residual, RMSNorm, gate_up, SiLU(gate) * up, down + residual. The projections
+ * are `decodebench_linear_f32` on packed weights. Every row is computed on its own, in an order
+ * that does not depend on the other rows: attention walks the keys a row may see (the mask's
+ * visible ones, else causally) compacted and in position order, so a token verified in a tree
+ * gets the bits it gets when decoded alone, whatever the tree and wherever its ancestors sit in
+ * the cache before the commit. Same fp32 class as torch's ops, not the same bits (own exp, own
+ * summation order).
+ * --------------------------------------------------------------------------------------------- */
+#include <stdlib.h>
+
+/* e^x for 8 lanes (Cephes' expf: range reduction by ln 2 in two parts, degree-5 polynomial;
+ * about 1 ulp); below -87.3 exactly 0 (a masked or negligible score), clamped above 88.3 */
+static inline __m256 exp8(__m256 x) {
+    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* v[0..n) = e^v, through exp8 for every element (a tail through a padded copy: same bits) */
+static void exp_inplace(float *v, long n) {
+    long i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, exp8(_mm256_loadu_ps(v + i)));
+    if (i < n) {
+        float t[8] = {0};
+        for (long j = i; j < n; j++) t[j - i] = v[j];
+        _mm256_storeu_ps(t, exp8(_mm256_loadu_ps(t)));
+        for (long j = i; j < n; j++) v[j] = t[j - i];
+    }
+}
+
+static inline float hsum8(__m256 v) {
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+}
+
+/* sum of a[i] * b[i]: 8 lanes in order, then the lanes, then the tail */
+static inline float dot(const float *a, const float *b, long n) {
+    __m256 acc = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum8(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* y = w * (x * (1 / sqrt(mean(x^2) + eps))) for one row (w NULL: y = x) */
+static void rms_row(const float *x, const float *w, float eps, float *y, long dim) {
+    if (!w) { for (long i = 0; i < dim; i++) y[i] = x[i]; return; }
+    const float s = 1.0f / sqrtf(dot(x, x, dim) / (float)dim + eps);
+    for (long i = 0; i < dim; i++) y[i] = w[i] * (x[i] * s);
+}
+
+/* dot(q, k_j) for 8 keys at once: one FMA chain over d per key (lanes), the 8 chains reduced
+ * together by horizontal adds into ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) per key, as hsum8 and
+ * `dot` reduce one: a key's score has the same bits in a block of 8 or alone */
+static inline __m256 dot8(const float *q, const float *const k[8], long d) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    long i = 0;
+    for (; i + 8 <= d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + i), a0); a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + i), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + i), a2); a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + i), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + i), a4); a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + i), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + i), a6); a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + i), a7);
+    }
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+    if (i < d) {  /* the tail of d, after the lanes, as `dot` adds it */
+        float t[8];
+        _mm256_storeu_ps(t, s);
+        for (int j = 0; j < 8; j++)
+            for (long r = i; r < d; r++) t[j] += q[r] * k[j][r];
+        s = _mm256_loadu_ps(t);
+    }
+    return s;
+}
+
+/* One query head of one row: out[d] = softmax(q . k_j * scaling + mask_j) . v_j over the keys j
+ * the row sees (mask row NULL: keys 0 .. last; else those it does not mask), compacted in
+ * position order, so that the sums run the same whichever other rows share the forward.
+ * buf: >= 2 * keys + 8 floats */
+static void attend(const float *q, const float *K, const float *V, const float *mrow, long last, long keys,
+                   float scaling, float *out, long d, float *buf) {
+    float *s = buf;
+    int *idx = (int *)(buf + keys + 8);
+    long cnt = 0;
+    for (long j = 0; j < keys; j++) {
+        if (!mrow && j > last) break;
+        if (mrow && !(mrow[j] > -3.0e38f)) continue;  /* masked (the dtype's minimum, or -inf) */
+        idx[cnt++] = (int)j;
+    }
+    long m = 0;
+    for (; m + 8 <= cnt; m += 8) {
+        const float *k[8];
+        for (int j = 0; j < 8; j++) k[j] = K + (long)idx[m + j] * d;
+        _mm256_storeu_ps(s + m, _mm256_mul_ps(dot8(q, k, d), _mm256_set1_ps(scaling)));
+    }
+    for (; m < cnt; m++) s[m] = dot(q, K + (long)idx[m] * d, d) * scaling;
+    if (mrow)
+        for (m = 0; m < cnt; m++) s[m] += mrow[idx[m]];
+    float max = s[0];
+    for (m = 1; m < cnt; m++) max = s[m] > max ? s[m] : max;
+    for (m = 0; m < cnt; m++) s[m] -= max;
+    exp_inplace(s, cnt);
+    __m256 acc = _mm256_setzero_ps();
+    for (m = 0; m + 8 <= cnt; m += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(s + m));
+    float sum = hsum8(acc);
+    for (; m < cnt; m++) sum += s[m];
+    const float inv = 1.0f / sum;
+    /* out = (sum over the keys, in order, of p_j v_j) * (1 / sum): 4 output vectors at a time */
+    long i = 0;
+    for (; i + 32 <= d; i += 32) {
+        __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+        for (long c = 0; c < cnt; c++) {
+            const float *v = V + (long)idx[c] * d + i;
+            const __m256 p = _mm256_set1_ps(s[c]);
+            o0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), o0); o1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), o1);
+            o2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), o2); o3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), o3);
+        }
+        const __m256 sc = _mm256_set1_ps(inv);
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(o0, sc)); _mm256_storeu_ps(out + i + 8, _mm256_mul_ps(o1, sc));
+        _mm256_storeu_ps(out + i + 16, _mm256_mul_ps(o2, sc)); _mm256_storeu_ps(out + i + 24, _mm256_mul_ps(o3, sc));
+    }
+    for (; i + 8 <= d; i += 8) {
+        __m256 o0 = _mm256_setzero_ps();
+        for (long c = 0; c < cnt; c++)
+            o0 = _mm256_fmadd_ps(_mm256_set1_ps(s[c]), _mm256_loadu_ps(V + (long)idx[c] * d + i), o0);
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(o0, _mm256_set1_ps(inv)));
+    }
+    for (; i < d; i++) {
+        float o = 0.0f;
+        for (long c = 0; c < cnt; c++) o = fmaf(s[c], V[(long)idx[c] * d + i], o);
+        out[i] = o * inv;
+    }
+}
+
+/* x, y [batch, n, hidden] (y written; not x); cos, sin [batch, n, d] (sin sign-folded); keys,
+ * values: the layer's cache buffers [batch, kv, capacity, d], positions start .. start + n - 1
+ * written; mask [mask_batch, n, start + n] additive (0 visible, the dtype's minimum not) or NULL
+ * (causal); norms NULL: identity; biases NULL: none; scratch: decodebench_layer_scratch floats */
+long decodebench_layer_scratch(long rows, long hidden, long heads, long kv, long d, long inter) {
+    return rows * (2 * hidden + (heads + 2 * kv) * d + 2 * heads * d + 3 * inter);
+}
+
+void decodebench_layer_f32(const float *x, float *y, float *scratch,
+                           const float *in_norm, const float *post_norm, float in_eps, float post_eps,
+                           const float *Pqkv, const float *bqkv, const float *Po, const float *bo,
+                           const float *Pgu, const float *bgu, const float *Pdown, const float *bdown,
+                           const float *cos, const float *sin, float *keys, float *values, const float *mask,
+                           long batch, long n, long hidden, long heads, long kv, long d, long inter,
+                           long capacity, long start, long mask_batch, float scaling) {
+    const long rows = batch * n, width = (heads + 2 * kv) * d, total = start + n;
+    float *h = scratch, *qkv = h + rows * hidden, *q = qkv + rows * width, *att = q + rows * heads * d;
+    float *x2 = att + rows * heads * d, *gu = x2 + rows * hidden, *act = gu + rows * 2 * inter;
+    for (long r = 0; r < rows; r++) rms_row(x + r * hidden, in_norm, in_eps, h + r * hidden, hidden);
+    decodebench_linear_f32(Pqkv, h, bqkv, qkv, width, hidden, rows);
+    for (long b = 0; b < batch; b++)
+        for (long t = 0; t < n; t++) {
+            const long r = b * n + t;
+            const float *row = qkv + r * width, *c = cos + r * d, *s = sin + r * d;
+            for (long hd = 0; hd < heads; hd++) rope_row(row + hd * d, c, s, q + (r * heads + hd) * d, d);
+            for (long g = 0; g < kv; g++) {
+                const long slot = ((b * kv + g) * capacity + start + t) * d;
+                rope_row(row + (heads + g) * d, c, s, keys + slot, d);
+                for (long i = 0; i < d; i++) values[slot + i] = row[(heads + kv + g) * d + i];
+            }
+        }
+    const long group = heads / kv, tasks = rows * heads;
+    #pragma omp parallel
+    {
+        float *buf = malloc(sizeof(float) * (2 * total + 16));
+        #pragma omp for schedule(static)
+        for (long task = 0; task < tasks; task++) {
+            const long r = task / heads, hd = task % heads, b = r / n, t = r % n, g = hd / group;
+            const float *mrow = mask ? mask + ((mask_batch > 1 ? b : 0) * n + t) * total : 0;
+            const long base = (b * kv + g) * capacity * d;
+            attend(q + task * d, keys + base, values + base, mrow, start + t, total, scaling, att + task * d, d, buf);
+        }
+        free(buf);
+    }
+    decodebench_linear_f32(Po, att, bo, x2, hidden, heads * d, rows);
+    for (long i = 0; i < rows * hidden; i++) x2[i] = x[i] + x2[i];
+    for (long r = 0; r < rows; r++) rms_row(x2 + r * hidden, post_norm, post_eps, h + r * hidden, hidden);
+    decodebench_linear_f32(Pgu, h, bgu, gu, 2 * inter, hidden, rows);
+    for (long r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * inter, *u = g + inter;
+        float *a = act + r * inter;
+        for (long i = 0; i < inter; i++) a[i] = -g[i];
+        exp_inplace(a, inter);
+        for (long i = 0; i < inter; i++) a[i] = g[i] / (1.0f + a[i]) * u[i];
+    }
+    decodebench_linear_f32(Pdown, act, bdown, y, hidden, inter, rows);
+    for (long i = 0; i < rows * hidden; i++) y[i] = x2[i] + y[i];
 }
