@@ -257,6 +257,25 @@ def test_an_eagle_head_drafts_the_same_on_the_native_layer(qkv_bias, monkeypatch
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@needs_native
+def test_the_profilers_forward_without_gemms_skips_the_native_layers_projections_too(monkeypatch):
+    """`make perf` times a forward without its GEMMs (`gemms_skipped`): a native layer then computes
+    zeros for its projections, so a layer without biases passes its input through unchanged."""
+    from methods.engine.linear import gemms_skipped
+
+    calls = layer_calls(monkeypatch)
+    runner = ModelRunner(tiny_model("llama", seed=3), skinny_gemm="auto")
+    runner.linear = all_native(runner)
+    runner.prefill(list(range(3, 20)))
+    with gemms_skipped():
+        hidden = runner.forward([7]).hidden
+    norm = runner.model.model.norm
+    embedded = runner.model.model.embed_tokens(torch.tensor([7]))
+    assert calls[-1] == 1
+    torch.testing.assert_close(hidden, norm(embedded), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(runner.forward([7]).hidden, hidden)
+
+
 def test_a_plan_chosen_among_other_kernels_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
     cpu, dtype = torch.device("cpu"), torch.float32

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import native
-from .linear import active_path, native_active
+from .linear import active_path, gemms_are_skipped, native_active
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -155,7 +155,7 @@ class FusedLayer:
         whole = self.native_layer(x, mask, cache)
         if whole is not None:
             keys, values, start = cache.reserve(self.index, n, batch, kv_heads, d, x.dtype, x.device)
-            y = whole(x, cos, sin, keys, values, start, mask)
+            y = whole(x, cos, sin, keys, values, start, mask, gemms_are_skipped())
             cache.advance(self.index, n)
             return y
         glue = native_active(x)  # native RMSNorm, RoPE, KV write

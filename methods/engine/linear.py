@@ -243,13 +243,19 @@ def native_active(x: torch.Tensor) -> bool:
 @contextlib.contextmanager
 def gemms_skipped(memo: dict | None = None):
     """Profiling only (`make perf`): within the block, a routed linear computes its output once per
-    (module, input shape), kept in `memo`, and then returns that tensor, so a forward's time is
-    everything but its GEMMs. Outputs are wrong; never decode under it."""
+    (module, input shape), kept in `memo`, and then returns that tensor, and a native decoder layer
+    computes zeros for its projections, so a forward's time is everything but its GEMMs. Outputs
+    are wrong; never decode under it."""
     token = _MEMO.set({} if memo is None else memo)
     try:
         yield
     finally:
         _MEMO.reset(token)
+
+
+def gemms_are_skipped() -> bool:
+    """Whether this context is inside `gemms_skipped` (the native decoder layer skips its own)."""
+    return _MEMO.get() is not None
 
 
 def _dispatch(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:

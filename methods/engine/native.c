@@ -297,7 +297,13 @@ static void attend(const float *q, const float *K, const float *V, const float *
 /* x, y [batch, n, hidden] (y written; not x); cos, sin [batch, n, d] (sin sign-folded); keys,
  * values: the layer's cache buffers [batch, kv, capacity, d], positions start .. start + n - 1
  * written; mask [mask_batch, n, start + n] additive (0 visible, the dtype's minimum not) or NULL
- * (causal); norms NULL: identity; biases NULL: none; scratch: decodebench_layer_scratch floats */
+ * (causal); norms NULL: identity; biases NULL: none; scratch: decodebench_layer_scratch floats;
+ * skip_gemms: profiling only, every projection's output zero (wrong outputs, the rest's time) */
+/* a projection; with skip_gemms (profiling: `make perf`'s forward without its GEMMs) zeros instead */
+#define PROJECT(P, in_, b_, out_, o_, i_, r_) \
+    do { if (skip_gemms) { for (long z = 0; z < (r_) * (o_); z++) (out_)[z] = 0.0f; } \
+         else decodebench_linear_f32(P, in_, b_, out_, o_, i_, r_); } while (0)
+
 long decodebench_layer_scratch(long rows, long hidden, long heads, long kv, long d, long inter) {
     return rows * (2 * hidden + (heads + 2 * kv) * d + 2 * heads * d + 3 * inter);
 }
@@ -308,12 +314,12 @@ void decodebench_layer_f32(const float *x, float *y, float *scratch,
                            const float *Pgu, const float *bgu, const float *Pdown, const float *bdown,
                            const float *cos, const float *sin, float *keys, float *values, const float *mask,
                            long batch, long n, long hidden, long heads, long kv, long d, long inter,
-                           long capacity, long start, long mask_batch, float scaling) {
+                           long capacity, long start, long mask_batch, float scaling, long skip_gemms) {
     const long rows = batch * n, width = (heads + 2 * kv) * d, total = start + n;
     float *h = scratch, *qkv = h + rows * hidden, *q = qkv + rows * width, *att = q + rows * heads * d;
     float *x2 = att + rows * heads * d, *gu = x2 + rows * hidden, *act = gu + rows * 2 * inter;
     for (long r = 0; r < rows; r++) rms_row(x + r * hidden, in_norm, in_eps, h + r * hidden, hidden);
-    decodebench_linear_f32(Pqkv, h, bqkv, qkv, width, hidden, rows);
+    PROJECT(Pqkv, h, bqkv, qkv, width, hidden, rows);
     for (long b = 0; b < batch; b++)
         for (long t = 0; t < n; t++) {
             const long r = b * n + t;
@@ -338,10 +344,10 @@ void decodebench_layer_f32(const float *x, float *y, float *scratch,
         }
         free(buf);
     }
-    decodebench_linear_f32(Po, att, bo, x2, hidden, heads * d, rows);
+    PROJECT(Po, att, bo, x2, hidden, heads * d, rows);
     for (long i = 0; i < rows * hidden; i++) x2[i] = x[i] + x2[i];
     for (long r = 0; r < rows; r++) rms_row(x2 + r * hidden, post_norm, post_eps, h + r * hidden, hidden);
-    decodebench_linear_f32(Pgu, h, bgu, gu, 2 * inter, hidden, rows);
+    PROJECT(Pgu, h, bgu, gu, 2 * inter, hidden, rows);
     for (long r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * inter, *u = g + inter;
         float *a = act + r * inter;
@@ -349,6 +355,6 @@ void decodebench_layer_f32(const float *x, float *y, float *scratch,
         exp_inplace(a, inter);
         for (long i = 0; i < inter; i++) a[i] = g[i] / (1.0f + a[i]) * u[i];
     }
-    decodebench_linear_f32(Pdown, act, bdown, y, hidden, inter, rows);
+    PROJECT(Pdown, act, bdown, y, hidden, inter, rows);
     for (long i = 0; i < rows * hidden; i++) y[i] = x2[i] + y[i];
 }

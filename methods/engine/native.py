@@ -77,7 +77,7 @@ def _library() -> ctypes.CDLL:
                            ("rms_norm", [pointer] * 4 + [long] * 2 + [ctypes.c_float]),
                            ("rope_store", [pointer] * 6 + [long] * 7),
                            ("layer", [pointer] * 5 + [ctypes.c_float] * 2 + [pointer] * 13 + [long] * 10
-                            + [ctypes.c_float])):
+                            + [ctypes.c_float, long])):
         function = getattr(lib, f"decodebench_{name}_f32")
         function.restype, function.argtypes = None, argtypes
     lib.decodebench_layer_scratch.restype, lib.decodebench_layer_scratch.argtypes = long, [long] * 6
@@ -165,10 +165,11 @@ class NativeLayer:
             heads, kv_heads, head_dim, intermediate, scaling
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                 values: torch.Tensor, start: int, mask: torch.Tensor | None) -> torch.Tensor:
+                 values: torch.Tensor, start: int, mask: torch.Tensor | None, skip_gemms: bool = False) -> torch.Tensor:
         """x [B, n, hidden] -> the layer's output; cos, sin [B, n, 1, d]; the cache buffers keys,
         values [B, kv, capacity, d] (contiguous) get positions start .. start + n - 1; mask None
-        (causal) or additive [1 or B, 1, n, start + n]."""
+        (causal) or additive [1 or B, 1, n, start + n]. `skip_gemms`: profiling only
+        (`linear.gemms_skipped`), the projections' outputs are zeros."""
         batch, n, hidden = x.shape
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
         if mask is not None:
@@ -180,5 +181,6 @@ class NativeLayer:
         lib.decodebench_layer_f32(x.data_ptr(), y.data_ptr(), scratch.data_ptr(), *self.constants,
                                   cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), _pointer(mask),
                                   batch, n, hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
-                                  keys.shape[2], start, 1 if mask is None else mask.shape[0], self.scaling)
+                                  keys.shape[2], start, 1 if mask is None else mask.shape[0], self.scaling,
+                                  int(skip_gemms))
         return y
