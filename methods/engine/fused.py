@@ -132,8 +132,9 @@ class FusedLayer:
         batch, n, _ = x.shape
         if not native_active(x) or not hasattr(cache, "reserve"):
             return None
-        if mask is not None and (mask.dtype != torch.float32 or mask.shape[-2] != n
-                                 or mask.shape[-1] != cache.get_seq_length(self.index) + n):
+        if mask is not None and (mask.dtype != torch.float32 or mask.dim() != 4 or mask.shape[0] not in (1, batch)
+                                 or mask.shape[1] != 1 or mask.shape[2] != n
+                                 or mask.shape[3] != cache.get_seq_length(self.index) + n):
             return None
         packed = active_path().native_packed((self.qkv, self.o_proj, self.gate_up, self.down_proj), batch * n)
         if packed is None:
