@@ -4,6 +4,7 @@ copied, a batch dimension, and a stated fallback for what it does not run."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -133,13 +134,19 @@ def test_past_a_sliding_window_the_stock_forward_runs():
     assert ours == hf_greedy(reference, prompt, 24)
 
 
+@pytest.mark.parametrize("native_call", [False, True], ids=["torch ops", "one native call"])
 @pytest.mark.parametrize("qkv_bias", [False, True], ids=["llama head", "qwen2 head (q/k/v biases)"])
-def test_eagle_head_drafts_the_same_on_the_fused_layer(qkv_bias):
+def test_eagle_head_drafts_the_same_on_the_fused_layer(qkv_bias, native_call, monkeypatch):
     """The EAGLE drafter runs its head's decoder layer on the fused forward: the committed pairs
-    and two tree levels (with their level masks) give the head's own forward's outputs."""
+    and two tree levels (with their level masks) give the head's own forward's outputs; also with
+    every linear on the native kernel, where the layer (no input norm) is one native call."""
     from methods.eagle import EagleDrafter
     from methods.models.heads.eagle import EagleHead, head_config
+    from tests.test_native import all_native, layer_calls, native
 
+    if native_call and native.unavailable_reason() is not None:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    calls = layer_calls(monkeypatch)
     target = tiny_model("llama", seed=8)
     torch.manual_seed(9)
     head = EagleHead(head_config(target.config.to_dict(), qkv_bias), qkv_bias=qkv_bias).eval().requires_grad_(False)
@@ -147,13 +154,16 @@ def test_eagle_head_drafts_the_same_on_the_fused_layer(qkv_bias):
     fused, stock = EagleDrafter(head, target.lm_head), EagleDrafter(stock_head, target.lm_head)
     stock.fused = None
     assert fused.fused is not None and len(fused.linears) == 2
+    path = all_native([head, *fused.linears]) if native_call else None
     features = torch.randn(12, target.config.hidden_size)
     outputs = []
     for drafter in (fused, stock):
-        drafter.follow(list(range(10, 22)), features)
-        first = drafter.feed_level([4, 5, 6], features[:3], 1, [[], [], []])
-        second = drafter.feed_level([7, 8], first[:2], 2, [[0], [1]])
+        with path.active() if path else contextlib.nullcontext():
+            drafter.follow(list(range(10, 22)), features)
+            first = drafter.feed_level([4, 5, 6], features[:3], 1, [[], [], []])
+            second = drafter.feed_level([7, 8], first[:2], 2, [[0], [1]])
         outputs.append((drafter.root_hidden, first, second))
+    assert calls == ([12, 3, 2] if native_call else [])
     for a, b in zip(*outputs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 

@@ -2,8 +2,8 @@
 bit as torch computes them (alone and inside whole forwards), the linear kernel inside a whole
 model token for token as `generate` and independent of the row count, the whole decoder layer in
 one call (the torch layer's outputs and cache; a token verified in a tree or a batch gets the bits
-it gets alone), a plan measured again when the kernels change, and a machine without a compiler
-simply going without."""
+it gets alone; EAGLE's head layer in `test_fused.py`), a plan measured again when the kernels
+change, and a machine without a compiler simply going without."""
 
 from __future__ import annotations
 
@@ -23,6 +23,19 @@ from tests.conftest import hf_greedy, tiny_model
 
 needs_native = pytest.mark.skipif(native.unavailable_reason() is not None,
                                   reason=f"native kernels unavailable: {native.unavailable_reason()}")
+
+
+def prefill_verify_steps(runner: ModelRunner, prompt_length: int) -> tuple[list, list]:
+    """A prefill, a 4-node tree verify committed to a path that skips a sibling, and two one-token
+    steps: the forwards' outputs and then every layer's cached keys and values."""
+    outputs = [runner.prefill(list(range(3, 3 + prompt_length)), all_logits=True)]
+    visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    start = runner.length
+    outputs.append(runner.forward([5, 6, 7, 8], positions=start + torch.tensor([0, 1, 1, 2]),
+                                  mask=attention_mask(visible, start, runner.dtype, runner.device)))
+    runner.commit(start, [0, 1, 3])
+    outputs += [runner.forward([9]), runner.forward([10])]
+    return outputs, [(layer.keys.clone(), layer.values.clone()) for layer in runner.cache.layers]
 
 
 @needs_native
@@ -73,14 +86,7 @@ def test_the_native_small_ops_change_no_bit_of_a_forward(arch, kernel, monkeypat
         if kernel != "measured":
             shapes = linear_shapes(runner.model, *runner.fused.linears)
             runner.linear = LinearPath(LinearPlan({key: {b: kernel for b in BUCKETS} for key in shapes}))
-        outputs = [runner.prefill(list(range(3, 40)), all_logits=True)]
-        visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-        start = runner.length
-        outputs.append(runner.forward([5, 6, 7, 8], positions=start + torch.tensor([0, 1, 1, 2]),
-                                      mask=attention_mask(visible, start, runner.dtype, runner.device)))
-        runner.commit(start, [0, 1, 3])
-        outputs += [runner.forward([9]), runner.forward([10])]
-        results.append((outputs, [(layer.keys.clone(), layer.values.clone()) for layer in runner.cache.layers]))
+        results.append(prefill_verify_steps(runner, prompt_length=37))
     (native_out, native_cache), (torch_out, torch_cache) = results
     for a, b in zip(native_out, torch_out):
         assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
@@ -155,14 +161,7 @@ def test_the_native_layer_computes_the_torch_layer_and_its_cache(arch, monkeypat
             monkeypatch.setattr(fused.FusedLayer, "native_layer", lambda *args: None)
         runner = ModelRunner(tiny_model(arch, seed=7), skinny_gemm="auto")
         runner.linear = all_native(runner)
-        outputs = [runner.prefill(list(range(3, 30)), all_logits=True)]
-        visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-        start = runner.length
-        outputs.append(runner.forward([5, 6, 7, 8], positions=start + torch.tensor([0, 1, 1, 2]),
-                                      mask=attention_mask(visible, start, runner.dtype, runner.device)))
-        runner.commit(start, [0, 1, 3])
-        outputs += [runner.forward([9]), runner.forward([10])]
-        results.append((outputs, [(layer.keys.clone(), layer.values.clone()) for layer in runner.cache.layers]))
+        results.append(prefill_verify_steps(runner, prompt_length=27))  # 27 rows: a native prefill too
     layers = len(runner.cache.layers)
     assert calls == [27] * layers + [4] * layers + [1] * 2 * layers
     (native_out, native_cache), (torch_out, torch_cache) = results
@@ -225,36 +224,6 @@ def test_a_sequence_in_a_batch_gets_the_bits_it_gets_alone():
             assert torch.equal(together[b], alone[0]) and torch.equal(step[b], alone_step[0])
             for mine, theirs in zip(batch_cache.layers, cache.layers):
                 assert torch.equal(mine.keys[b], theirs.keys[0]) and torch.equal(mine.values[b], theirs.values[0])
-
-
-@needs_native
-@pytest.mark.parametrize("qkv_bias", [False, True])
-def test_an_eagle_head_drafts_the_same_on_the_native_layer(qkv_bias, monkeypatch):
-    """EAGLE's head layer (no input norm) in one native call: the committed pairs and two tree
-    levels give the head's own `transformers` layer's outputs."""
-    import copy
-
-    from methods.eagle import EagleDrafter
-    from methods.models.heads.eagle import EagleHead, head_config
-
-    calls = layer_calls(monkeypatch)
-    target = tiny_model("llama", seed=8)
-    torch.manual_seed(9)
-    head = EagleHead(head_config(target.config.to_dict(), qkv_bias), qkv_bias=qkv_bias).eval().requires_grad_(False)
-    fused, stock = EagleDrafter(head, target.lm_head), EagleDrafter(copy.deepcopy(head), target.lm_head)
-    stock.fused = None
-    path = all_native([head, *fused.linears])
-    features = torch.randn(12, target.config.hidden_size)
-    outputs = []
-    for drafter in (fused, stock):
-        with path.active():
-            drafter.follow(list(range(10, 22)), features)
-            first = drafter.feed_level([4, 5, 6], features[:3], 1, [[], [], []])
-            second = drafter.feed_level([7, 8], first[:2], 2, [[0], [1]])
-        outputs.append((drafter.root_hidden, first, second))
-    assert calls[:3] == [12, 3, 2]
-    for a, b in zip(*outputs):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @needs_native

@@ -202,11 +202,12 @@ static inline float dot(const float *a, const float *b, long n) {
     return s;
 }
 
-/* y = w * (x * (1 / sqrt(mean(x^2) + eps))) for one row (w NULL: y = x) */
+/* RMSNorm of one row with its statistic summed here (`dot`), the rest as decodebench_rms_norm_f32
+ * (w NULL: y = x) */
 static void rms_row(const float *x, const float *w, float eps, float *y, long dim) {
     if (!w) { for (long i = 0; i < dim; i++) y[i] = x[i]; return; }
-    const float s = 1.0f / sqrtf(dot(x, x, dim) / (float)dim + eps);
-    for (long i = 0; i < dim; i++) y[i] = w[i] * (x[i] * s);
+    const float variance = dot(x, x, dim) / (float)dim;
+    decodebench_rms_norm_f32(x, &variance, w, y, 1, dim, eps);
 }
 
 /* dot(q, k_j) for 8 keys at once: one FMA chain over d per key (lanes), the 8 chains reduced
@@ -320,17 +321,7 @@ void decodebench_layer_f32(const float *x, float *y, float *scratch,
     float *x2 = att + rows * heads * d, *gu = x2 + rows * hidden, *act = gu + rows * 2 * inter;
     for (long r = 0; r < rows; r++) rms_row(x + r * hidden, in_norm, in_eps, h + r * hidden, hidden);
     PROJECT(Pqkv, h, bqkv, qkv, width, hidden, rows);
-    for (long b = 0; b < batch; b++)
-        for (long t = 0; t < n; t++) {
-            const long r = b * n + t;
-            const float *row = qkv + r * width, *c = cos + r * d, *s = sin + r * d;
-            for (long hd = 0; hd < heads; hd++) rope_row(row + hd * d, c, s, q + (r * heads + hd) * d, d);
-            for (long g = 0; g < kv; g++) {
-                const long slot = ((b * kv + g) * capacity + start + t) * d;
-                rope_row(row + (heads + g) * d, c, s, keys + slot, d);
-                for (long i = 0; i < d; i++) values[slot + i] = row[(heads + kv + g) * d + i];
-            }
-        }
+    decodebench_rope_store_f32(qkv, cos, sin, q, keys, values, batch, n, heads, kv, d, capacity, start);  /* q [B, heads, n, d] */
     const long group = heads / kv, tasks = rows * heads;
     #pragma omp parallel
     {
@@ -340,7 +331,8 @@ void decodebench_layer_f32(const float *x, float *y, float *scratch,
             const long r = task / heads, hd = task % heads, b = r / n, t = r % n, g = hd / group;
             const float *mrow = mask ? mask + ((mask_batch > 1 ? b : 0) * n + t) * total : 0;
             const long base = (b * kv + g) * capacity * d;
-            attend(q + task * d, keys + base, values + base, mrow, start + t, total, scaling, att + task * d, d, buf);
+            attend(q + ((b * heads + hd) * n + t) * d, keys + base, values + base, mrow, start + t, total, scaling,
+                   att + task * d, d, buf);
         }
         free(buf);
     }

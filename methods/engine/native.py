@@ -9,9 +9,9 @@ ctypes (no torch headers, so it builds in about a second).
   (`linear.measure_plan`), per weight shape and row count.
 * `rms_norm` and `rope_store`: the fused forward's small operations (`fused.py`), bit for bit what
   torch computes, in one call each instead of four to ten.
-* `decoder_layer`: a whole decoder layer in one call (`NativeLayer`), where every projection of the
-  layer is planned on the native kernel: for a 135M model the ~30 torch operations and five kernel
-  calls of a layer cost a third of a one-token forward. Each row is computed on its own, attention
+* `NativeLayer`: a whole decoder layer in one call (`decodebench_layer_f32`), where every
+  projection of the layer is planned on the native kernel: for a 135M model the ~30 torch
+  operations and five kernel calls of a layer cost a third of a one-token forward. Each row is computed on its own, attention
   included (the keys a row sees, compacted in position order), so a token verified in a tree gets
   the bits it gets decoded alone.
 
