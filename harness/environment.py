@@ -1,7 +1,10 @@
-"""What a measurement ran on: software versions, CPU/GPU, threads, git commit."""
+"""What a measurement ran on: software versions, CPU/GPU, threads, git commit, and a digest of
+the decoding code (`methods/`: the engine, its native kernels and every method), so that answers
+timed on one build of the code are never resumed into a run of another."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import re
@@ -15,6 +18,18 @@ import torch
 from methods.engine.hardware import cpu_isa, cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
+DECODING_CODE = REPO / "methods"
+
+
+def code_digest(root: Path = DECODING_CODE) -> str:
+    """sha1 (12 hex digits) of the decoding code's sources: every .py and .c file under `root`, by
+    path and content. Unlike the git commit it ignores docs, tests and the harness, and it sees
+    uncommitted edits."""
+    digest = hashlib.sha1()
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".py", ".c") and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def git_commit() -> dict:
@@ -44,13 +59,14 @@ def environment(device: torch.device) -> dict:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "cuda": torch.version.cuda if device.type == "cuda" else None,
         "git": git_commit(),
+        "decoding_code": code_digest(),
     }
     return env
 
 
 def hardware_key(env: dict) -> dict:
-    """The fields that must match for two measurements to share a column."""
-    return {k: env.get(k) for k in ("cpu", "cpu_isa", "gpu", "device", "torch", "transformers", "torch_threads")}
+    """The fields that must match for two measurements to share a column (or a results folder)."""
+    return {k: env.get(k) for k in ("cpu", "cpu_isa", "gpu", "device", "torch", "transformers", "torch_threads", "decoding_code")}
 
 
 def hardware_name(env: dict) -> str:

@@ -23,7 +23,8 @@ settings hash covers the model, dataset, question selection, generation settings
 Re-running a command resumes: finished questions are skipped; a question found for only some of
 the folder's decoders (a crash between them), a half-written line or a duplicate is dropped, and
 the question is measured again on every side. Appends and rewrites hold a file lock. A folder
-measured on other hardware or software is never reused.
+measured on other hardware or software, or by another build of the decoding code (`methods/`,
+`environment.code_digest`: an engine change retimes every answer), is never resumed.
 """
 
 from __future__ import annotations
@@ -134,12 +135,11 @@ class RunFolder:
             env_file = self.path / "environment.json"
             if env_file.is_file() and resume and any(self.answers(d).is_file() for d in self.decoders):
                 previous = json.loads(env_file.read_text())
-                previous_key = {k: previous.get(k) for k in hardware_key}
-                if previous_key != hardware_key:
+                differ = [f"{k} {previous.get(k)!r} there, {v!r} here" for k, v in hardware_key.items() if previous.get(k) != v]
+                if differ:
                     raise RuntimeError(
-                        f"{self.path} holds results measured on {previous_key}, this run is on {hardware_key}; "
-                        "numbers from different hardware or software are never mixed: pass run_name=<new name> "
-                        "or resume=false to start over"
+                        f"{self.path} holds results measured elsewhere ({'; '.join(differ)}): numbers from different "
+                        "hardware, software or decoding code are never mixed: pass run_name=<new name> or resume=false to start over"
                     )
             if not resume:
                 for decoder in self.decoders:

@@ -147,6 +147,31 @@ def test_resume_refuses_results_from_other_hardware(tmp_path):
         folder.prepare("x: 1", {"cpu": "B", "gpu": None}, {"cpu": "B", "gpu": None}, resume=True)
 
 
+def test_resume_refuses_answers_timed_by_other_decoding_code(tmp_path, tiny_model_dir, questions_file, monkeypatch):
+    import harness.environment
+
+    overrides = tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=pld", "limit=1", "warmup=0")
+    first = run(config(*overrides))
+    assert json.loads((Path(first["results"]) / "environment.json").read_text())["decoding_code"] == harness.environment.code_digest()
+    monkeypatch.setattr(harness.environment, "code_digest", lambda: "0123456789ab")  # an engine edit since
+    with pytest.raises(RuntimeError, match=r"decoding_code '[0-9a-f]{12}' there, '0123456789ab' here.*never mixed"):
+        run(config(*overrides))
+    assert run(config(*overrides, "resume=false"))["questions"] == 1  # starting over is allowed
+
+
+def test_code_digest_sees_an_edit_of_the_decoding_code(tmp_path):
+    from harness.environment import code_digest
+
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "native.c").write_text("int x;")
+    (tmp_path / "notes.md").write_text("docs")
+    before = code_digest(tmp_path)
+    (tmp_path / "notes.md").write_text("other docs")
+    assert code_digest(tmp_path) == before
+    (tmp_path / "engine" / "native.c").write_text("int y;")
+    assert code_digest(tmp_path) != before
+
+
 def test_default_config_runs_the_embedded_model(tmp_path, spec_bench_file):
     summary = run(config(f"results_dir={tmp_path}", f"dataset.path={spec_bench_file}", "limit=1", "max_new_tokens=6", "warmup=0",
                          "dataset.categories=[qa]", "method=ar"))
