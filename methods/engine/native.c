@@ -236,20 +236,31 @@ static inline __m256 dot8(const float *q, const float *const k[8], long d) {
     return s;
 }
 
-/* One query head of one row: out[d] = softmax(q . k_j * scaling + mask_j) . v_j over the keys j
- * the row sees (mask row NULL: keys 0 .. last; else those it does not mask), compacted in
- * position order, so that the sums run the same whichever other rows share the forward.
- * buf: >= 2 * keys + 8 floats */
-static void attend(const float *q, const float *K, const float *V, const float *mrow, long last, long keys,
-                   float scaling, float *out, long d, float *buf) {
-    float *s = buf;
-    int *idx = (int *)(buf + keys + 8);
+/* The keys a row sees (mask row NULL: keys 0 .. last; else those it does not mask), compacted in
+ * position order into idx; returns their count. *shifted: whether any of them has a mask value
+ * other than 0 (then the scores add it). Computed once per row, shared by its heads. */
+static long visible_keys(const float *mrow, long last, long keys, int *idx, int *shifted) {
     long cnt = 0;
-    for (long j = 0; j < keys; j++) {
-        if (!mrow && j > last) break;
-        if (mrow && !(mrow[j] > -3.0e38f)) continue;  /* masked (the dtype's minimum, or -inf) */
-        idx[cnt++] = (int)j;
+    *shifted = 0;
+    if (!mrow) { for (long j = 0; j <= last && j < keys; j++) idx[cnt++] = (int)j; return cnt; }
+    const __m256 lim = _mm256_set1_ps(-3.0e38f), zero = _mm256_setzero_ps();
+    long j = 0;
+    for (; j + 8 <= keys; j += 8) {
+        const __m256 m = _mm256_loadu_ps(mrow + j);
+        const int vis = _mm256_movemask_ps(_mm256_cmp_ps(m, lim, _CMP_GT_OQ));
+        if (vis != 0xff || _mm256_movemask_ps(_mm256_cmp_ps(m, zero, _CMP_NEQ_UQ))) {
+            for (int c = 0; c < 8; c++) if (vis >> c & 1) { idx[cnt++] = (int)(j + c); *shifted |= mrow[j + c] != 0.0f; }
+        } else for (int c = 0; c < 8; c++) idx[cnt++] = (int)(j + c);
     }
+    for (; j < keys; j++) if (mrow[j] > -3.0e38f) { idx[cnt++] = (int)j; *shifted |= mrow[j] != 0.0f; }
+    return cnt;
+}
+
+/* One query head of one row: out[d] = softmax(q . k_j * scaling (+ mask_j)) . v_j over the row's
+ * visible keys idx[0..cnt), in position order, so that the sums run the same whichever other rows
+ * share the forward. s: >= cnt + 8 floats */
+static void attend(const float *q, const float *K, const float *V, const float *mrow, const int *idx, long cnt, int shifted,
+                   float scaling, float *out, long d, float *s) {
     long m = 0;
     for (; m + 8 <= cnt; m += 8) {
         const float *k[8];
@@ -257,41 +268,52 @@ static void attend(const float *q, const float *K, const float *V, const float *
         _mm256_storeu_ps(s + m, _mm256_mul_ps(dot8(q, k, d), _mm256_set1_ps(scaling)));
     }
     for (; m < cnt; m++) s[m] = dot(q, K + (long)idx[m] * d, d) * scaling;
-    if (mrow)
+    if (shifted)
         for (m = 0; m < cnt; m++) s[m] += mrow[idx[m]];
-    float max = s[0];
-    for (m = 1; m < cnt; m++) max = s[m] > max ? s[m] : max;
-    for (m = 0; m < cnt; m++) s[m] -= max;
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (m = 0; m + 8 <= cnt; m += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + m));
+    float t[8], max;
+    _mm256_storeu_ps(t, mx);
+    max = t[0];
+    for (int j = 1; j < 8; j++) max = t[j] > max ? t[j] : max;
+    for (; m < cnt; m++) max = s[m] > max ? s[m] : max;
+    const __m256 mv = _mm256_set1_ps(max);
+    for (m = 0; m + 8 <= cnt; m += 8) _mm256_storeu_ps(s + m, _mm256_sub_ps(_mm256_loadu_ps(s + m), mv));
+    for (; m < cnt; m++) s[m] -= max;
     exp_inplace(s, cnt);
     __m256 acc = _mm256_setzero_ps();
     for (m = 0; m + 8 <= cnt; m += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(s + m));
     float sum = hsum8(acc);
     for (; m < cnt; m++) sum += s[m];
-    const float inv = 1.0f / sum;
-    /* out = (sum over the keys, in order, of p_j v_j) * (1 / sum): 4 output vectors at a time */
+    const __m256 sc = _mm256_set1_ps(1.0f / sum);
+    /* out = (sum over the keys, in order, of p_j v_j) * (1 / sum): 8 output vectors at a time
+     * (8 independent chains keep both FMA units busy), then 1, then single floats */
     long i = 0;
-    for (; i + 32 <= d; i += 32) {
-        __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+    for (; i + 64 <= d; i += 64) {
+        __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
         for (long c = 0; c < cnt; c++) {
             const float *v = V + (long)idx[c] * d + i;
-            const __m256 p = _mm256_set1_ps(s[c]);
+            const __m256 p = _mm256_broadcast_ss(s + c);
             o0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), o0); o1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), o1);
             o2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), o2); o3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), o3);
+            o4 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 32), o4); o5 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 40), o5);
+            o6 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 48), o6); o7 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 56), o7);
         }
-        const __m256 sc = _mm256_set1_ps(inv);
         _mm256_storeu_ps(out + i, _mm256_mul_ps(o0, sc)); _mm256_storeu_ps(out + i + 8, _mm256_mul_ps(o1, sc));
         _mm256_storeu_ps(out + i + 16, _mm256_mul_ps(o2, sc)); _mm256_storeu_ps(out + i + 24, _mm256_mul_ps(o3, sc));
+        _mm256_storeu_ps(out + i + 32, _mm256_mul_ps(o4, sc)); _mm256_storeu_ps(out + i + 40, _mm256_mul_ps(o5, sc));
+        _mm256_storeu_ps(out + i + 48, _mm256_mul_ps(o6, sc)); _mm256_storeu_ps(out + i + 56, _mm256_mul_ps(o7, sc));
     }
     for (; i + 8 <= d; i += 8) {
         __m256 o0 = _mm256_setzero_ps();
         for (long c = 0; c < cnt; c++)
-            o0 = _mm256_fmadd_ps(_mm256_set1_ps(s[c]), _mm256_loadu_ps(V + (long)idx[c] * d + i), o0);
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(o0, _mm256_set1_ps(inv)));
+            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + c), _mm256_loadu_ps(V + (long)idx[c] * d + i), o0);
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(o0, sc));
     }
     for (; i < d; i++) {
         float o = 0.0f;
         for (long c = 0; c < cnt; c++) o = fmaf(s[c], V[(long)idx[c] * d + i], o);
-        out[i] = o * inv;
+        out[i] = o * (1.0f / sum);
     }
 }
 
@@ -323,19 +345,28 @@ void decodebench_layer_f32(const float *x, float *y, float *scratch,
     PROJECT(Pqkv, h, bqkv, qkv, width, hidden, rows);
     decodebench_rope_store_f32(qkv, cos, sin, q, keys, values, batch, n, heads, kv, d, capacity, start);  /* q [B, heads, n, d] */
     const long group = heads / kv, tasks = rows * heads;
+    int *idx = malloc(sizeof(int) * rows * total), *shifted = malloc(sizeof(int) * rows);
+    long *count = malloc(sizeof(long) * rows);
     #pragma omp parallel
     {
-        float *buf = malloc(sizeof(float) * (2 * total + 16));
+        float *buf = malloc(sizeof(float) * (total + 8));
+        #pragma omp for schedule(static)
+        for (long r = 0; r < rows; r++) {
+            const long b = r / n, t = r % n;
+            const float *mrow = mask ? mask + ((mask_batch > 1 ? b : 0) * n + t) * total : 0;
+            count[r] = visible_keys(mrow, start + t, total, idx + r * total, shifted + r);
+        }
         #pragma omp for schedule(static)
         for (long task = 0; task < tasks; task++) {
             const long r = task / heads, hd = task % heads, b = r / n, t = r % n, g = hd / group;
             const float *mrow = mask ? mask + ((mask_batch > 1 ? b : 0) * n + t) * total : 0;
             const long base = (b * kv + g) * capacity * d;
-            attend(q + ((b * heads + hd) * n + t) * d, keys + base, values + base, mrow, start + t, total, scaling,
-                   att + task * d, d, buf);
+            attend(q + ((b * heads + hd) * n + t) * d, keys + base, values + base, mrow, idx + r * total, count[r], shifted[r],
+                   scaling, att + task * d, d, buf);
         }
         free(buf);
     }
+    free(idx); free(shifted); free(count);
     PROJECT(Po, att, bo, x2, hidden, heads * d, rows);
     for (long i = 0; i < rows * hidden; i++) x2[i] = x[i] + x2[i];
     for (long r = 0; r < rows; r++) rms_row(x2 + r * hidden, post_norm, post_eps, h + r * hidden, hidden);
