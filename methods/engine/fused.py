@@ -166,7 +166,8 @@ class FusedLayer:
         if glue and qkv.is_contiguous() and hasattr(cache, "reserve"):
             key_buffer, value_buffer, start = cache.reserve(self.index, n, batch, kv_heads, d, x.dtype, x.device)
             q = native.rope_store(qkv, cos, sin, key_buffer, value_buffer, start, heads, kv_heads)
-            keys, values = cache.advance(self.index, n)
+            cache.advance(self.index, n)
+            keys, values = cache.layers[self.index].keys, cache.layers[self.index].values
         else:
             qk = qkv[:, :, : heads + kv_heads]
             qk = qk * cos + qk.roll(d // 2, -1) * sin
