@@ -128,12 +128,18 @@ def main(argv=None) -> int:
         return 0
     from harness import figures, report
     from harness.metrics import fidelity_failure
+    from harness.results import FolderMismatch
     from harness.run import run
 
     folders, failures = {}, []
     for method, overrides in runs.items():
         print(f"== {method}: {' '.join(overrides)}", flush=True)
-        summary = run(configs[method])
+        try:
+            summary = run(configs[method])
+        except FolderMismatch as err:  # e.g. the committed reference run, measured by an older engine
+            print(f"headline {args.config.stem}, method {method}: {err} (for the headline: "
+                  f"python -m harness.headline --config {args.config} resume=false)", file=sys.stderr)
+            return 2
         folders[method] = summary["results"]
         failures += [failure] if (failure := fidelity_failure(summary)) else []
     results = Path(configs[method].results_dir)

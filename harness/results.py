@@ -45,6 +45,10 @@ FORMAT1_PREFILL_STEP = ("ar", "lazyllm")
 MARGIN_DIGITS = 3  # significant digits of a stored logit margin
 
 
+class FolderMismatch(RuntimeError):
+    """A results folder holds answers measured on other hardware, software or decoding code (one line)."""
+
+
 def compact_margins(margins: list[float]) -> list[float | None]:
     """Logit margins as stored in a record: 3 significant digits (a near-tie threshold is read
     from the first), None where not finite (a one-token vocabulary)."""
@@ -137,7 +141,7 @@ class RunFolder:
                 previous = json.loads(env_file.read_text())
                 differ = [f"{k} {previous.get(k)!r} there, {v!r} here" for k, v in hardware_key.items() if previous.get(k) != v]
                 if differ:
-                    raise RuntimeError(
+                    raise FolderMismatch(
                         f"{self.path} holds results measured elsewhere ({'; '.join(differ)}): numbers from different "
                         "hardware, software or decoding code are never mixed: pass run_name=<new name> or resume=false to start over"
                     )

@@ -28,7 +28,7 @@ from harness.environment import environment, hardware_key, hardware_name, hardwa
 from harness.metrics import fidelity_failure, format_summary, summarize
 from harness.quality import score_records
 from harness.prompts import ChatTemplate, Message
-from harness.results import RECORDS_FORMAT, RunFolder, compact_margins, settings_hash, write_json
+from harness.results import RECORDS_FORMAT, FolderMismatch, RunFolder, compact_margins, settings_hash, write_json
 from harness.validate import validate
 from methods.base import BuildContext, Decoder, get_method
 from methods.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
@@ -39,7 +39,7 @@ from methods.engine.sampling import SamplingConfig
 
 log = logging.getLogger("harness")
 # Errors that a user's setting or missing file causes: one line and exit code 2, not a traceback
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError, ModelUnavailableError, SandboxUnavailable)
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, ModelUnavailableError, SandboxUnavailable, FolderMismatch)
 BASELINE = "ar"
 TEMPLATE_ALLOWANCE = 64  # tokens left for the chat template around a truncated prompt
 
