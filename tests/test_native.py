@@ -174,6 +174,35 @@ def test_the_native_layer_computes_the_torch_layer_and_its_cache(arch, monkeypat
 
 
 @needs_native
+def test_the_native_layer_adds_a_masks_values_on_the_keys_it_sees(monkeypatch):
+    """An additive mask whose visible entries are not all 0 (a bias on the scores; the engine's own
+    masks hold only 0 and the minimum) shifts the native layer's scores as it shifts torch's."""
+    import methods.engine.fused as fused
+
+    calls = layer_calls(monkeypatch)
+    visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    logits = []
+    for whole in (True, False):
+        if not whole:
+            monkeypatch.setattr(fused.FusedLayer, "native_layer", lambda *args: None)
+        runner = ModelRunner(tiny_model("llama", seed=5), skinny_gemm="auto")
+        runner.linear = all_native(runner)
+        runner.prefill(list(range(3, 30)))
+        start = runner.length
+        mask = attention_mask(visible, start, runner.dtype, runner.device)
+        bias = -2.0 * torch.rand(mask.shape, generator=torch.Generator().manual_seed(0))
+        mask = torch.where(mask == 0, bias, mask)  # the masked entries stay the minimum
+        logits.append(runner.forward([5, 6, 7, 8], positions=start + torch.tensor([0, 1, 1, 2]), mask=mask).logits)
+        if whole:  # the same forward without the bias: the bias must matter
+            runner.rollback(start)
+            unbiased = runner.forward([5, 6, 7, 8], positions=start + torch.tensor([0, 1, 1, 2]),
+                                      mask=attention_mask(visible, start, runner.dtype, runner.device)).logits
+    assert 4 in calls
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(logits[0], unbiased, atol=1e-3)
+
+
+@needs_native
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_token_verified_in_a_tree_gets_the_bits_it_gets_decoded_alone(arch, monkeypatch):
     """The accepted path of a tree whose nodes sit away from their depth (node 3 at depth 2 after a
