@@ -16,31 +16,33 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 
+class FilledView:
+    """`BufferedLayer.keys` / `.values`: the buffer's first `length` positions, sliced when read;
+    before the buffer exists (or after `reset`), whatever was assigned (`DynamicLayer` assigns)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.buffer, self.assigned = f"_{name}", f"_assigned_{name}"
+
+    def __get__(self, layer, owner=None):
+        if layer is None:
+            return self
+        buffer = getattr(layer, self.buffer, None)
+        return getattr(layer, self.assigned) if buffer is None else buffer[..., : layer.length, :]
+
+    def __set__(self, layer, value) -> None:
+        setattr(layer, self.assigned, value)
+
+
 class BufferedLayer(DynamicLayer):
     """One layer's keys/values in a growable buffer `[batch, kv_heads, capacity, head_dim]`."""
 
     min_capacity = 256
 
-    # `keys` / `values`: the filled part of the buffers, a view made when read (setting the length
-    # makes none: the native layer writes and reads the buffers directly, and two views per layer
-    # and step cost ~1 ms a step on a 30-layer model); before the buffers exist, what was assigned
-    @property
-    def keys(self):
-        buffer = getattr(self, "_keys", None)
-        return self._assigned_keys if buffer is None else buffer[..., : self.length, :]
-
-    @keys.setter
-    def keys(self, value):
-        self._assigned_keys = value
-
-    @property
-    def values(self):
-        buffer = getattr(self, "_values", None)
-        return self._assigned_values if buffer is None else buffer[..., : self.length, :]
-
-    @values.setter
-    def values(self, value):
-        self._assigned_values = value
+    # the filled part of the buffers, a view made when read: changing `length` makes none (the
+    # native layer writes and reads the buffers directly; two views per layer and step cost ~1 ms
+    # a step on a 30-layer model)
+    keys = FilledView()
+    values = FilledView()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -62,9 +64,6 @@ class BufferedLayer(DynamicLayer):
             values[..., : self.length, :] = self._values[..., : self.length, :]
         self._keys, self._values = keys, values
 
-    def _set_length(self, length: int) -> None:
-        self.length = length
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -72,7 +71,7 @@ class BufferedLayer(DynamicLayer):
         self._reserve(key_states, value_states, start + added)
         self._keys[..., start : start + added, :] = key_states
         self._values[..., start : start + added, :] = value_states
-        self._set_length(start + added)
+        self.length = start + added
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -82,7 +81,7 @@ class BufferedLayer(DynamicLayer):
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes the number of tokens to remove as a negative number, got {tokens_to_remove}")
         if self.is_initialized and tokens_to_remove:
-            self._set_length(max(0, self.length + tokens_to_remove))
+            self.length = max(0, self.length + tokens_to_remove)
 
     def keep(self, start: int, offsets: torch.Tensor) -> None:
         """Keep positions `start + offsets` (increasing) as `start .. start+len(offsets)-1`; drop the rest."""
@@ -93,7 +92,7 @@ class BufferedLayer(DynamicLayer):
         # index_select copies first, so overlapping source and destination are safe.
         self._keys[..., start : start + kept, :] = self._keys.index_select(-2, index)
         self._values[..., start : start + kept, :] = self._values.index_select(-2, index)
-        self._set_length(start + kept)
+        self.length = start + kept
 
     def reset(self) -> None:
         self.keys = self.values = self._keys = self._values = None
@@ -126,8 +125,7 @@ class TreeKVCache(Cache):
     def advance(self, index: int, added: int) -> None:
         """After `reserve` and the writes: the layer holds `added` more positions (its `keys` and
         `values` views include them)."""
-        layer = self.layers[index]
-        layer._set_length(layer.length + added)
+        self.layers[index].length += added
 
     def rollback(self, length: int) -> None:
         """Drop everything after the first `length` positions."""
