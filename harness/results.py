@@ -131,20 +131,26 @@ class RunFolder:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
+    def check(self, hardware_key: dict, resume: bool) -> None:
+        """Raises FolderMismatch when resuming would mix answers measured with another `hardware_key`
+        (hardware, software, decoding code) into this folder."""
+        env_file = self.path / "environment.json"
+        if env_file.is_file() and resume and any(self.answers(d).is_file() for d in self.decoders):
+            previous = json.loads(env_file.read_text())
+            differ = [f"{k} {previous.get(k)!r} there, {v!r} here" for k, v in hardware_key.items() if previous.get(k) != v]
+            if differ:
+                raise FolderMismatch(
+                    f"{self.path} holds results measured elsewhere ({'; '.join(differ)}): numbers from different "
+                    "hardware, software or decoding code are never mixed: pass run_name=<new name> or resume=false to start over"
+                )
+
     def prepare(self, config_yaml: str, environment: dict, hardware_key: dict, resume: bool) -> set:
         """Create or reopen the folder; returns the ids of the questions every decoder finished
         (the others are dropped from every answers file, to be measured again as a pair)."""
         with self.locked():
             (self.path / "answers").mkdir(parents=True, exist_ok=True)
+            self.check(hardware_key, resume)
             env_file = self.path / "environment.json"
-            if env_file.is_file() and resume and any(self.answers(d).is_file() for d in self.decoders):
-                previous = json.loads(env_file.read_text())
-                differ = [f"{k} {previous.get(k)!r} there, {v!r} here" for k, v in hardware_key.items() if previous.get(k) != v]
-                if differ:
-                    raise FolderMismatch(
-                        f"{self.path} holds results measured elsewhere ({'; '.join(differ)}): numbers from different "
-                        "hardware, software or decoding code are never mixed: pass run_name=<new name> or resume=false to start over"
-                    )
             if not resume:
                 for decoder in self.decoders:
                     self.answers(decoder).unlink(missing_ok=True)

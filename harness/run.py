@@ -45,7 +45,8 @@ TEMPLATE_ALLOWANCE = 64  # tokens left for the chat template around a truncated 
 
 
 class Benchmark:
-    """The loaded target, its template and the decoders of one run."""
+    """The settings of one run (known before anything loads: its results folder is checked first),
+    then, after `load`, the target, its template and the decoders."""
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
@@ -54,21 +55,24 @@ class Benchmark:
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.dtype_reason = auto_dtype(self.device)[1] if cfg.dtype == "auto" else f"dtype={cfg.dtype} asked for"
+        self.sampling = SamplingConfig(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k))
+        self.max_new_tokens = int(cfg.max_new_tokens or cfg.dataset.max_new_tokens)
+        paired = cfg.baseline and cfg.method.name != BASELINE
+        self.names = [BASELINE, cfg.method.name] if paired else [cfg.method.name]
+
+    def load(self) -> None:
+        cfg = self.cfg
         spec = ModelSpec.from_mapping(cfg.model)
         log.info("loading %s (%s) as %s on %s", cfg.model.name, spec.describe(), self.dtype, self.device)
         self.tokenizer = load_tokenizer(spec)
         self.model = load_model(spec, self.dtype, self.device)
         self.template = ChatTemplate.for_model(cfg.model, self.tokenizer)
-        self.sampling = SamplingConfig(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k))
-        self.max_new_tokens = int(cfg.max_new_tokens or cfg.dataset.max_new_tokens)
         context = BuildContext(self.model, cfg.model.name, OmegaConf.to_container(cfg.model, resolve=True))
         params = OmegaConf.to_container(cfg.method, resolve=True)
         skinny, forward = cfg.engine.skinny_gemm, cfg.engine.decoder
         self.decoders: dict[str, Decoder] = {
-            cfg.method.name: get_method(cfg.method.name)(ModelRunner(self.model, skinny, forward), params, context)}
-        if cfg.baseline and cfg.method.name != BASELINE:
-            self.decoders = {BASELINE: get_method(BASELINE)(ModelRunner(self.model, skinny, forward), {}, context),
-                             **self.decoders}
+            name: get_method(name)(ModelRunner(self.model, skinny, forward), params if name == cfg.method.name else {}, context)
+            for name in self.names}
 
     def engine_record(self) -> dict:
         """How the engine ran: the dtype and why, the forward (fused or not, and why not), the linear
@@ -189,9 +193,12 @@ def run(cfg: DictConfig, started=None) -> dict:
     }
     slug = f"{hardware_slug(env)}-{dtype_name}"
     root = Path(cfg.results_dir) / cfg.model.name / cfg.dataset.name
-    folder = RunFolder(root / method / (cfg.run_name or f"{slug}-{settings_hash(settings)}"), list(bench.decoders))
+    folder = RunFolder(root / method / (cfg.run_name or f"{slug}-{settings_hash(settings)}"), bench.names)
+    key = hardware_key(env)
+    folder.check(key, resume=bool(cfg.resume))  # a folder it may not resume refuses before the model loads
+    bench.load()
     engine = bench.engine_record()
-    environment_record, key = {**env, "dtype": dtype_name, "engine": engine}, hardware_key(env)
+    environment_record = {**env, "dtype": dtype_name, "engine": engine}
     finished = folder.prepare(OmegaConf.to_yaml(cfg, resolve=True), environment_record, key, resume=bool(cfg.resume))
     todo = [(i, q) for i, q in enumerate(questions) if q.question_id not in finished]
     log.info("results in %s: %d questions, %d already finished", folder.path, len(questions), len(questions) - len(todo))

@@ -149,14 +149,19 @@ def test_resume_refuses_results_from_other_hardware(tmp_path):
 
 def test_resume_refuses_answers_timed_by_other_decoding_code(tmp_path, tiny_model_dir, questions_file, monkeypatch):
     import harness.environment
+    import harness.run
 
     overrides = tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=pld", "limit=1", "warmup=0")
     first = run(config(*overrides))
     assert json.loads((Path(first["results"]) / "environment.json").read_text())["decoding_code"] == harness.environment.code_digest()
     monkeypatch.setattr(harness.environment, "code_digest", lambda: "0123456789ab")  # an engine edit since
+    loads, load_model = [], harness.run.load_model
+    monkeypatch.setattr(harness.run, "load_model", lambda *a, **k: loads.append(a) or load_model(*a, **k))
     with pytest.raises(RuntimeError, match=r"decoding_code '[0-9a-f]{12}' there, '0123456789ab' here.*never mixed"):
         run(config(*overrides))
+    assert loads == []  # refused before the model loads
     assert run(config(*overrides, "resume=false"))["questions"] == 1  # starting over is allowed
+    assert len(loads) == 1
 
 
 def test_code_digest_sees_an_edit_of_the_decoding_code(tmp_path):
