@@ -15,7 +15,7 @@ from harness.results import RunFolder, read_jsonl
 from harness.run import run
 from methods.base import available_methods, get_method
 from methods.engine.hardware import auto_dtype
-from methods.models.loading import load_model, resolve_dtype
+from methods.models.loading import load_model, resolve_device, resolve_dtype
 from methods.models.specs import ModelSpec, ModelUnavailableError
 from tests.conftest import REPO
 
@@ -180,7 +180,7 @@ def test_code_digest_sees_an_edit_of_the_decoding_code(tmp_path):
 def test_default_config_runs_the_embedded_model(tmp_path, spec_bench_file):
     summary = run(config(f"results_dir={tmp_path}", f"dataset.path={spec_bench_file}", "limit=1", "max_new_tokens=6", "warmup=0",
                          "dataset.categories=[qa]", "method=ar"))
-    expected, reason = auto_dtype(torch.device("cpu"))
+    expected, reason = auto_dtype(resolve_device("auto"))  # the default device: CUDA where there is one
     assert summary["model"] == "smollm2-135m" and summary["dtype"] == str(expected).replace("torch.", "")
     assert summary["engine"]["dtype_reason"] == reason and summary["engine"]["skinny_gemm"] == "auto"
     record = read_jsonl(Path(summary["results"]) / "answers" / "ar.jsonl")[0]

@@ -172,15 +172,20 @@ def _write_json(file: Path, data) -> None:
 # Memory bandwidth and the roofline
 
 
-def read_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
+def read_bandwidth(megabytes: int = 256, repeats: int = 7, device: torch.device | str = "cpu") -> float:
     """Bytes per second of streaming a large tensor of random values (`x.sum()`), median of
-    `repeats`. Random values matter: a never-written tensor reads the zero page and fakes speed."""
-    x = torch.rand(megabytes * (1 << 20) // 4)
+    `repeats`. Random values matter: a never-written tensor reads the zero page and fakes speed.
+    On a GPU give it a tensor well past the L2 (1 GiB+) and it times with a sync after each sum."""
+    device = torch.device(device)
+    x = torch.rand(megabytes * (1 << 20) // 4, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     x.sum()
+    sync()
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         x.sum()
+        sync()
         samples.append(time.perf_counter() - start)
     return x.numel() * 4 / statistics.median(samples)
 

@@ -56,4 +56,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def uniform(generator: torch.Generator | None) -> float:
-    return float(torch.rand((), generator=generator))
+    """One U(0, 1) draw, made on the generator's device (a CUDA generator cannot fill a CPU tensor)."""
+    device = generator.device if generator is not None else None
+    return float(torch.rand((), generator=generator, device=device))
