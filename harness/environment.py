@@ -32,6 +32,29 @@ def code_digest(root: Path = DECODING_CODE) -> str:
     return digest.hexdigest()[:12]
 
 
+def drafts_digest(model: dict, method: dict, root: Path = REPO) -> str | None:
+    """sha1 (12 hex digits) of the local draft files a method that drafts with a trained model may
+    read: every folder or file named by the model's `drafts.*.path`, the method's own `head` /
+    `draft` path and the draft vocabulary's frequency file, by name and content. None for a method
+    without a `head` or `draft` setting (the training-free ones). Hub ids are not local: their names
+    are part of the settings already. Retrained drafts at the same path thus never resume answers
+    of the old ones."""
+    if "head" not in method and "draft" not in method:
+        return None
+    named = [entry.get("path") for entry in (model.get("drafts") or {}).values() if isinstance(entry, dict)]
+    named += [(method.get(key) or {}).get("path") for key in ("head", "draft") if isinstance(method.get(key), dict)]
+    named.append((model.get("draft_vocabulary") or {}).get("frequencies"))
+    digest = hashlib.sha1()
+    for name in sorted({n for n in named if n}):
+        path = Path(name).expanduser()
+        path = path if path.is_absolute() else root / path
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
+        for file in files:
+            digest.update(f"{name}/{file.relative_to(path) if path.is_dir() else ''}".encode() + b"\0"
+                          + hashlib.sha1(file.read_bytes()).digest())
+    return digest.hexdigest()[:12]
+
+
 def git_commit() -> dict:
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()

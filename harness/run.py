@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from harness import machine
 from harness.execution import SandboxUnavailable
 from harness.datasets import Question, load_questions, truncate_middle
-from harness.environment import environment, hardware_key, hardware_name, hardware_slug
+from harness.environment import drafts_digest, environment, hardware_key, hardware_name, hardware_slug
 from harness.metrics import fidelity_failure, format_summary, summarize
 from harness.quality import score_records
 from harness.prompts import ChatTemplate, Message
@@ -191,6 +191,9 @@ def run(cfg: DictConfig, started=None) -> dict:
         "engine": OmegaConf.to_container(cfg.engine, resolve=True), "method": OmegaConf.to_container(cfg.method, resolve=True),
         "questions": [q.question_id for q in questions], "baseline": cfg.baseline, "warmup": cfg.warmup,
     }
+    drafts = drafts_digest(settings["model"], settings["method"])
+    if drafts:  # trained drafts' contents: retrained ones get their own folder (training-free methods' keys unchanged)
+        settings["drafts"] = drafts
     slug = f"{hardware_slug(env)}-{dtype_name}"
     root = Path(cfg.results_dir) / cfg.model.name / cfg.dataset.name
     folder = RunFolder(root / method / (cfg.run_name or f"{slug}-{settings_hash(settings)}"), bench.names)

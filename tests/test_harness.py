@@ -164,6 +164,33 @@ def test_resume_refuses_answers_timed_by_other_decoding_code(tmp_path, tiny_mode
     assert len(loads) == 1
 
 
+def test_retrained_drafts_get_their_own_results_folder(tmp_path):
+    """A method that drafts with a trained model keys its results on the drafts' contents: answers of
+    retrained drafts at the same path are never resumed into the old ones' folder."""
+    from omegaconf import OmegaConf
+
+    from harness.environment import drafts_digest
+
+    (tmp_path / "d" / "eagle").mkdir(parents=True)
+    (tmp_path / "d" / "eagle" / "pytorch_model.bin").write_bytes(b"weights 1")
+    (tmp_path / "d" / "freq.json").write_text("{}")
+    model = {"drafts": {"eagle": {"path": "d/eagle"}, "sps": {"path": "user/hub-draft"}},
+             "draft_vocabulary": {"frequencies": "d/freq.json", "size": 8}}
+    before = drafts_digest(model, {"name": "eagle", "head": None}, tmp_path)
+    assert before is not None and before == drafts_digest(model, {"name": "eagle", "head": None}, tmp_path)
+    (tmp_path / "d" / "eagle" / "pytorch_model.bin").write_bytes(b"weights 2")
+    retrained = drafts_digest(model, {"name": "eagle", "head": None}, tmp_path)
+    assert retrained != before
+    (tmp_path / "d" / "freq.json").write_text('{"counts": []}')
+    assert drafts_digest(model, {"name": "eagle", "head": None}, tmp_path) != retrained
+    assert drafts_digest(model, {"name": "pld", "max_ngram": 3}, tmp_path) is None
+    # the methods' configs say which ones draft with a trained model: a `head` or a `draft` setting
+    conf = Path(__file__).resolve().parents[1] / "conf" / "method"
+    uses = {m: bool({"head", "draft"} & set(OmegaConf.load(conf / f"{m}.yaml"))) for m in
+            ("sps", "mcsd", "medusa", "hydra", "eagle", "eagle2", "eagle3", "ar", "pld", "lookahead", "recycling", "jacobi")}
+    assert [m for m, used in uses.items() if used] == ["sps", "mcsd", "medusa", "hydra", "eagle", "eagle2", "eagle3"]
+
+
 def test_code_digest_sees_an_edit_of_the_decoding_code(tmp_path):
     from harness.environment import code_digest
 
