@@ -45,11 +45,11 @@ def training_device(name: str) -> torch.device:
 
 
 DEFAULTS = {  # kind: (epochs, lr, batch, noise): the committed zoo's settings (drafts/<model>/<kind>/training.json)
-    "draft-lm": (2.0, 1e-3, 16, 0.0),
-    "eagle": (4.0, 3e-4, 16, 0.1),
-    "medusa": (2.0, 1e-3, 16, 0.0),
-    "eagle3": (3.0, 2e-3, 16, 0.0),
-    "hydra": (1.0, 1e-3, 16, 0.0),
+    "draft-lm": (6.0, 1e-3, 16, 0.0),
+    "eagle": (10.0, 3e-4, 16, 0.1),
+    "medusa": (6.0, 1e-3, 16, 0.0),
+    "eagle3": (8.0, 2e-3, 16, 0.0),
+    "hydra": (2.0, 1e-3, 16, 0.0),
 }
 
 
