@@ -152,7 +152,7 @@ class Benchmark:
                 self.answer(decoder, warm, max_new_tokens=min(32, self.max_new_tokens))
 
 
-SELECTION_KEYS = ("categories", "sample", "path", "fallback_paths", "prepare_hint")
+SELECTION_KEYS = ("categories", "sample", "path", "prepare_hint")
 
 
 class LiveCount:

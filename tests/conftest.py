@@ -9,11 +9,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SPEC_BENCH = REPO.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
-# The five questions the embedded-model tests use (ids 81, 178, 275, 372, 469: writing,
-# translation, summarization, qa, math_reasoning), copied from Spec-Bench so that those tests run
-# even where ../shared is absent.
-SPEC_BENCH_SAMPLE = Path(__file__).parent / "fixtures" / "spec_bench_sample.jsonl"
+SPEC_BENCH = REPO / "data" / "spec_bench" / "question.jsonl"  # shipped with the suite
+# The five questions the embedded-model tests use: writing, translation, summarization, qa, math_reasoning
 SAMPLE_IDS = [81, 178, 275, 372, 469]
 
 
@@ -60,8 +57,7 @@ def tiny_vocab_pair():
 
 @pytest.fixture(scope="session")
 def spec_bench_file() -> Path:
-    """The full Spec-Bench set when ../shared has it, else the five-question sample."""
-    return SPEC_BENCH if SPEC_BENCH.is_file() else SPEC_BENCH_SAMPLE
+    return SPEC_BENCH
 
 
 @pytest.fixture(scope="session")
