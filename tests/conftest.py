@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,35 @@ def tiny_model(arch: str = "llama", seed: int = 0, init_std: float | None = None
 
 def read_questions(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def cache_listing(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file and link under `folder` (links not followed): {relative path: (size, mtime ns)}."""
+    found = {}
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = Path(root) / name
+            if name in files or path.is_symlink():
+                stat = path.lstat()
+                found[str(path.relative_to(folder))] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_cache(tmp_path_factory):
+    """The suite's own cache ($DECODEBENCH_CACHE, for this process and every run it starts), so that
+    the user's (~/.cache/decodebench, or their $DECODEBENCH_CACHE) keeps no test's profile, head or
+    library. Dequantized models already in the user's cache are linked in and only read (making
+    the embedded one again costs ~40 s and 540 MB). Yields (user's cache, suite's cache)."""
+    from methods.engine.storage import cache_root
+
+    user, suite = cache_root(), tmp_path_factory.mktemp("decodebench-cache")
+    for marker in sorted((user / "gguf").glob("*/source.json")):
+        (suite / "gguf").mkdir(exist_ok=True)
+        (suite / "gguf" / marker.parent.name).symlink_to(marker.parent, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DECODEBENCH_CACHE", str(suite))
+        yield user, suite
 
 
 @pytest.fixture(scope="session")
