@@ -3,8 +3,8 @@
     python -m data_scripts.prepare <dataset> [--n 80] [--first | --seed 0] [--out data/<dataset>/questions.jsonl]
     python -m data_scripts.prepare all --n 80
 
-Datasets: mt_bench, humaneval, gsm8k, alpaca, cnn_dm, nq, wmt14, longbench (and spec_bench, whose
-file lives on GitHub: `python -m data_scripts.spec_bench`). Each writes one JSON line per question:
+Datasets: mt_bench, humaneval, gsm8k, alpaca, cnn_dm, nq, wmt14, longbench (spec_bench ships with
+the suite in data/spec_bench/; `python -m data_scripts.spec_bench` downloads it again). Each writes one JSON line per question:
 
     {"question_id", "category", "turns": [...] (multi-turn sets) or "fields": {...raw fields...},
      "reference": <answer / reference text(s), or null>}

@@ -51,12 +51,10 @@ def resolve_path(candidates: list[str | None]) -> Path | None:
 @loader("jsonl")
 def load_jsonl(cfg) -> list[Question]:
     """Spec-Bench's question.jsonl format: question_id, category, turns, reference (optional)."""
-    candidates = [cfg.get("path"), *(cfg.get("fallback_paths") or [])]
-    path = resolve_path(candidates)
+    path = resolve_path([cfg.get("path")])
     if path is None:
-        tried = ", ".join(str(c) for c in candidates if c)
         hint = cfg.get("prepare_hint", "")
-        raise FileNotFoundError(f"dataset {cfg.name!r}: no question file found (tried {tried}). {hint}".strip())
+        raise FileNotFoundError(f"dataset {cfg.name!r}: no question file {cfg.get('path')}. {hint}".strip())
     questions = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():

@@ -1,67 +1,28 @@
 """How busy the machine was while a question was measured.
 
-Every answer record carries `machine`: the load averages before and after the question, the CPU
-time other processes used during it (in cores: the machine's busy time from `/proc/stat` minus
-this process's own), the fraction of time the hypervisor stole (`steal`, where the OS reports it)
-and, under SLURM, the job id, node and how many other jobs ran there. A question is *busy* when
-other processes used at least `BUSY_CORES` cores on average or steal reached `BUSY_STEAL`: its
-timing was measured beside other work and its speedup is not to be trusted alone (the summary
-lists such questions; see docs/benchmarks.md, "Reading the busy flag").
+Every answer record carries `machine`: the load readings of `methods.engine.load` over the
+question (load averages before and after, other processes' CPU use in cores, steal) and, under
+SLURM, the job id, node and how many other jobs ran there. A question is *busy* when other
+processes used at least `BUSY_CORES` cores on average, steal reached `BUSY_STEAL` or other SLURM
+jobs shared the node: its timing was measured beside other work and its speedup is not to be
+trusted alone (the summary lists such questions; see docs/benchmarks.md, "Reading the busy flag").
 """
 
 from __future__ import annotations
 
-import os
-import time
+from methods.engine.load import BUSY_CORES, BUSY_STEAL, is_busy, snapshot
+from methods.engine import load
 
-BUSY_CORES = 0.25  # other processes' average CPU use during a question, in cores
-BUSY_STEAL = 0.05  # fraction of CPU time stolen by the hypervisor
-_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _proc_stat() -> tuple[float, float, float] | None:
-    """(busy, steal, total) CPU seconds of the whole machine, or None where /proc/stat is absent."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [float(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, idle, iowait, irq, softirq = (fields + [0.0] * 7)[:7]
-    steal = fields[7] if len(fields) > 7 else 0.0
-    busy = user + nice + system + irq + softirq
-    return busy / _TICKS, steal / _TICKS, (busy + idle + iowait + steal) / _TICKS
-
-
-def snapshot() -> dict:
-    """The counters at one instant; `state(before, after)` turns two of them into a record."""
-    times = os.times()
-    return {"wall": time.monotonic(), "self_cpu": times.user + times.system,
-            "stat": _proc_stat(), "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+__all__ = ["BUSY_CORES", "BUSY_STEAL", "is_busy", "snapshot", "state"]
 
 
 def state(before: dict, after: dict) -> dict:
     """The machine state over the interval between two snapshots, as stored in answer records."""
-    record = {"load_before": before["loadavg"], "load_after": after["loadavg"], "other_cores": None, "steal": None}
-    elapsed = after["wall"] - before["wall"]
-    if before["stat"] and after["stat"] and elapsed > 0:
-        busy = after["stat"][0] - before["stat"][0]
-        steal = after["stat"][1] - before["stat"][1]
-        total = after["stat"][2] - before["stat"][2]
-        own = after["self_cpu"] - before["self_cpu"]
-        record["other_cores"] = round(max(0.0, busy - own) / elapsed, 3)
-        record["steal"] = round(steal / total, 4) if total > 0 else 0.0
+    record = load.state(before, after)
     from harness.cluster import slurm_job  # noqa: PLC0415 (SLURM is looked at only inside a job)
 
     job = slurm_job()
     if job:
         record["slurm"] = job
-    record["busy"] = is_busy(record)
+        record["busy"] = is_busy(record)
     return record
-
-
-def is_busy(record: dict | None) -> bool:
-    """Measured beside other work: other processes' CPU use, steal, or other SLURM jobs on the node."""
-    if not record:
-        return False
-    return bool((record.get("other_cores") or 0) >= BUSY_CORES or (record.get("steal") or 0) >= BUSY_STEAL
-                or ((record.get("slurm") or {}).get("other_jobs") or 0) > 0)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import random
 import statistics
 from collections import defaultdict
+from pathlib import Path
 
 
 def question_speed(record: dict) -> tuple[int, float]:
@@ -388,6 +389,10 @@ def format_summary(summary: dict) -> str:
                      f"{', '.join(map(str, busy['questions'][:10]))}{' …' if len(busy['questions']) > 10 else ''}")
     elif busy.get("recorded"):
         lines.append(f"machine quiet during every question (other processes used at most {busy['max_other_cores']:.2f} cores)")
+    busy_profiles = [Path(f).name for f, p in ((summary.get("engine") or {}).get("profiles") or {}).items() if not p["quiet"]]
+    if busy_profiles:
+        lines.append(f"BUSY PROFILE: {', '.join(busy_profiles)} measured beside other work chose this run's kernels "
+                     "or sizes; the next run measures again")
     shared = summary.get("shared_node") or {}
     if shared.get("questions"):
         lines.append(f"SHARED NODE: {len(shared['questions'])} of {summary['questions']} questions were measured while "

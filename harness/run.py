@@ -33,7 +33,7 @@ from harness.validate import validate
 from methods.base import BuildContext, Decoder, get_method
 from methods.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from methods.models.specs import ModelSpec, ModelUnavailableError
-from methods.engine.hardware import auto_dtype
+from methods.engine.hardware import auto_dtype, profiles_used
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 
@@ -76,12 +76,14 @@ class Benchmark:
 
     def engine_record(self) -> dict:
         """How the engine ran: the dtype and why, the forward (fused or not, and why not), the linear
-        path and the kernels it chose."""
+        path and the kernels it chose, and the hardware profiles that chose kernels and sizes (each
+        file, when it was measured and whether the machine was quiet)."""
         target = next(iter(self.decoders.values())).target
         linear = target.linear
         return {"dtype_reason": self.dtype_reason, "skinny_gemm": self.cfg.engine.skinny_gemm,
                 "decoder": "fused" if target.fused else f"transformers ({target.unfused_reason})",
-                "linear_kernels": linear.plan.to_dict()["kernels"] if linear.plan else None}
+                "linear_kernels": linear.plan.to_dict()["kernels"] if linear.plan else None,
+                "profiles": profiles_used()}
 
     def max_new_tokens_for(self, category: str) -> int:
         """max_new_tokens when given, else the dataset's per-category setting, else its default."""
@@ -152,7 +154,7 @@ class Benchmark:
                 self.answer(decoder, warm, max_new_tokens=min(32, self.max_new_tokens))
 
 
-SELECTION_KEYS = ("categories", "sample", "path", "fallback_paths", "prepare_hint")
+SELECTION_KEYS = ("categories", "sample", "path", "prepare_hint")
 
 
 class LiveCount:

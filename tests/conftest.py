@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SPEC_BENCH = REPO.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
-# The five questions the embedded-model tests use (ids 81, 178, 275, 372, 469: writing,
-# translation, summarization, qa, math_reasoning), copied from Spec-Bench so that those tests run
-# even where ../shared is absent.
-SPEC_BENCH_SAMPLE = Path(__file__).parent / "fixtures" / "spec_bench_sample.jsonl"
+SPEC_BENCH = REPO / "data" / "spec_bench" / "question.jsonl"  # shipped with the suite
+# The five questions the embedded-model tests use: writing, translation, summarization, qa, math_reasoning
 SAMPLE_IDS = [81, 178, 275, 372, 469]
 
 
@@ -50,6 +48,35 @@ def read_questions(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def cache_listing(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file and link under `folder` (links not followed): {relative path: (size, mtime ns)}."""
+    found = {}
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = Path(root) / name
+            if name in files or path.is_symlink():
+                stat = path.lstat()
+                found[str(path.relative_to(folder))] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_cache(tmp_path_factory):
+    """The suite's own cache ($DECODEBENCH_CACHE, for this process and every run it starts), so that
+    the user's (~/.cache/decodebench, or their $DECODEBENCH_CACHE) keeps no test's profile, head or
+    library. Dequantized models already in the user's cache are linked in and only read (making
+    the embedded one again costs ~40 s and 540 MB). Yields (user's cache, suite's cache)."""
+    from methods.engine.storage import cache_root
+
+    user, suite = cache_root(), tmp_path_factory.mktemp("decodebench-cache")
+    for marker in sorted((user / "gguf").glob("*/source.json")):
+        (suite / "gguf").mkdir(exist_ok=True)
+        (suite / "gguf" / marker.parent.name).symlink_to(marker.parent, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DECODEBENCH_CACHE", str(suite))
+        yield user, suite
+
+
 @pytest.fixture(scope="session")
 def tiny_vocab_pair():
     """A 4-token target and a draft that disagrees with it (peaked, different distributions)."""
@@ -60,8 +87,7 @@ def tiny_vocab_pair():
 
 @pytest.fixture(scope="session")
 def spec_bench_file() -> Path:
-    """The full Spec-Bench set when ../shared has it, else the five-question sample."""
-    return SPEC_BENCH if SPEC_BENCH.is_file() else SPEC_BENCH_SAMPLE
+    return SPEC_BENCH
 
 
 @pytest.fixture(scope="session")

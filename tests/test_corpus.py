@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harness.training.distill import KINDS, SAMPLED_SHARE, check_disjoint, evaluation_texts, self_distill, training_prompts
-from tests.conftest import SPEC_BENCH_SAMPLE, hf_greedy
+from tests.conftest import SPEC_BENCH, hf_greedy
 
 
 def test_training_prompts_are_seeded_distinct_mixed_and_disjoint_from_spec_bench(spec_bench_file):
@@ -36,16 +36,16 @@ def test_the_generator_refuses_more_prompts_than_it_can_make_distinct(monkeypatc
 
 
 def test_check_disjoint_catches_a_question_inside_a_prompt_and_a_shared_run_of_13_words():
-    question = json.loads(SPEC_BENCH_SAMPLE.read_text().splitlines()[0])
+    question = json.loads(SPEC_BENCH.read_text().splitlines()[0])
     turn = question["turns"][0]
     with pytest.raises(ValueError, match="overlaps the evaluation question"):
-        check_disjoint([{"id": "p1", "text": "Please answer: " + turn}], SPEC_BENCH_SAMPLE)
+        check_disjoint([{"id": "p1", "text": "Please answer: " + turn}], SPEC_BENCH)
     words = turn.split()
     assert len(words) >= 14
     paraphrase = "Here is something else entirely. " + " ".join(words[1:14]).upper() + " and then we stop."
     with pytest.raises(ValueError, match="shares 13 words"):
-        check_disjoint([{"id": "p2", "text": paraphrase}], SPEC_BENCH_SAMPLE)
-    check_disjoint([{"id": "p3", "text": " ".join(words[1:13]) + " unrelated ending words here"}], SPEC_BENCH_SAMPLE)
+        check_disjoint([{"id": "p2", "text": paraphrase}], SPEC_BENCH)
+    check_disjoint([{"id": "p3", "text": " ".join(words[1:13]) + " unrelated ending words here"}], SPEC_BENCH)
     # the needle set's filler is an evaluation text too
     from harness.datasets import _FILLER
 
@@ -143,7 +143,7 @@ def test_corpus_writes_the_answers_and_a_manifest_with_their_checksum(tiny_chat_
     monkeypatch.setattr(distill, "_answer_target",
                         lambda name, dtype, device="cpu": (model, ChatTemplate("tokenizer", tokenizer)))
     args = argparse.Namespace(model="tiny", prompts=12, seed=0, max_new_tokens=6, distill_batch=4, distill_dtype="float32",
-                              measure=False, questions=SPEC_BENCH_SAMPLE)
+                              measure=False, questions=SPEC_BENCH)
     data, manifest_file = tmp_path / "answers.jsonl", tmp_path / "corpus.json"
     distill.corpus(args, data, manifest_file)
     rows = [json.loads(line) for line in data.read_text().splitlines()]
@@ -152,7 +152,7 @@ def test_corpus_writes_the_answers_and_a_manifest_with_their_checksum(tiny_chat_
     assert manifest["prompts"] == len(rows) == 12 and not data.with_suffix(".partial.jsonl").exists()
     assert manifest["answer_tokens"] == sum(len(r["ids"]) - r["answer_start"] for r in rows)
     assert sum(manifest["modes"].values()) == 12 and sum(manifest["kinds"].values()) == 12
-    assert str(SPEC_BENCH_SAMPLE) in manifest["disjoint_from"] and manifest["dtype"] == "float32"
+    assert str(SPEC_BENCH) in manifest["disjoint_from"] and manifest["dtype"] == "float32"
     assert "--prompts 12 --seed 0" in manifest["command"]
     assert "none sharing 13 words" in capsys.readouterr().out
 

@@ -61,6 +61,10 @@ def test_bench_writes_a_complete_results_folder(tiny_model_dir, questions_file, 
     env = json.loads((folder / "environment.json").read_text())
     assert env["torch"] == torch.__version__ and env["cpu"] and "commit" in env["git"]
     assert env["cpu_isa"] and env["engine"]["skinny_gemm"] == "auto" and env["engine"]["dtype_reason"]
+    # the profiles that chose its kernels and γ: which files, when measured, and whether the machine was quiet
+    profiles = {Path(f).name.split("-")[0]: p for f, p in env["engine"]["profiles"].items()}
+    assert {"linear", "curve"} <= set(profiles) and all(isinstance(p["quiet"], bool) and p["measured"] for p in profiles.values())
+    assert summary["engine"]["profiles"] == env["engine"]["profiles"]
     assert Path(summary["baseline_results"]) == folder  # the paired AR answers live beside the method's
     sps, ar = read_jsonl(folder / "answers" / "sps.jsonl"), read_jsonl(folder / "answers" / "ar.jsonl")
     assert [r["question_id"] for r in sps] == [r["question_id"] for r in ar] and len(sps) == 3

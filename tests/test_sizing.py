@@ -3,7 +3,11 @@ explicit value wins, and every choice is recorded with the numbers behind it."""
 
 from __future__ import annotations
 
+import itertools
+import json
+
 import pytest
+import torch
 
 from methods.base import BuildContext, get_method
 from methods.engine import hardware
@@ -97,3 +101,86 @@ def test_the_latency_curve_is_timed_as_verification_runs_warmed_up_and_interleav
     seconds = hardware.forward_latency(runner, (1, 2, 4), prefix_length=8, repeats=2)
     assert [c for c in calls if c[0] != 8] == [(1, False), (2, True), (4, True)] * 3  # warm-up, then 2 rounds
     assert set(seconds) == {1, 2, 4} and runner.length == 0
+
+
+def next_process(monkeypatch):
+    """What a new run starts from: nothing measured, loaded or used by this process yet."""
+    for name, empty in (("_MEASURED_HERE", set()), ("_USED", {}), ("_PATHS", {}), ("_PLAN_LOADS", {})):
+        monkeypatch.setattr(hardware, name, empty)
+
+
+def machine_load(monkeypatch, busy: bool):
+    """/proc/stat as it reads while other processes use far more than the whole machine, or nothing."""
+    from methods.engine import load
+
+    ticks = itertools.count(1)
+    monkeypatch.setattr(load, "_proc_stat", (lambda: (1e4 * next(ticks), 0.0, 1e4 * next(ticks))) if busy else
+                        (lambda: (0.0, 0.0, 1.0)))
+
+
+def test_a_curve_measured_beside_other_work_serves_its_run_only_and_says_so(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
+    next_process(monkeypatch)
+    runner = ModelRunner(tiny_model("llama", seed=73, hidden=32, layers=1))
+    machine_load(monkeypatch, busy=True)
+    hardware.latency_curve(runner, "tiny", sizes=(1, 2), repeats=1)
+    (file,) = (tmp_path / "profiles").glob("*/curve-tiny-*.json")
+    stored = json.loads(file.read_text())
+    assert stored["load"]["busy"] and {"other_cores", "steal", "load_before", "at"} <= set(stored["load"])
+    assert "latency curve was measured beside other work" in caplog.text
+    assert hardware.profiles_used()[str(file)]["quiet"] is False
+    mtime = file.stat().st_mtime_ns
+    hardware.latency_curve(runner, "tiny", sizes=(1, 2), repeats=1)
+    assert file.stat().st_mtime_ns == mtime  # the same run: not measured again
+    machine_load(monkeypatch, busy=False)  # the next run, on a quiet machine: measured again
+    next_process(monkeypatch)
+    hardware.latency_curve(runner, "tiny", sizes=(1, 2), repeats=1)
+    assert file.stat().st_mtime_ns != mtime and not json.loads(file.read_text())["load"]["busy"]
+    assert hardware.profiles_used()[str(file)]["quiet"] is True
+    mtime = file.stat().st_mtime_ns
+    next_process(monkeypatch)  # a quiet curve is kept
+    hardware.latency_curve(runner, "tiny", sizes=(1, 2), repeats=1)
+    assert file.stat().st_mtime_ns == mtime
+    stored = json.loads(file.read_text())  # a curve stored without its load is measured again
+    del stored["load"]
+    file.write_text(json.dumps(stored))
+    next_process(monkeypatch)
+    hardware.latency_curve(runner, "tiny", sizes=(1, 2), repeats=1)
+    assert "load" in json.loads(file.read_text())
+
+
+def test_a_linear_plan_measured_beside_other_work_is_measured_again_by_the_next_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
+    next_process(monkeypatch)
+    model = tiny_model("llama", seed=74, vocab_size=40, hidden=32, layers=1)
+    file = hardware._plan_file(torch.device("cpu"), torch.float32)
+    machine_load(monkeypatch, busy=True)
+    hardware.linear_path([model])
+    assert [r["busy"] for r in json.loads(file.read_text())["load"]] == [True]
+    assert hardware.profiles_used()[str(file)]["quiet"] is False
+    machine_load(monkeypatch, busy=False)
+    next_process(monkeypatch)
+    hardware.linear_path([model])
+    (record,) = json.loads(file.read_text())["load"]  # measured again, whole
+    assert not record["busy"]
+    mtime = file.stat().st_mtime_ns
+    next_process(monkeypatch)
+    path = hardware.linear_path([model])  # quiet: kept
+    assert file.stat().st_mtime_ns == mtime and path.plan.kernels
+    assert hardware.profiles_used()[str(file)] == {"measured": record["at"], "quiet": True, "max_other_cores": 0.0}
+
+
+def test_the_summary_names_a_busy_profile_that_sized_the_run():
+    from harness.metrics import format_summary, summarize
+
+    records = [{"question_id": 1, "category": "c", "choices": [{
+        "new_tokens": [4], "wall_time": [1.0], "decoding_steps": [4], "accept_lengths": [1] * 4, "output_ids": [[1, 2, 3, 4]],
+        "stats": [{"ttft": 0.1, "drafted_tokens": 0, "accepted_drafts": 0, "position_proposed": [], "position_tested": [],
+                   "position_accepted": [], "phase_time": {}}]}]}]
+    profiles = {"/c/profiles/m/linear-float32.json": {"measured": "2025-01-01T00:00:00+00:00", "quiet": True, "max_other_cores": 0.0},
+                "/c/profiles/m/curve-x-1-float32-auto.json": {"measured": "2025-01-01T00:00:00+00:00", "quiet": False,
+                                                              "max_other_cores": 1.2}}
+    text = format_summary(summarize("ar", records, None, {"dtype": "float32", "engine": {"profiles": profiles}}))
+    assert "BUSY PROFILE: curve-x-1-float32-auto.json measured beside other work" in text and "linear-float32" not in text
+    profiles["/c/profiles/m/curve-x-1-float32-auto.json"]["quiet"] = True
+    assert "BUSY PROFILE" not in format_summary(summarize("ar", records, None, {"dtype": "float32", "engine": {"profiles": profiles}}))

@@ -95,7 +95,7 @@ def main(argv=None) -> None:
                         help="continue from <out>/checkpoint.pt (weights, optimizer, step, RNG) of an interrupted run")
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="conversations per forward on each process (default: its whole share of --batch)")
-    parser.add_argument("--questions", type=Path, default=ROOT.parent / "shared/data/spec_bench/question.jsonl",
+    parser.add_argument("--questions", type=Path, default=ROOT / "data/spec_bench/question.jsonl",
                         help="evaluation questions the prompts must not overlap")
     args = parser.parse_args(argv)
     try:

@@ -319,8 +319,7 @@ def question_files(extra: Path | None = None) -> list[Path]:
     """Every evaluation question file the suite ships or has prepared on this machine."""
     from harness.training.loop import ROOT
 
-    files = [ROOT / "tests" / "fixtures" / "spec_bench_sample.jsonl", ROOT.parent / "shared/data/spec_bench/question.jsonl",
-             *sorted((ROOT / "data").glob("*/questions.jsonl")), *sorted((ROOT / "data").glob("*/question.jsonl"))]
+    files = [*sorted((ROOT / "data").glob("*/questions.jsonl")), *sorted((ROOT / "data").glob("*/question.jsonl"))]
     if extra is not None:
         files.insert(0, extra)
     return [f for f in dict.fromkeys(files) if f.is_file()]

@@ -3,6 +3,10 @@
 Measurements that decide how the engine runs (the linear plan, the target's forward-latency
 curve) are made once per (machine, torch version, threads, dtype) and kept in
 `cache_root()/profiles/<machine key>/`, so every later run reuses them; `make perf` shows them.
+Each keeps the machine's load while it was measured (`load.py`, the busy check of the answers):
+one measured beside other work serves the run that measured it (with a warning) and is measured
+again by the next run. `profiles_used()` names the files a run used, when and how quietly they
+were measured (every results folder records it, `environment.json`'s `engine.profiles`).
 
 The machine key names the CPU model and its ISA class (two machines sold as "AMD EPYC" can differ:
 one with AVX2 only, emulating bf16 matmuls; one with AVX512 + AVX512-BF16), or the GPU.
@@ -18,13 +22,14 @@ import platform
 import re
 import statistics
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from .storage import cache_root
-from . import native
+from . import load, native
 from .linear import KERNELS, LinearPath, LinearPlan, linear_shapes, measure_plan
 
 SKINNY_GEMM_MODES = ("auto", "off")
@@ -104,9 +109,45 @@ def profile_dir(device: torch.device) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------
+# Measured on a quiet machine, or measured again
+
+_MEASURED_HERE: set[Path] = set()  # profile files this process measured: a busy one is not measured again here
+_USED: dict[str, dict] = {}  # profile file -> when and how quietly it was measured (`profiles_used`)
+
+
+def _measure(file: Path, what: str, measure):
+    """`measure()`, and the machine's load while it ran; a busy measurement gets one warning line."""
+    before = load.snapshot()
+    result = measure()
+    record = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **load.state(before, load.snapshot())}
+    _MEASURED_HERE.add(file)
+    if record["busy"]:
+        log.warning("%s was measured beside other work (other processes %.2f cores, steal %.0f%%): this run uses it, "
+                    "the next one measures it again (%s)", what, record["other_cores"] or 0, 100 * (record["steal"] or 0), file)
+    return result, record
+
+
+def _usable(file: Path, loads: list) -> bool:
+    """A stored measurement is used when all of it was measured on a quiet machine (a file without
+    its load is measured again), or by this process."""
+    return file in _MEASURED_HERE or (bool(loads) and all(isinstance(r, dict) and not load.is_busy(r) for r in loads))
+
+
+def _used(file: Path, loads: list[dict]) -> None:
+    _USED[str(file)] = {"measured": loads[-1]["at"], "quiet": not any(load.is_busy(r) for r in loads),
+                        "max_other_cores": max((r.get("other_cores") or 0.0 for r in loads), default=None)}
+
+
+def profiles_used() -> dict[str, dict]:
+    """The profile files this process used: {file: {measured (UTC, the latest part), quiet, max_other_cores}}."""
+    return {file: dict(record) for file, record in _USED.items()}
+
+
+# ------------------------------------------------------------------------------------------------
 # The linear plan (one per process, machine and dtype; shapes added as models appear)
 
 _PATHS: dict[tuple, LinearPath] = {}
+_PLAN_LOADS: dict[tuple, list[dict]] = {}  # the load while each part of a plan was measured
 
 
 def linear_path(models, mode: str = "auto") -> LinearPath:
@@ -120,16 +161,22 @@ def linear_path(models, mode: str = "auto") -> LinearPath:
     if mode == "off" or device.type != "cpu":  # cuBLAS handles skinny GEMMs; measure there when a GPU is lent
         return _PATHS.setdefault(("off",), LinearPath(None))
     key = (str(device), str(dtype))
+    file = _plan_file(device, dtype)
     path = _PATHS.get(key)
     if path is None:
-        path = _PATHS[key] = LinearPath(_load_plan(device, dtype))
+        plan, _PLAN_LOADS[key] = _load_plan(file)
+        path = _PATHS[key] = LinearPath(plan)
     shapes = {k: v for k, v in linear_shapes(*models).items() if k not in path.plan.kernels}
     if shapes:
         log.info("measuring the linear path for %d weight shape(s) (once per machine and dtype, then cached)", len(shapes))
-        measured = measure_plan(shapes)
+        measured, record = _measure(file, "the linear plan", lambda: measure_plan(shapes))
         path.plan.kernels.update(measured.kernels)
         path.plan.seconds.update(measured.seconds)
-        _save_plan(device, dtype, path.plan)
+        _PLAN_LOADS[key].append(record)
+        _write_json(file.parent / "machine.json", machine(device))
+        _write_json(file, {"candidates": _candidates(), "load": _PLAN_LOADS[key], **path.plan.to_dict()})
+    if _PLAN_LOADS[key]:
+        _used(file, _PLAN_LOADS[key])
     return path
 
 
@@ -137,22 +184,17 @@ def _plan_file(device: torch.device, dtype: torch.dtype) -> Path:
     return profile_dir(device) / f"linear-{str(dtype).replace('torch.', '')}.json"
 
 
-def _load_plan(device: torch.device, dtype: torch.dtype) -> LinearPlan:
-    file = _plan_file(device, dtype)
+def _load_plan(file: Path) -> tuple[LinearPlan, list[dict]]:
+    """The stored plan and the loads it was measured under, or an empty one: none stored, damaged,
+    chosen among other kernels, or measured (in part) beside other work."""
     if file.is_file():
         try:
             data = json.loads(file.read_text())
-            if data.get("candidates") == _candidates():  # a plan chosen among other kernels is measured again
-                return LinearPlan.from_dict(data)
-        except (ValueError, KeyError, AttributeError):
+            if data.get("candidates") == _candidates() and _usable(file, data.get("load")):
+                return LinearPlan.from_dict(data), list(data["load"])
+        except (ValueError, KeyError, AttributeError, TypeError):
             pass  # a damaged file is measured again
-    return LinearPlan()
-
-
-def _save_plan(device: torch.device, dtype: torch.dtype, plan: LinearPlan) -> None:
-    file = _plan_file(device, dtype)
-    _write_json(file.parent / "machine.json", machine(device))
-    _write_json(file, {"candidates": _candidates(), **plan.to_dict()})
+    return LinearPlan(), []
 
 
 def _candidates() -> list[str]:
@@ -279,11 +321,14 @@ def latency_curve(runner, model_name: str, sizes=(1, 2, 4, 8, 16, 32, 64), prefi
     if file.is_file() and not refresh:
         stored = json.loads(file.read_text())
         if (stored.get("prefix") == prefix and stored.get("method") == CURVE_METHOD
-                and stored.get("kernels") == _candidates() and set(map(int, stored["seconds"])) >= set(sizes)):
+                and stored.get("kernels") == _candidates() and set(map(int, stored["seconds"])) >= set(sizes)
+                and _usable(file, [stored.get("load")])):
+            _used(file, [stored["load"]])
             return {int(n): s for n, s in stored["seconds"].items() if int(n) in sizes}
     log.info("measuring %s's forward latency at %s tokens (once per machine, model and dtype, then cached)",
              model_name, ", ".join(map(str, sizes)))
-    seconds = forward_latency(runner, sizes, prefix, repeats)
+    seconds, record = _measure(file, f"{model_name}'s latency curve", lambda: forward_latency(runner, sizes, prefix, repeats))
     _write_json(file, {"model": model_name, "method": CURVE_METHOD, "kernels": _candidates(), "prefix": prefix, "repeats": repeats,
-                       "seconds": {str(n): s for n, s in seconds.items()}})
+                       "load": record, "seconds": {str(n): s for n, s in seconds.items()}})
+    _used(file, [record])
     return seconds
