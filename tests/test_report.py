@@ -145,6 +145,17 @@ def test_make_report_leaves_the_reference_run_alone(results, tmp_path, monkeypat
     assert (tmp_path / "plots" / "all" / "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a" / "size_sweep.png").is_file()
 
 
+def test_a_users_report_and_figures_stay_out_of_git():
+    """What `make report` and `make figures` write for a user's run set is ignored by git; the
+    committed reference run's report and figures are not."""
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    user = ["results/report/all/report.md", "plots/all/tiny-table/size_sweep.png", "plots/20261123-171500/t/speedup_vs_tau.pdf"]
+    committed = ["plots/README.md", "plots/reference/t/speedup_vs_tau.png", "results/reference/report/report.md"]
+    done = subprocess.run(["git", "check-ignore", "--no-index", *user, *committed], cwd=REPO, capture_output=True, text=True)
+    assert done.stdout.split() == user
+
+
 def test_figures_are_written(results, tmp_path):
     written = figures(results, tmp_path / "plots")
     names = {p.name for p in written}
