@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from harness.datasets import Question, select
-from harness.metrics import bootstrap_median_interval, summarize
+from harness.metrics import bootstrap_median_interval, format_summary, summarize
 from harness.results import RunFolder, read_jsonl
 from harness.run import run
 from methods.base import available_methods, get_method
@@ -349,6 +350,53 @@ def test_speedup_decomposition_explains_the_decoding_speedup():
         pytest.approx(1.2), pytest.approx(0.2), pytest.approx(0.1))
     assert explained["predicted_decode_speedup"] == pytest.approx(3.0 / 1.5)
     assert explained["prefill_fraction"] == pytest.approx(1.0 / 7.0)
+
+
+def answered(qid, tokens, wall, steps, other_cores=0.0, diverge_at=None):
+    """A record with the machine state it ran under and, from `diverge_at` on, other tokens
+    (every top-2 gap 0.5: a near-tie in bfloat16)."""
+    rec = record(qid, tokens, wall, steps)
+    choice = rec["choices"][0]
+    choice["output_ids"] = [[t if diverge_at is None or t < diverge_at else -t for t in range(tokens)]]
+    choice["logit_margins"] = [[0.5] * tokens]
+    rec["machine"] = {"other_cores": other_cores, "steal": 0.0}
+    return rec
+
+
+def test_a_speedup_carries_its_caveats():
+    """A speedup above τ, from AR timed beside other work, on few questions with near-ties: the
+    summary keeps every caveat, the printout leads with the speedup, its interval and why neither
+    can be trusted, and its table's tok/s are the two sides of that speedup."""
+    ar_walls = [3.0, 6.0, 2.0, 9.0, 2.5, 4.0]  # AR slowed by other work, unevenly
+    method = [answered(q, 100, 2.0, 90, diverge_at=40) for q in range(6)]  # τ 100/90 = 1.11
+    baseline = [answered(q, 100, wall, 100, other_cores=2.0) for q, wall in enumerate(ar_walls)]
+    meta = {"dtype": "bfloat16", "lossless": True, "sampling": {"temperature": 0.0}, "model": "m", "dataset": "d"}
+    summary = summarize("x", method, baseline, meta)
+    speedup = summary["speedup"]["specbench"]
+    assert speedup == pytest.approx(50 / statistics.fmean(100 / w for w in ar_walls)) and speedup > 1.11
+    c = summary["caveats"]
+    assert (c["questions"], c["busy"], c["max_other_cores"]) == (6, 6, 2.0)
+    assert (c["fidelity"]["differing_questions"], c["fidelity"]["near_ties"], c["fidelity"]["mismatches"]) == (6, 6, 0)
+    assert c["above_tau"] and c["interval_wide"]
+    assert c["interval_reasons"] == ["6 of 6 questions measured on a busy machine", "only 6 questions"]
+    lines = format_summary(summary).splitlines()
+    low, high = summary["speedup"]["specbench_ci95"]
+    assert lines[1].startswith(f"SPEEDUP {speedup:.2f}x over AR, 95% interval [{low:.2f}, {high:.2f}], n = 6 questions")
+    assert lines[2].startswith(f"  the interval is wide ({low:.2f} to {high:.2f}x): 6 of 6 questions measured on a busy machine")
+    assert lines[3].startswith("  a speedup above τ (1.11) on a busy machine is not to be trusted")
+    assert lines[4] == ("caveats: n 6 | BUSY 6/6 (others used up to 2.0 cores) | 6/6 differ from AR: 6 near-ties "
+                        "(max gap 0.5), 0 mismatches | speedup > τ on a busy machine: not to be trusted | wide interval: "
+                        "6 of 6 questions measured on a busy machine, only 6 questions")
+    table = {line.split()[0]: float(line.split()[-6]) for line in lines if line.startswith(("ar (baseline) ", "x" + " " * 15))}
+    assert table["x"] / table["ar"] == pytest.approx(speedup, rel=1e-3)  # the table's tok/s give the headline
+    # the same run on a quiet machine, AR timed evenly, on the same tokens: nothing to flag
+    quiet = summarize("x", [answered(q, 100, 2.0, 90) for q in range(6)],
+                      [answered(q, 100, 2.2, 100, other_cores=0.01) for q in range(6)], meta)
+    c = quiet["caveats"]
+    assert c["busy"] == 0 and not c["above_tau"] and not c["interval_wide"] and c["fidelity"]["differing_questions"] == 0
+    text = format_summary(quiet)
+    assert "caveats: n 6 | quiet (others used at most 0.01 cores) | 0/6 differ from AR\n" in text
+    assert "not to be trusted" not in text and "wide" not in text
 
 
 def test_bootstrap_interval_brackets_the_median():
