@@ -371,6 +371,18 @@ def caveat_note(c: dict | None) -> str:
     return " | ".join(parts)
 
 
+def speedup_status(speedup: float | None, interval: list | None, tau: float | None, c: dict | None) -> str:
+    """A sweep job's numbers in one line, its caveats included: `speedup 1.51x [1.22, 1.80], τ 1.11 |
+    n 18 | BUSY 18/18 …` (the sweep's status lines and `python -m harness.report --jobs`)."""
+    numbers = []
+    if speedup is not None:
+        low, high = interval or (None, None)
+        numbers.append(f"speedup {speedup:.2f}x" + (f" [{low:.2f}, {high:.2f}]" if low is not None else ""))
+    if tau is not None:
+        numbers.append(f"τ {tau:.2f}")
+    return " | ".join([", ".join(numbers), caveat_note(c)] if numbers else [caveat_note(c)])
+
+
 def describe_fidelity(fid: dict, lossless: bool = True, of: int | None = None) -> str:
     """'5 differ: 5 near-ties (max gap 0.25), 0 mismatches' ('5/13 differ' with `of`), or why the
     divergences are not classified."""

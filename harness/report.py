@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import published
-from harness.metrics import busy_questions, decoder_stats, decomposition, describe_fidelity, fidelity, speedup_stats
+from harness.metrics import (
+    busy_questions, decoder_stats, decomposition, describe_fidelity, fidelity, speedup_stats, speedup_status)
 from harness.results import read_answers
 
 SKIP_DIRS = {".multirun", "perf", "report"}
@@ -404,7 +405,7 @@ def job_status(sweep_dir: Path) -> list[dict]:
 
 
 def print_jobs(sweep_dir: Path) -> int:
-    """One line per job: ok (speedup, τ, results folder), failed or interrupted (the error), or
+    """One line per job: ok (speedup, τ, their caveats: `harness.metrics.speedup_status`; results folder), failed or interrupted (the error), or
     running: started but no end recorded (still running, or killed from outside: cancelled, out of
     memory, node lost; its log in the sweep's .submitit folder tells). With the SLURM job and node."""
     jobs = job_status(sweep_dir)
@@ -416,8 +417,8 @@ def print_jobs(sweep_dir: Path) -> int:
         array = f"{slurm.get('array_job_id')}_{slurm.get('task_id')}, " if slurm.get("array_job_id") else ""
         where = f"  [SLURM job {array}id {slurm['job_id']} on {slurm['node']}]" if slurm else ""
         if job["status"] == "ok":
-            speed = "-" if job.get("speedup") is None else f"{job['speedup']:.2f}x"
-            print(f"  #{job['job']} ok          {overrides}  speedup {speed}  τ {job['tau']:.2f}  {job['results']}{where}")
+            numbers = speedup_status(job.get("speedup"), job.get("speedup_ci95"), job.get("tau"), job.get("caveats"))
+            print(f"  #{job['job']} ok          {overrides}  {numbers}  {job['results']}{where}")
             if job.get("fidelity_failure"):
                 print(f"     {job['fidelity_failure']}")
         elif job["status"] == "running":

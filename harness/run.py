@@ -299,9 +299,16 @@ def main(cfg: DictConfig) -> None:
         write_json(job_file, {**record, "status": status, "error": f"{type(err).__name__}: {err}",
                               "traceback": traceback.format_exc()})
         raise
-    write_json(job_file, {**record, "status": "ok", "results": summary["results"],
-                          "speedup": (summary.get("speedup") or {}).get("specbench"), "tau": summary["decoder"]["tau"],
-                          "fidelity_failure": fidelity_failure(summary)})
+    write_json(job_file, {**record, **job_result(summary)})
+
+
+def job_result(summary: dict) -> dict:
+    """What a finished sweep job adds to its job.json: its numbers with their caveats, as the
+    sweep's status lines and `harness.report --jobs` print them (`harness.metrics.speedup_status`)."""
+    speedup = summary.get("speedup") or {}
+    return {"status": "ok", "results": summary["results"], "speedup": speedup.get("specbench"),
+            "speedup_ci95": speedup.get("specbench_ci95"), "tau": summary["decoder"]["tau"],
+            "caveats": summary["caveats"], "fidelity_failure": fidelity_failure(summary)}
 
 
 def entry(argv: list[str]) -> None:

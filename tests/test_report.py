@@ -207,6 +207,56 @@ def test_sweep_through_submitit_local_reports_results_and_failures(tmp_path, tin
     assert sorted(cells) == ["sps (draft_vocab=8192, gamma=2)", "sps (draft_vocab=8192, gamma=3)"]
 
 
+class FinishedJob:
+    """What `describe` reads of a submitit job."""
+
+    def __init__(self, job_id, state="FINISHED"):
+        self.job_id, self.state = job_id, state
+        self.paths = type("Paths", (), {"stderr": Path("/logs") / f"{job_id}.err"})()
+
+    def done(self):
+        return self.state == "FINISHED"
+
+
+def test_a_sweeps_status_lines_and_job_list_carry_the_caveats(tmp_path, capsys):
+    """A sweep on a busy machine: each job's status line and the final job list print, beside its
+    speedup, n, the busy questions and the near-ties (job.json as harness.run writes it)."""
+    from harness.metrics import summarize
+    from harness.report import print_jobs
+    from harness.run import job_result
+    from hydra_plugins.decodebench_launcher.launcher import describe
+    from tests.test_harness import answered
+
+    meta = {"dtype": "bfloat16", "lossless": True, "sampling": {"temperature": 0.0}, "results": str(tmp_path / "run")}
+    busy = summarize("pld", [answered(q, 100, 2.0, 90, diverge_at=40) for q in range(3)],
+                     [answered(q, 100, 3.0, 100, other_cores=1.5) for q in range(3)], meta)
+    quiet = summarize("pld", [answered(q, 100, 2.0, 90) for q in range(3)], [answered(q, 100, 2.1, 100) for q in range(3)], meta)
+    sweep = tmp_path / "sweep"
+    records = []
+    for num, summary in enumerate((busy, quiet)):
+        (sweep / str(num)).mkdir(parents=True)
+        records.append({"job": num, "job_id": f"7_{num}", "overrides": [f"method.num_draft={num + 4}"], "method": "pld",
+                        **job_result(summary)})
+        (sweep / str(num) / "job.json").write_text(json.dumps(records[-1]))
+    busy_note = ("speedup 1.50x [1.50, 1.50], τ 1.11 | n 3 | BUSY 3/3 (others used up to 1.5 cores) | 3/3 differ from AR: "
+                 "3 near-ties (max gap 0.5), 0 mismatches | speedup > τ on a busy machine: not to be trusted")
+    assert describe(FinishedJob("7_0"), records[0]) == ("done", f"done: {busy_note} ({tmp_path / 'run'})")
+    state, line = describe(FinishedJob("7_1"), records[1])
+    assert line.startswith("done: speedup 1.05x [1.05, 1.05], τ 1.11 | n 3 | quiet (others used at most 0.00 cores) | "
+                           "0/3 differ from AR (")
+    assert print_jobs(sweep) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert listing[1] == f"  #0 ok          method.num_draft=4  {busy_note}  {tmp_path / 'run'}"
+    # a job still running: how many of its finished questions were measured on a busy machine
+    folder = tmp_path / "running"
+    (folder / "answers").mkdir(parents=True)
+    for name, cores in (("pld", 0.0), ("ar", 1.5)):
+        rows = [answered(q, 10, 1.0, 10, other_cores=cores if q else 0.0) for q in range(3)]
+        (folder / "answers" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    running = {"job": 2, "job_id": "7_2", "status": "running", "method": "pld", "results": str(folder), "questions": 5}
+    assert describe(FinishedJob("7_2", "RUNNING"), running)[1] == "running: 3/5 questions, BUSY 2/3 (log: /logs/7_2.err)"
+
+
 def test_slurm_launcher_config_composes():
     from hydra import compose, initialize_config_dir
 
