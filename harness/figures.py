@@ -242,7 +242,7 @@ def figures(paths, out: Path, select: str | None = None) -> list[Path]:
     written = []
     for table in build_tables(find_runs(paths, select)):
         folder = out / table.slug
-        columns, cells = group_table(table.rows)
+        columns, cells = group_table(table)
         style = styles(table)
         written += speedup_by_dataset(table, columns, cells, style, folder)
         written += size_sweep(table, cells, style, folder)

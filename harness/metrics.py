@@ -348,8 +348,8 @@ def above_tau_reason(c: dict) -> str:
 
 
 def caveat_note(c: dict | None) -> str:
-    """One line of a speedup's caveats: `n 18 | BUSY 18/18 (others used up to 3.2 cores) | 14/18
-    differ from AR: 14 near-ties (max gap 0.875), 0 mismatches | speedup > τ on a busy machine:
+    """One line of a speedup's caveats: `n 18; BUSY 18/18 (others used up to 3.2 cores); 14/18
+    differ from AR: 14 near-ties (max gap 0.875), 0 mismatches; speedup > τ on a busy machine:
     not to be trusted`. Every status line, job list and table that prints a speedup prints it."""
     if not c:
         return "caveats not recorded"
@@ -368,19 +368,19 @@ def caveat_note(c: dict | None) -> str:
         parts.append("speedup > τ on a busy machine: not to be trusted" if c.get("busy") else "speedup > τ: check it")
     if c.get("interval_wide"):
         parts.append(f"wide interval: {', '.join(c['interval_reasons'])}")
-    return " | ".join(parts)
+    return "; ".join(parts)
 
 
 def speedup_status(speedup: float | None, interval: list | None, tau: float | None, c: dict | None) -> str:
-    """A sweep job's numbers in one line, its caveats included: `speedup 1.51x [1.22, 1.80], τ 1.11 |
-    n 18 | BUSY 18/18 …` (the sweep's status lines and `python -m harness.report --jobs`)."""
+    """A sweep job's numbers in one line, its caveats included: `speedup 1.51x [1.22, 1.80], τ 1.11;
+    n 18; BUSY 18/18 …` (the sweep's status lines and `python -m harness.report --jobs`)."""
     numbers = []
     if speedup is not None:
         low, high = interval or (None, None)
         numbers.append(f"speedup {speedup:.2f}x" + (f" [{low:.2f}, {high:.2f}]" if low is not None else ""))
     if tau is not None:
         numbers.append(f"τ {tau:.2f}")
-    return " | ".join([", ".join(numbers), caveat_note(c)] if numbers else [caveat_note(c)])
+    return "; ".join([", ".join(numbers), caveat_note(c)] if numbers else [caveat_note(c)])
 
 
 def describe_fidelity(fid: dict, lossless: bool = True, of: int | None = None) -> str:

@@ -384,8 +384,8 @@ def test_a_speedup_carries_its_caveats():
     assert lines[1].startswith(f"SPEEDUP {speedup:.2f}x over AR, 95% interval [{low:.2f}, {high:.2f}], n = 6 questions")
     assert lines[2].startswith(f"  the interval is wide ({low:.2f} to {high:.2f}x): 6 of 6 questions measured on a busy machine")
     assert lines[3].startswith("  a speedup above τ (1.11) on a busy machine is not to be trusted")
-    assert lines[4] == ("caveats: n 6 | BUSY 6/6 (others used up to 2.0 cores) | 6/6 differ from AR: 6 near-ties "
-                        "(max gap 0.5), 0 mismatches | speedup > τ on a busy machine: not to be trusted | wide interval: "
+    assert lines[4] == ("caveats: n 6; BUSY 6/6 (others used up to 2.0 cores); 6/6 differ from AR: 6 near-ties "
+                        "(max gap 0.5), 0 mismatches; speedup > τ on a busy machine: not to be trusted; wide interval: "
                         "6 of 6 questions measured on a busy machine, only 6 questions")
     table = {line.split()[0]: float(line.split()[-6]) for line in lines if line.startswith(("ar (baseline) ", "x" + " " * 15))}
     assert table["x"] / table["ar"] == pytest.approx(speedup, rel=1e-3)  # the table's tok/s give the headline
@@ -395,7 +395,7 @@ def test_a_speedup_carries_its_caveats():
     c = quiet["caveats"]
     assert c["busy"] == 0 and not c["above_tau"] and not c["interval_wide"] and c["fidelity"]["differing_questions"] == 0
     text = format_summary(quiet)
-    assert "caveats: n 6 | quiet (others used at most 0.01 cores) | 0/6 differ from AR\n" in text
+    assert "caveats: n 6; quiet (others used at most 0.01 cores); 0/6 differ from AR\n" in text
     assert "not to be trusted" not in text and "wide" not in text
 
 

@@ -108,6 +108,34 @@ def test_tables_equal_values_recomputed_from_records(results, tmp_path):
     assert "Per method" in (tmp_path / "report" / "report.md").read_text()
 
 
+def test_every_table_carries_its_caveats(tmp_path):
+    """Each metric's table (Markdown, CSV, LaTeX) and the breakdown say, per method, n, how many
+    questions were measured on a busy machine and how many outputs differ from AR's."""
+    root = tmp_path / "results"
+    base = root / "tiny" / "spec_bench" / "ar" / "x"
+    (base / "answers").mkdir(parents=True)
+    baseline = [dict(record(q, "qa", 100, 4.0, 100), machine={"other_cores": 1.5 if q < 3 else 0.0}) for q in range(6)]
+    (base / "answers" / "ar.jsonl").write_text("".join(json.dumps(r) + "\n" for r in baseline))
+    method = [dict(record(q, "qa", 100, 1.0, 20, diverge_at=50 if q == 0 else None), machine={"other_cores": 0.0})
+              for q in range(6)]  # τ 5, speedup 4: below τ
+    write_run(root, "pld", "r", method, base, {"num_draft": 4})
+    fast = [dict(record(q, "qa", 100, 1.0, 50), machine={"other_cores": 0.0}) for q in range(6)]  # τ 2, speedup 4
+    write_run(root, "pld", "s", fast, base, {"num_draft": 8})
+    report(root, tmp_path / "report")
+    folder = tmp_path / "report" / "tiny-spec-bench-n6-128tok-greedy-float32-cpu-a"
+    note = "n 6; BUSY 3/6 (others used up to 1.5 cores); 1/6 differ from AR: 0 near-ties, 0 mismatches, 1 unclassified (no logit margins recorded)"
+    for metric in ("speedup", "tau", "acceptance", "ttft"):
+        markdown = (folder / f"{metric}.md").read_text().splitlines()
+        assert markdown[2].endswith("| Overall (n=6) | caveats (Overall) |") and markdown[4].endswith(f"| {note} |")
+        row = next(csv.DictReader(open(folder / f"{metric}.csv")))
+        assert (row["busy"], row["differ_from_ar"], row["above_tau"], row["caveats"]) == ("3", "1", "False", note)
+        assert "BUSY 3/6" in (folder / f"{metric}.tex").read_text()
+    first, second = (folder / "breakdown.md").read_text().splitlines()[-2:]
+    assert "| 3/6 (others up to 1.5 cores) |" in first and "above τ" not in first
+    assert "| 4.00× [4.00, 4.00] **above τ, busy: not to be trusted** |" in second
+    assert "speedup > τ on a busy machine: not to be trusted" in (folder / "speedup.md").read_text().splitlines()[5]
+
+
 def test_runs_with_other_settings_never_share_a_table_and_the_newest_answer_wins(results, tmp_path):
     base = next((results / "tiny" / "spec_bench" / "ar").iterdir())
     # an 8-token run of the same variant on the same questions: another table, never merged
@@ -238,11 +266,11 @@ def test_a_sweeps_status_lines_and_job_list_carry_the_caveats(tmp_path, capsys):
         records.append({"job": num, "job_id": f"7_{num}", "overrides": [f"method.num_draft={num + 4}"], "method": "pld",
                         **job_result(summary)})
         (sweep / str(num) / "job.json").write_text(json.dumps(records[-1]))
-    busy_note = ("speedup 1.50x [1.50, 1.50], τ 1.11 | n 3 | BUSY 3/3 (others used up to 1.5 cores) | 3/3 differ from AR: "
-                 "3 near-ties (max gap 0.5), 0 mismatches | speedup > τ on a busy machine: not to be trusted")
+    busy_note = ("speedup 1.50x [1.50, 1.50], τ 1.11; n 3; BUSY 3/3 (others used up to 1.5 cores); 3/3 differ from AR: "
+                 "3 near-ties (max gap 0.5), 0 mismatches; speedup > τ on a busy machine: not to be trusted")
     assert describe(FinishedJob("7_0"), records[0]) == ("done", f"done: {busy_note} ({tmp_path / 'run'})")
     state, line = describe(FinishedJob("7_1"), records[1])
-    assert line.startswith("done: speedup 1.05x [1.05, 1.05], τ 1.11 | n 3 | quiet (others used at most 0.00 cores) | "
+    assert line.startswith("done: speedup 1.05x [1.05, 1.05], τ 1.11; n 3; quiet (others used at most 0.00 cores); "
                            "0/3 differ from AR (")
     assert print_jobs(sweep) == 0
     listing = capsys.readouterr().out.splitlines()
