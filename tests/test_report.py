@@ -108,20 +108,29 @@ def test_tables_equal_values_recomputed_from_records(results, tmp_path):
     assert "Per method" in (tmp_path / "report" / "report.md").read_text()
 
 
-def test_every_table_carries_its_caveats(tmp_path):
-    """Each metric's table (Markdown, CSV, LaTeX) and the breakdown say, per method, n, how many
-    questions were measured on a busy machine and how many outputs differ from AR's."""
-    root = tmp_path / "results"
+@pytest.fixture
+def busy_results(tmp_path):
+    """Six questions whose AR answers 0-2 were measured beside other work (1.5 cores): pld with
+    num_draft=4 (τ 5, speedup 4, one output differs) and num_draft=8 (τ 2, speedup 4: above τ)."""
+    root = tmp_path / "busy"
     base = root / "tiny" / "spec_bench" / "ar" / "x"
     (base / "answers").mkdir(parents=True)
-    baseline = [dict(record(q, "qa", 100, 4.0, 100), machine={"other_cores": 1.5 if q < 3 else 0.0}) for q in range(6)]
+    baseline = [dict(record(q, "qa", 100, 4.0, 100, prompt_len=20 * (q + 1), ttft=0.01 * (q + 1)),
+                     machine={"other_cores": 1.5 if q < 3 else 0.0}) for q in range(6)]
     (base / "answers" / "ar.jsonl").write_text("".join(json.dumps(r) + "\n" for r in baseline))
-    method = [dict(record(q, "qa", 100, 1.0, 20, diverge_at=50 if q == 0 else None), machine={"other_cores": 0.0})
-              for q in range(6)]  # τ 5, speedup 4: below τ
+    method = [dict(record(q, "qa", 100, 1.0, 20, [12, 6], [20, 12], diverge_at=50 if q == 0 else None,
+                          prompt_len=20 * (q + 1)), machine={"other_cores": 0.0}) for q in range(6)]
     write_run(root, "pld", "r", method, base, {"num_draft": 4})
-    fast = [dict(record(q, "qa", 100, 1.0, 50), machine={"other_cores": 0.0}) for q in range(6)]  # τ 2, speedup 4
+    fast = [dict(record(q, "qa", 100, 1.0, 50, [8], [10], prompt_len=20 * (q + 1)), machine={"other_cores": 0.0})
+            for q in range(6)]
     write_run(root, "pld", "s", fast, base, {"num_draft": 8})
-    report(root, tmp_path / "report")
+    return root
+
+
+def test_every_table_carries_its_caveats(busy_results, tmp_path):
+    """Each metric's table (Markdown, CSV, LaTeX) and the breakdown say, per method, n, how many
+    questions were measured on a busy machine and how many outputs differ from AR's."""
+    report(busy_results, tmp_path / "report")
     folder = tmp_path / "report" / "tiny-spec-bench-n6-128tok-greedy-float32-cpu-a"
     note = "n 6; BUSY 3/6 (others used up to 1.5 cores); 1/6 differ from AR: 0 near-ties, 0 mismatches, 1 unclassified (no logit margins recorded)"
     for metric in ("speedup", "tau", "acceptance", "ttft"):
@@ -170,7 +179,7 @@ def test_make_report_leaves_the_reference_run_alone(results, tmp_path, monkeypat
     assert after == before
     user_report = (tmp_path / "results" / "report" / "all" / "report.md").read_text()
     assert "sps (gamma=4)" in user_report and "eagle" not in user_report
-    assert (tmp_path / "plots" / "all" / "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a" / "size_sweep.png").is_file()
+    assert (tmp_path / "plots" / "all" / "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a" / "speedup_vs_tau.png").is_file()
 
 
 def test_a_users_report_and_figures_stay_out_of_git():
@@ -184,21 +193,73 @@ def test_a_users_report_and_figures_stay_out_of_git():
     assert done.stdout.split() == user
 
 
-def test_figures_are_written(results, tmp_path):
+def test_figures_are_written_and_none_without_data(results, tmp_path):
+    """Every table gets its figures, but no size sweep where no method was measured at two sizes
+    (sps gamma=2 answered other questions: another table), and a stale one is removed."""
+    stale = tmp_path / "plots" / "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a" / "size_sweep.png"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"an earlier run set's")
     written = figures(results, tmp_path / "plots")
     names = {p.name for p in written}
-    for figure in ("speedup_by_dataset", "size_sweep", "acceptance_by_position", "ttft_vs_prompt_length", "speedup_vs_tau"):
+    for figure in ("speedup_by_dataset", "acceptance_by_position", "ttft_vs_prompt_length", "speedup_vs_tau"):
         assert {f"{figure}.png", f"{figure}.pdf"} <= names
+    assert "size_sweep.png" not in names and not stale.exists()
     assert all(p.stat().st_size > 1000 for p in written)
 
 
-def test_size_sweep_skips_sizes_that_are_not_numbers(results, tmp_path):
-    """An EAGLE-2 run sized `adaptive` beside one with total_tokens=60 must not break the figures."""
+def test_size_sweep_of_a_method_at_two_sizes_skips_sizes_that_are_not_numbers(results, tmp_path):
+    """EAGLE-2 at total_tokens 30 and 60 is a sweep; its run sized `adaptive` has no point on the axis."""
     base = next((results / "tiny" / "spec_bench" / "ar").iterdir())
-    for run, total in (("a", "adaptive"), ("b", 60)):
+    for run, total in (("a", "adaptive"), ("b", 60), ("c", 30)):
         write_run(results, "eagle2", run, [record(1, "writing", 100, 2.0, 50, [30], [50])], base, {"total_tokens": total})
-    names = {p.name for p in figures(results, tmp_path / "plots")}
-    assert "size_sweep.png" in names
+    drawn = capture_figures(results, tmp_path)
+    [line] = drawn["size_sweep"].axes[0].lines
+    assert list(line.get_xdata()) == [30, 60]
+
+
+def capture_figures(runs, tmp_path) -> dict:
+    """name -> the matplotlib figure of each figure written (the last table's, by name)."""
+    from harness import figures as module
+
+    drawn, save = {}, module._save
+    def keep(fig, out, name):
+        drawn[name] = fig
+        return save(fig, out, name)
+    original, module._save = module._save, keep
+    try:
+        figures(runs, tmp_path / "plots")
+    finally:
+        module._save = original
+    return drawn
+
+
+def test_figures_show_intervals_counts_points_and_busy_marks(busy_results, tmp_path):
+    """What a reviewer asks of each figure: acceptance per position with Wilson intervals over the
+    times each position was tested; TTFT as points, one series per method and one for AR; speedup
+    against τ with its interval and a ring on methods measured beside other work."""
+    from harness.figures import wilson_interval
+
+    assert wilson_interval(8, 10) == (pytest.approx(0.4902, abs=1e-4), pytest.approx(0.9433, abs=1e-4))  # Wilson 1927
+    drawn = capture_figures(busy_results, tmp_path)
+    assert "size_sweep" not in drawn
+    rates, counts = drawn["acceptance_by_position"].axes[:2]
+    first = rates.containers[0]  # pld num_draft=4: 72/120 at position 1, 36/72 at 2
+    assert [round(y, 3) for y in first.lines[0].get_ydata()] == [0.6, 0.5]
+    bars = first.lines[2][0].get_segments()
+    assert [(round(s[0][1], 4), round(s[1][1], 4)) for s in bars] == [
+        tuple(round(v, 4) for v in wilson_interval(72, 120)), tuple(round(v, 4) for v in wilson_interval(36, 72))]
+    assert [list(line.get_ydata()) for line in counts.lines] == [[120, 72], [60]]
+    ttft = drawn["ttft_vs_prompt_length"].axes[0]
+    assert not [line for line in ttft.lines if len(line.get_xdata()) > 1]  # no line joins unrelated questions
+    series = {c.get_label(): len(c.get_offsets()) for c in ttft.collections}
+    # the AR answers both runs were paired with, once each
+    assert series == {"AR baselines (full prefill)": 6, "pld (num_draft=4)": 6, "pld (num_draft=8)": 6}
+    tau = drawn["speedup_vs_tau"].axes[0]
+    assert len(tau.containers) == 2 and all(c.has_yerr for c in tau.containers)
+    [ring] = [c for c in tau.collections if c.get_label() == "measured partly on a busy machine"]
+    assert sorted(map(tuple, ring.get_offsets().tolist())) == [(2.0, 4.0), (5.0, 4.0)]
+    [busy] = [c for c in drawn["speedup_by_dataset"].axes[0].collections if c.get_label().startswith("measured partly")]
+    assert len(busy.get_offsets()) == 4  # both methods, in the qa column and overall
 
 
 def test_sweep_through_submitit_local_reports_results_and_failures(tmp_path, tiny_chat_model_dir):
