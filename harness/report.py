@@ -343,8 +343,8 @@ def breakdown_rows(rows: dict[str, Row], settings: dict | None = None) -> list[d
         out.append({
             "method": label, "questions": len(records), "speedup": speed["specbench"],
             "ci_low": speed["specbench_ci95"][0], "ci_high": speed["specbench_ci95"][1], "tau": stats["tau"],
-            "tokens_per_second": stats["mean_question_tokens_per_second"],  # Spec-Bench's: their ratio is the speedup
-            "ar_tokens_per_second": base_stats["mean_question_tokens_per_second"],
+            "tokens_per_second": stats["tokens_per_second"],
+            "ar_tokens_per_second": base_stats["tokens_per_second"],
             **{f"step_{k}": (explained or {}).get(k) for k in ("verify", "draft", "other")},
             "predicted": (explained or {}).get("predicted_decode_speedup"),
             "lossless": lossless, "differ_from_ar": fid["differing_questions"],
@@ -378,9 +378,10 @@ def write_breakdown(table: Table, folder: Path) -> list[Path]:
           "decoding step adds after the prefill's / their sum (decoding only; the measured speedup also pays the "
           "prefill). Differ from AR: near-tie = both top-2 logit gaps at the first differing token within the "
           "dtype's rounding, mismatch = beyond it (docs/benchmarks.md, fidelity). Busy: questions measured beside "
-          "other work (docs/benchmarks.md, reading the busy flag). tok/s: mean per question (Spec-Bench's form: the "
-          "speedup is their ratio). Above τ: a decoding step costs at least one AR step, so a speedup above τ comes "
-          "from a slower AR measurement or a cheaper prefill.", "",
+          "other work (docs/benchmarks.md, reading the busy flag). tok/s: all tokens / all wall time (the speedup, "
+          "Spec-Bench's, divides the mean per-question tokens/s: one slow question moves the two apart). Above τ: a "
+          "decoding step costs at least one AR step, so a speedup above τ comes from a slower AR measurement or a "
+          "cheaper prefill.", "",
           "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in lines:
         differ = f"{r['differ_from_ar']}/{r['questions']}"
