@@ -111,9 +111,12 @@ def acceptance_points(cell: dict) -> list[tuple[int, float, float, float, int]]:
 
 
 def _plain_log_axis(axis) -> None:
-    """A log axis labelled with plain numbers at 1, 2 and 5 of each decade only (every minor tick's
-    label overlaps its neighbours')."""
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    """A log axis labelled with plain numbers at 1, 2 and 5 of each decade, or at each decade only
+    when the data span more than 2.5 decades (every minor tick's label overlaps its neighbours').
+    Called once the data are drawn."""
+    low, high = axis.get_data_interval()
+    subs = (1.0, 2.0, 5.0) if high <= low * 10 ** 2.5 else (1.0,)
+    axis.set_major_locator(LogLocator(base=10, subs=subs, numticks=30))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
 
