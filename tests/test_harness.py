@@ -569,3 +569,23 @@ def test_live_token_count_follows_the_decoding_steps(monkeypatch):
     quiet.start("ar", 20)
     AutoregressiveDecoder(ModelRunner(tiny_model("llama", seed=3))).generate([1, 2, 3], StopCondition(20, progress=quiet))
     assert quiet.bar.lines == []
+
+
+def test_progress_in_a_log_is_periodic_lines():
+    """Without a terminal (a sweep job's log), progress is a line per `every` seconds, with the
+    live count of a long question, and one after the last question: not one growing tqdm line."""
+    from harness.run import LogProgress, progress
+
+    now, lines = [0.0], []
+    bar = LogProgress(list(range(5)), "sps on spec_bench", every=25.0, emit=lines.append, clock=lambda: now[0])
+    for question in bar:
+        if question == 0:  # a long first question: 40 s, its live count reported at 30 s
+            now[0] += 30.0
+            bar.set_postfix_str("ar: 40/96 tokens, 8.0 tok/s")
+            now[0] += 10.0
+        else:
+            now[0] += 10.0
+    assert lines == ["sps on spec_bench: 0/5 questions, 0.5 min; now ar: 40/96 tokens, 8.0 tok/s",
+                     "sps on spec_bench: 3/5 questions, 1.0 min", "sps on spec_bench: 5/5 questions, 1.3 min"]
+    assert isinstance(progress([1], "x"), LogProgress)  # pytest captures stderr: not a terminal
+
