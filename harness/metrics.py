@@ -304,6 +304,7 @@ def summarize(method: str, records: list[dict], baseline: list[dict] | None, met
     return summary
 
 
+MIN_INTERVAL_N = 5  # below this many questions a speedup is printed without its interval (a bootstrap of 1-4)
 WIDE_INTERVAL = 0.25  # a 95% interval wider than this share of its speedup is called wide
 FEW_QUESTIONS = 20  # fewer questions than this: too few for a narrow interval (Spec-Bench has 480)
 FIDELITY_KEYS = ("differing_questions", "classified", "near_ties", "mismatches", "unclassified", "max_near_tie_gap")
@@ -317,12 +318,14 @@ def caveats(speed: dict | None, tau: float | None, fid: dict | None, busy: dict,
     (near-ties, mismatches); whether the speedup exceeds τ (a decoding step costs at least one AR
     step, so only a slower AR measurement or a cheaper prefill gives more); whether its 95%
     interval is wide (wider than WIDE_INTERVAL of the speedup) and why: busy questions, few
-    questions, or (on a quiet machine) how far the per-question speedups spread."""
+    questions, or (on a quiet machine) how far the per-question speedups spread; below
+    MIN_INTERVAL_N questions there is no interval to speak of."""
     n = speed["questions"] if speed else (questions or 0)
     value = (speed or {}).get("specbench")
     low, high = (speed or {}).get("specbench_ci95") or (None, None)
     busy_count = len(busy["questions"]) if busy.get("recorded") else None
-    wide = bool(value and low is not None and high is not None and high - low > WIDE_INTERVAL * value)
+    few = value is not None and n < MIN_INTERVAL_N
+    wide = bool(value and not few and low is not None and high is not None and high - low > WIDE_INTERVAL * value)
     reasons = []
     if wide:
         if busy_count:
@@ -335,7 +338,7 @@ def caveats(speed: dict | None, tau: float | None, fid: dict | None, busy: dict,
     return {"questions": n, "busy": busy_count, "max_other_cores": busy.get("max_other_cores"),
             "fidelity": {**{k: fid.get(k) for k in FIDELITY_KEYS}, "lossless": lossless} if fid else None,
             "tau": tau, "above_tau": bool(value and tau and value > tau),
-            "interval_wide": wide, "interval_reasons": reasons}
+            "too_few_for_interval": few, "interval_wide": wide, "interval_reasons": reasons}
 
 
 def above_tau_reason(c: dict) -> str:
@@ -368,6 +371,8 @@ def caveat_note(c: dict | None) -> str:
         parts.append("speedup > τ on a busy machine: not to be trusted" if c.get("busy") else "speedup > τ: check it")
     if c.get("interval_wide"):
         parts.append(f"wide interval: {', '.join(c['interval_reasons'])}")
+    if c.get("too_few_for_interval"):
+        parts.append(f"no interval from fewer than {MIN_INTERVAL_N} questions")
     return "; ".join(parts)
 
 
@@ -377,7 +382,8 @@ def speedup_status(speedup: float | None, interval: list | None, tau: float | No
     numbers = []
     if speedup is not None:
         low, high = interval or (None, None)
-        numbers.append(f"speedup {speedup:.2f}x" + (f" [{low:.2f}, {high:.2f}]" if low is not None else ""))
+        shown = low is not None and not (c or {}).get("too_few_for_interval")
+        numbers.append(f"speedup {speedup:.2f}x" + (f" [{low:.2f}, {high:.2f}]" if shown else ""))
     if tau is not None:
         numbers.append(f"τ {tau:.2f}")
     return "; ".join([", ".join(numbers), caveat_note(c)] if numbers else [caveat_note(c)])
@@ -429,7 +435,9 @@ def headline_lines(summary: dict) -> list[str]:
     if speedup and speedup.get("specbench") is not None:
         value, (low, high) = speedup["specbench"], speedup["specbench_ci95"]
         mine, base = summary["decoder"], summary["baseline"]
-        lines.append(f"SPEEDUP {value:.2f}x over AR, 95% interval [{low:.2f}, {high:.2f}], n = {c['questions']} questions "
+        interval = ("too few questions for an interval" if c.get("too_few_for_interval")
+                    else f"95% interval [{low:.2f}, {high:.2f}]")
+        lines.append(f"SPEEDUP {value:.2f}x over AR, {interval}, n = {c['questions']} questions "
                      f"(Spec-Bench form: mean tokens/s per question, {mine['mean_question_tokens_per_second']:.2f} vs "
                      f"AR's {base['mean_question_tokens_per_second']:.2f})")
         if c["interval_wide"]:

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import published
-from harness.metrics import (
-    busy_questions, caveat_note, caveats, decoder_stats, decomposition, describe_fidelity, fidelity, speedup_stats,
+from harness.metrics import (  # MIN_INTERVAL_N: below it, a cell shows no interval
+    MIN_INTERVAL_N, busy_questions, caveat_note, caveats, decoder_stats, decomposition, describe_fidelity, fidelity, speedup_stats,
     speedup_status)
 from harness.results import read_answers
 
@@ -42,7 +42,6 @@ SKIP_DIRS = {".multirun", "perf", "report"}
 REFERENCE = "reference"  # results/reference/: the committed run, read only when named
 OVERALL = "Overall"
 TABLES = ("speedup", "tau", "acceptance", "ttft")
-MIN_INTERVAL_N = 5  # below this many questions a cell shows no interval
 
 
 @dataclass

@@ -397,6 +397,11 @@ def test_a_speedup_carries_its_caveats():
     text = format_summary(quiet)
     assert "caveats: n 6; quiet (others used at most 0.01 cores); 0/6 differ from AR\n" in text
     assert "not to be trusted" not in text and "wide" not in text
+    # fewer than 5 questions: a bootstrap over them is no interval, and the printout says so
+    few = summarize("x", method[:3], baseline[:3], meta)
+    assert not few["caveats"]["interval_wide"] and few["caveats"]["too_few_for_interval"]
+    assert format_summary(few).splitlines()[1].startswith(
+        f"SPEEDUP {few['speedup']['specbench']:.2f}x over AR, too few questions for an interval, n = 3 questions")
 
 
 def test_bootstrap_interval_brackets_the_median():

@@ -327,12 +327,13 @@ def test_a_sweeps_status_lines_and_job_list_carry_the_caveats(tmp_path, capsys):
         records.append({"job": num, "job_id": f"7_{num}", "overrides": [f"method.num_draft={num + 4}"], "method": "pld",
                         **job_result(summary)})
         (sweep / str(num) / "job.json").write_text(json.dumps(records[-1]))
-    busy_note = ("speedup 1.50x [1.50, 1.50], τ 1.11; n 3; BUSY 3/3 (others used up to 1.5 cores); 3/3 differ from AR: "
-                 "3 near-ties (max gap 0.5), 0 mismatches; speedup > τ on a busy machine: not to be trusted")
+    busy_note = ("speedup 1.50x, τ 1.11; n 3; BUSY 3/3 (others used up to 1.5 cores); 3/3 differ from AR: "
+                 "3 near-ties (max gap 0.5), 0 mismatches; speedup > τ on a busy machine: not to be trusted; "
+                 "no interval from fewer than 5 questions")
     assert describe(FinishedJob("7_0"), records[0]) == ("done", f"done: {busy_note} ({tmp_path / 'run'})")
     state, line = describe(FinishedJob("7_1"), records[1])
-    assert line.startswith("done: speedup 1.05x [1.05, 1.05], τ 1.11; n 3; quiet (others used at most 0.00 cores); "
-                           "0/3 differ from AR (")
+    assert line.startswith("done: speedup 1.05x, τ 1.11; n 3; quiet (others used at most 0.00 cores); "
+                           "0/3 differ from AR; no interval from fewer than 5 questions (")
     assert print_jobs(sweep) == 0
     listing = capsys.readouterr().out.splitlines()
     assert listing[1] == f"  #0 ok          method.num_draft=4  {busy_note}  {tmp_path / 'run'}"
