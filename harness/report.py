@@ -34,8 +34,8 @@ from pathlib import Path
 
 from harness import published
 from harness.metrics import (  # MIN_INTERVAL_N: below it, a cell shows no interval
-    MIN_INTERVAL_N, busy_questions, caveat_note, caveats, decoder_stats, decomposition, describe_fidelity, fidelity, speedup_stats,
-    speedup_status)
+    MIN_INTERVAL_N, busy_questions, caveat_note, caveats, decoder_stats, decomposition, describe_fidelity, fidelity,
+    speedup_stats, speedup_status)
 from harness.results import read_answers
 
 SKIP_DIRS = {".multirun", "perf", "report"}
@@ -442,8 +442,8 @@ def job_status(sweep_dir: Path) -> list[dict]:
 
 
 def print_jobs(sweep_dir: Path) -> int:
-    """One line per job: ok (speedup, τ, their caveats: `harness.metrics.speedup_status`; results folder), failed or interrupted (the error), or
-    running: started but no end recorded (still running, or killed from outside: cancelled, out of
+    """One line per job: ok (speedup, τ and their caveats, `harness.metrics.speedup_status`; results
+    folder), failed or interrupted (the error), or running: started but no end recorded (still running, or killed from outside: cancelled, out of
     memory, node lost; its log in the sweep's .submitit folder tells). With the SLURM job and node."""
     jobs = job_status(sweep_dir)
     counts = {status: sum(j["status"] == status for j in jobs) for status in ("ok", "running", "interrupted", "failed")}
