@@ -188,6 +188,13 @@ def fidelity(records: list[dict], baseline: list[dict], dtype: str | None = None
             "first_divergence": first_positions}
 
 
+def compare_outputs(records: list[dict], baseline: list[dict], settings: dict, lossless: bool) -> dict:
+    """`fidelity` of a report table's records (`settings`: its dtype and sampling name): divergences
+    classified for a lossless greedy variant."""
+    classify = lossless and settings.get("sampling", "greedy") == "greedy"
+    return fidelity(records, baseline, settings.get("dtype"), classify=classify)
+
+
 def classify_divergence(entry: dict, threshold: float | None) -> str:
     """near-tie | mismatch | unclassified, for one first divergence (see `fidelity`)."""
     if entry["token"] is None or entry["ar_token"] is None:

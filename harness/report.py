@@ -34,8 +34,8 @@ from pathlib import Path
 
 from harness import published
 from harness.metrics import (  # MIN_INTERVAL_N: below it, a cell shows no interval
-    MIN_INTERVAL_N, busy_questions, caveat_note, caveats, decoder_stats, decomposition, describe_fidelity, fidelity,
-    speedup_stats, speedup_status)
+    MIN_INTERVAL_N, busy_questions, caveat_note, caveats, compare_outputs, decoder_stats, decomposition,
+    describe_fidelity, speedup_stats, speedup_status)
 from harness.results import read_answers
 
 SKIP_DIRS = {".multirun", "perf", "report"}
@@ -205,12 +205,6 @@ def build_tables(runs: list[Run]) -> list[Table]:
 
 def slugify(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-
-
-def compare_outputs(records: list[dict], baseline: list[dict], settings: dict, lossless: bool) -> dict:
-    """`metrics.fidelity` of a table's records: divergences classified for a lossless greedy variant."""
-    classify = lossless and settings.get("sampling", "greedy") == "greedy"
-    return fidelity(records, baseline, settings.get("dtype"), classify=classify)
 
 
 def cell_metrics(records: list[dict], baseline: list[dict], settings: dict | None = None, lossless: bool = True) -> dict:
