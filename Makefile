@@ -44,7 +44,7 @@ SWEEP_DIR := results/.multirun/$(shell date +%Y%m%d-%H%M%S)
 sweep: setup
 	$(PY) -m harness.run -m $(SWEEP) limit=$(SWEEP_LIMIT) max_new_tokens=$(SWEEP_MAX_NEW_TOKENS) \
 		hydra/launcher=$(LAUNCHER) hydra.sweep.dir=$(SWEEP_DIR) $(ARGS); \
-	status=$$?; $(PY) -m harness.report --jobs $(SWEEP_DIR); exit $$status
+	status=$$?; if [ -d $(SWEEP_DIR) ]; then $(PY) -m harness.report --jobs $(SWEEP_DIR); fi; exit $$status
 
 # Tables (Markdown, CSV, LaTeX) and figures (PNG, PDF) of one run set: RUNS names results folders,
 # folders holding them or sweep folders (default: everything under results/ except the committed

@@ -6,14 +6,21 @@ The runs are chosen as `make report` chooses them (by default every run under `r
 the committed reference run) and fall into the same tables: one folder of figures per table
 (same settings, same questions) under `plots/<run set>/<table>/`:
   speedup_by_dataset      speedup per column (category / dataset) per method, 95% interval bars
-                          where a column has at least report.MIN_INTERVAL_N questions
+                          where a column has at least report.MIN_INTERVAL_N questions; a red x
+                          over a bar measured partly on a busy machine
   size_sweep              τ and speedup against draft length / tree size (gamma, k-config nodes,
-                          tree nodes, total_tokens, block size), one line per method
-  acceptance_by_position  acceptance rate per draft position, one line per method
-  ttft_vs_prompt_length   TTFT against prompt length for each method and its AR baseline (LazyLLM)
-  speedup_vs_tau          speedup against τ, with the ideal line speedup = τ
-Each method has one colour in every figure (its variants differ by marker and line style); titles
-name the model, hardware, dtype, dataset, n and max_new_tokens.
+                          tree nodes, total_tokens, block size), one line per method swept over
+                          at least two sizes; not written when no method was
+  acceptance_by_position  acceptance rate per draft position with Wilson 95% intervals, one line
+                          per method, over the number of times each position was tested
+  ttft_vs_prompt_length   TTFT against prompt length, one point per turn, one series per method
+                          and one for the AR baselines (LazyLLM)
+  speedup_vs_tau          speedup (95% interval) against τ, with the ideal line speedup = τ; a red
+                          ring marks a method measured partly on a busy machine
+A figure with nothing to show is not written (and an older one of that name is removed). Each
+method has one colour in every figure (its variants differ by marker and line style); legends
+name a method by its name, with the settings that tell its variants apart (the report's tables
+name every setting); titles name the model, hardware, dtype, dataset, n and max_new_tokens.
 """
 
 from __future__ import annotations
@@ -28,19 +35,23 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
+from scipy.stats import binomtest  # noqa: E402
 
 from harness.report import (  # noqa: E402
-    MIN_INTERVAL_N, OVERALL, Table, build_tables, column_counts, find_runs, group_table, run_set_name)
+    MIN_INTERVAL_N, OVERALL, Table, build_tables, column_counts, find_runs, group_table, method_label, run_set_name)
 
 plt.rcParams.update({"font.size": 8, "axes.titlesize": 8, "legend.fontsize": 6.5, "figure.dpi": 150,
                      "axes.spines.top": False, "axes.spines.right": False})
 COLUMN_WIDTH = 3.4  # inches: one column of a two-column paper
-# One colour per method, the same in every figure and every run set (Tableau 10, then Tableau 20's
-# light tones); a method not listed here gets one from its name's hash.
+# One colour per method, the same in every figure and every run set (Tableau 10, then black and
+# Tableau 20b's dark tones: a pale colour is hard to see as a line); a method not listed here gets
+# one of the dark tones from its name's hash.
 METHOD_ORDER = ("ar", "sps", "mcsd", "medusa", "hydra", "eagle", "eagle2", "eagle3", "jacobi", "lookahead",
                 "pld", "recycling", "lazyllm")
-PALETTE = [plt.get_cmap("tab10")(i) for i in range(10)] + [plt.get_cmap("tab20")(2 * i + 1) for i in range(10)]
+PALETTE = ([plt.get_cmap("tab10")(i) for i in range(10)] + ["black", plt.get_cmap("tab20b")(0), "#e6ab02"]
+           + [plt.get_cmap("tab20b")(4 * i) for i in (1, 3, 4)])
+BUSY_COLOUR = "red"
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 LINES = ("-", "--", ":", "-.")
 
@@ -61,6 +72,53 @@ def styles(table: Table) -> dict[str, dict]:
         out[label] = {"color": method_colour(row.method), "marker": MARKERS[k % len(MARKERS)],
                       "linestyle": LINES[k % len(LINES)], "hatch": [None, "//", "..", "xx"][k % 4]}
     return out
+
+
+def short_labels(table: Table) -> dict[str, str]:
+    """label -> the method's name, with only the settings that tell its variants in this table
+    apart (`sps (gamma=2)`), and `[lossy]`: full labels (every setting) do not fit a legend."""
+    variants = defaultdict(list)
+    for label, row in table.rows.items():
+        variants[row.method].append(label)
+    out = {}
+    for method, labels in variants.items():
+        configs = {label: table.rows[label].config for label in labels}
+        keys = {k for config in configs.values() for k in config}
+        differ = {k for k in keys if len({str(config.get(k)) for config in configs.values()}) > 1}
+        for label, config in configs.items():
+            out[label] = method_label(method, {k: v for k, v in config.items() if k in differ or k == "lossless"})
+    return out
+
+
+def busy_count(cell: dict | None) -> int:
+    """Questions of a table cell measured on a busy machine (0 where none or not recorded)."""
+    return ((cell or {}).get("caveats") or {}).get("busy") or 0
+
+
+def wilson_interval(accepted: int, tested: int) -> tuple[float, float]:
+    """Wilson's 95% interval of an acceptance rate (`scipy.stats.binomtest`)."""
+    interval = binomtest(accepted, tested).proportion_ci(0.95, method="wilson")
+    return float(interval.low), float(interval.high)
+
+
+def acceptance_points(cell: dict) -> list[tuple[int, float, float, float, int]]:
+    """(draft position, rate, Wilson low, Wilson high, times tested) of every tested position."""
+    points = []
+    for d, (hit, tested) in enumerate(zip(cell.get("position_accepted") or [], cell.get("position_tested") or []), 1):
+        if tested:
+            points.append((d, hit / tested, *wilson_interval(hit, tested), tested))
+    return points
+
+
+def _plain_log_axis(axis) -> None:
+    """A log axis labelled with plain numbers at 1, 2 and 5 of each decade, or at each decade only
+    when the data span more than 2.5 decades (every minor tick's label overlaps its neighbours').
+    Called once the data are drawn."""
+    low, high = axis.get_data_interval()
+    subs = (1.0, 2.0, 5.0) if high <= low * 10 ** 2.5 else (1.0,)
+    axis.set_major_locator(LogLocator(base=10, subs=subs, numticks=30))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def title_of(table: Table) -> str:
@@ -108,11 +166,20 @@ def _save(fig, out: Path, name: str) -> list[Path]:
     return paths
 
 
+def _nothing_to_show(out: Path, name: str) -> list[Path]:
+    """No figure without data: none is written, and one an earlier run set left is removed."""
+    for path in (out / f"{name}.png", out / f"{name}.pdf"):
+        path.unlink(missing_ok=True)
+    return []
+
+
 def speedup_by_dataset(table: Table, columns, cells, style, out) -> list[Path]:
     labels = list(cells)
+    names = short_labels(table)
     counts = column_counts(table)
     fig, ax = plt.subplots(layout="constrained", figsize=(COLUMN_WIDTH * 2, 2.4))
     width = 0.8 / max(1, len(labels))
+    busy = []  # (x, top) of bars measured partly on a busy machine
     for i, label in enumerate(labels):
         xs, ys, bars = [], [], []  # bars: (x, y, below, above) where the cell has enough questions
         for j, column in enumerate(columns):
@@ -121,91 +188,125 @@ def speedup_by_dataset(table: Table, columns, cells, style, out) -> list[Path]:
                 x = j + (i - (len(labels) - 1) / 2) * width
                 xs.append(x)
                 ys.append(cell["speedup"])
+                top = cell["speedup"]
                 if cell["questions"] >= MIN_INTERVAL_N:
                     low, high = cell["speedup_ci95"]
                     bars.append((x, cell["speedup"], max(0.0, cell["speedup"] - low), max(0.0, high - cell["speedup"])))
-        ax.bar(xs, ys, width, label=label, color=style[label]["color"], hatch=style[label]["hatch"],
+                    top = max(top, high)
+                if busy_count(cell):
+                    busy.append((x, top))
+        ax.bar(xs, ys, width, label=names[label], color=style[label]["color"], hatch=style[label]["hatch"],
                edgecolor="white", linewidth=0.3)
         if bars:
             ax.errorbar([b[0] for b in bars], [b[1] for b in bars], yerr=[[b[2] for b in bars], [b[3] for b in bars]],
                         fmt="none", ecolor="black", capsize=1.5, linewidth=0.6)
+    if busy:
+        ax.scatter([x for x, _ in busy], [1.04 * top for _, top in busy], marker="x", s=10, linewidth=0.8,
+                   color=BUSY_COLOUR, label="measured partly on a busy machine")
     ax.axhline(1.0, color="black", linewidth=0.6, linestyle="--")
     ax.set_xticks(range(len(columns)), [f"{c} (n={counts.get(c, 0)})" for c in columns], rotation=30, ha="right")
     ax.set_ylabel("speedup over AR (×)")
     ax.set_title(title_of(table) + f"; bars: 95% intervals where n >= {MIN_INTERVAL_N}")
-    _legend_below(ax, ncols=2)
+    _legend_below(ax, ncols=4)
     return _save(fig, out, "speedup_by_dataset")
 
 
 def size_sweep(table: Table, cells, style, out) -> list[Path]:
-    """Points of one method joined only within this table (one run set, one set of settings)."""
-    series = defaultdict(list)  # (method, parameter name) -> [(size, tau, speedup)]
+    """τ and speedup of each method measured at two sizes or more (points of one method joined only
+    within this table: one run set, one set of settings); not written when no method was."""
+    series = defaultdict(list)  # (method, parameter name) -> [(size, tau, speedup, low, high)]
     for label, row in table.rows.items():
         size = size_of(row.method, row.config)
         cell = cells[label].get(OVERALL)
         if size and cell and isinstance(size[1], (int, float)):  # `adaptive` / `auto` sizes have no point on the axis
-            series[(row.method, size[0])].append((size[1], cell["tau"], cell["speedup"]))
+            low, high = cell["speedup_ci95"] if cell["questions"] >= MIN_INTERVAL_N else (None, None)
+            series[(row.method, size[0])].append((size[1], cell["tau"], cell["speedup"], low, high))
+    series = {key: sorted(points) for key, points in series.items() if len({p[0] for p in points}) >= 2}
+    if not series:
+        return _nothing_to_show(out, "size_sweep")
     fig, (ax_tau, ax_speed) = plt.subplots(1, 2, layout="constrained", figsize=(COLUMN_WIDTH * 2, 2.2))
     sizes = set()
     for (method, parameter), points in sorted(series.items()):
-        points.sort()
         xs = [p[0] for p in points]
         sizes.update(xs)
-        for ax, index in ((ax_tau, 1), (ax_speed, 2)):
-            ax.plot(xs, [p[index] for p in points], marker="o", markersize=3, color=method_colour(method),
-                    label=f"{method}: {parameter}")
-    ax_tau.set_ylabel("τ (mean accepted tokens per decoding step)")
+        colour = method_colour(method)
+        ax_tau.plot(xs, [p[1] for p in points], marker="o", markersize=3, color=colour, label=f"{method}: {parameter}")
+        ax_speed.plot(xs, [p[2] for p in points], marker="o", markersize=3, color=colour)
+        bars = [p for p in points if p[3] is not None]
+        if bars:
+            ax_speed.errorbar([p[0] for p in bars], [p[2] for p in bars], fmt="none", ecolor=colour, capsize=1.5,
+                              linewidth=0.6, yerr=[[p[2] - p[3] for p in bars], [p[4] - p[2] for p in bars]])
+    ax_tau.set_ylabel("τ (tokens per step)")
     ax_speed.set_ylabel("speedup over AR (×)")
     ax_speed.axhline(1.0, color="black", linewidth=0.6, linestyle="--")
     for ax in (ax_tau, ax_speed):
         ax.set_xlabel("draft length / tree size")
-        if 0 < len(sizes) <= 12:
+        if len(sizes) <= 12:
             ax.set_xticks(sorted(sizes))
         else:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if series:
-        _legend_below(ax_tau, ncols=2)
-    else:
-        ax_tau.text(0.5, 0.5, "no method swept over a numeric size", transform=ax_tau.transAxes, ha="center")
-    fig.suptitle(title_of(table), fontsize=8)
+    _legend_below(ax_tau, ncols=2)
+    fig.suptitle(title_of(table) + f"; bars: 95% intervals where n >= {MIN_INTERVAL_N}", fontsize=8)
     return _save(fig, out, "size_sweep")
 
 
 def acceptance_by_position(table: Table, cells, style, out) -> list[Path]:
-    fig, ax = plt.subplots(layout="constrained", figsize=(COLUMN_WIDTH, 2.2))
-    for label, by_column in cells.items():
-        rates = (by_column.get(OVERALL) or {}).get("acceptance_per_position") or []
-        points = [(d, r) for d, r in enumerate(rates, start=1) if r is not None]
-        if points:
-            ax.plot([d for d, _ in points], [r for _, r in points], markersize=3, label=label,
-                    **{k: style[label][k] for k in ("color", "marker", "linestyle")})
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("draft position (depth)")
+    """Acceptance rate per draft position with Wilson 95% intervals (a deep position is tested
+    rarely: its interval says how little its rate rests on), over the times each was tested."""
+    names = short_labels(table)
+    series = {label: acceptance_points(by_column.get(OVERALL) or {}) for label, by_column in cells.items()}
+    series = {label: points for label, points in series.items() if points}
+    if not series:
+        return _nothing_to_show(out, "acceptance_by_position")
+    fig, (ax, ax_n) = plt.subplots(2, 1, sharex=True, layout="constrained", figsize=(COLUMN_WIDTH, 3.2),
+                                   gridspec_kw={"height_ratios": [2.2, 1]})
+    shift = 0.3 / max(1, len(series))  # methods side by side at each position, so their intervals stay apart
+    for i, (label, points) in enumerate(series.items()):
+        xs = [d + (i - (len(series) - 1) / 2) * shift for d, *_ in points]
+        rates = [p[1] for p in points]
+        look = {k: style[label][k] for k in ("color", "marker", "linestyle")}
+        ax.errorbar(xs, rates, yerr=[[r - p[2] for r, p in zip(rates, points)], [p[3] - r for r, p in zip(rates, points)]],
+                    markersize=3, linewidth=1.2, elinewidth=0.6, capsize=1.2, label=names[label], **look)
+        ax_n.plot(xs, [p[4] for p in points], markersize=2.5, linewidth=0.9, **look)
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.02)
-    ax.set_title(title_of(table))
-    _legend_below(ax)
+    ax.set_title(title_of(table) + "\nbars: Wilson 95% intervals")
+    ax_n.set_yscale("log")
+    _plain_log_axis(ax_n.yaxis)
+    ax_n.set_ylabel("times tested")
+    ax_n.set_xlabel("draft position (depth)")
+    ax_n.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _legend_below(ax, ncols=2)
     return _save(fig, out, "acceptance_by_position")
 
 
 def ttft_vs_prompt_length(table: Table, style, out) -> list[Path]:
-    fig, ax = plt.subplots(layout="constrained", figsize=(COLUMN_WIDTH, 2.2))
-    baseline_points = {}
-    for label, row in table.rows.items():
-        points = sorted(_turn_ttfts(row.records.values()))
-        ax.plot([p for p, _ in points], [1000 * t for _, t in points], marker=".", linewidth=0.8, label=label,
-                color=style[label]["color"], linestyle=style[label]["linestyle"])
-        baseline_points.update({p: t for p, t in _turn_ttfts(row.baseline.values())})
-    if baseline_points:
-        points = sorted(baseline_points.items())
-        ax.plot([p for p, _ in points], [1000 * t for _, t in points], marker=".", linewidth=0.8,
-                color=method_colour("ar"), label="AR (full prefill)")
+    """One point per turn (questions are unrelated: no line joins them), one series per method and
+    one for the AR baselines the methods were paired with."""
+    names = short_labels(table)
+    series = {names[label]: (style[label], _turn_ttfts(row.records.values())) for label, row in table.rows.items()}
+    measured = {}  # the AR answers of every row, each once (runs that share a baseline folder share its records)
+    for row in table.rows.values():
+        for record in row.baseline.values():
+            measured[(record["question_id"], *_turn_ttfts([record]))] = record
+    baseline = _turn_ttfts(measured.values())
+    if not baseline and not any(points for _, points in series.values()):
+        return _nothing_to_show(out, "ttft_vs_prompt_length")
+    fig, ax = plt.subplots(layout="constrained", figsize=(COLUMN_WIDTH, 2.4))
+    if baseline:
+        ax.scatter([p for p, _ in baseline], [1000 * t for _, t in baseline], s=14, marker="o", facecolors="none",
+                   edgecolors=method_colour("ar"), linewidths=0.5, label="AR baselines (full prefill)")
+    for name, (look, points) in series.items():
+        ax.scatter([p for p, _ in points], [1000 * t for _, t in points], s=6, marker=look["marker"], color=look["color"],
+                   alpha=0.8, linewidths=0, label=name)
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("TTFT (ms)")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    _plain_log_axis(ax.xaxis)
+    _plain_log_axis(ax.yaxis)
     ax.set_title(title_of(table))
-    _legend_below(ax)
+    _legend_below(ax, ncols=3)
     return _save(fig, out, "ttft_vs_prompt_length")
 
 
@@ -218,23 +319,36 @@ def _turn_ttfts(records) -> list[tuple[int, float]]:
 
 
 def speedup_vs_tau(table: Table, cells, style, out) -> list[Path]:
-    fig, ax = plt.subplots(layout="constrained", figsize=(COLUMN_WIDTH, 2.4))
-    highest = 1.0
-    for label, by_column in cells.items():
-        cell = by_column.get(OVERALL)
-        if cell and cell["speedup"] is not None:
-            ax.scatter([cell["tau"]], [cell["speedup"]], s=14, label=label, color=style[label]["color"],
-                       marker=style[label]["marker"])
-            highest = max(highest, cell["tau"], cell["speedup"])
-    line = [0, math.ceil(highest + 0.5)]
-    ax.plot(line, line, color="black", linewidth=0.6, linestyle="--", label="ideal: speedup = τ")
+    """Each method's speedup (95% interval where n >= MIN_INTERVAL_N) against its τ, under the
+    ideal line speedup = τ that no method can pass without a cheaper prefill or a slower AR timing;
+    a red ring marks a method measured partly on a busy machine."""
+    names = short_labels(table)
+    points = [(label, cell) for label, cell in ((label, by_column.get(OVERALL)) for label, by_column in cells.items())
+              if cell and cell["speedup"] is not None]
+    if not points:
+        return _nothing_to_show(out, "speedup_vs_tau")
+    fig, ax = plt.subplots(layout="constrained", figsize=(COLUMN_WIDTH, 2.6))
+    highest, lowest = 1.0, 1.0
+    for label, cell in points:
+        tau, speedup = cell["tau"], cell["speedup"]
+        low, high = cell["speedup_ci95"] if cell["questions"] >= MIN_INTERVAL_N else (speedup, speedup)
+        ax.errorbar([tau], [speedup], yerr=[[speedup - low], [high - speedup]], fmt=style[label]["marker"], markersize=4,
+                    color=style[label]["color"], elinewidth=0.7, capsize=1.5, label=names[label])
+        highest, lowest = max(highest, tau, high), min(lowest, low)
+    busy = [(cell["tau"], cell["speedup"]) for _, cell in points if busy_count(cell)]
+    if busy:
+        ax.scatter([t for t, _ in busy], [v for _, v in busy], s=70, facecolors="none", edgecolors=BUSY_COLOUR,
+                   linewidths=0.9, label="measured partly on a busy machine", zorder=3)
+    top = highest * 1.08
+    bottom = min(0.0, lowest) if lowest < 0.5 else 0.5 * math.floor(2 * lowest * 0.9)
+    ax.plot([0, top], [0, top], color="black", linewidth=0.6, linestyle="--", label="ideal: speedup = τ")
     ax.axhline(1.0, color="grey", linewidth=0.5)
     ax.set_xlabel("τ (mean accepted tokens per decoding step)")
     ax.set_ylabel("speedup over AR (×)")
-    ax.set_xlim(0, line[1])
-    ax.set_ylim(0, line[1])
-    ax.set_title(title_of(table))
-    _legend_below(ax)
+    ax.set_xlim(min(0.9, min(cell["tau"] for _, cell in points) - 0.1), top)
+    ax.set_ylim(bottom, top)
+    ax.set_title(title_of(table) + f"\nbars: 95% intervals where n >= {MIN_INTERVAL_N}")
+    _legend_below(ax, ncols=2)
     return _save(fig, out, "speedup_vs_tau")
 
 
@@ -242,7 +356,7 @@ def figures(paths, out: Path, select: str | None = None) -> list[Path]:
     written = []
     for table in build_tables(find_runs(paths, select)):
         folder = out / table.slug
-        columns, cells = group_table(table.rows)
+        columns, cells = group_table(table)
         style = styles(table)
         written += speedup_by_dataset(table, columns, cells, style, folder)
         written += size_sweep(table, cells, style, folder)

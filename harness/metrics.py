@@ -16,6 +16,9 @@
   step), the target's verify time, the drafter's time and the loop's other overhead, each in units
   of the same run's mean AR decoding step; τ / (verify + draft + other) is the decoding speedup
   they predict, shown beside the measured one (which also pays the prefill).
+* caveats (`caveats`, `caveat_note`): what limits the trust a speedup deserves (n, busy
+  questions, near-ties and mismatches, a speedup above τ, a wide interval and why), kept beside
+  every speedup and printed with it.
 """
 
 from __future__ import annotations
@@ -186,6 +189,13 @@ def fidelity(records: list[dict], baseline: list[dict], dtype: str | None = None
             "first_divergence": first_positions}
 
 
+def compare_outputs(records: list[dict], baseline: list[dict], settings: dict, lossless: bool) -> dict:
+    """`fidelity` of a report table's records (`settings`: its dtype and sampling name): divergences
+    classified for a lossless greedy variant."""
+    classify = lossless and settings.get("sampling", "greedy") == "greedy"
+    return fidelity(records, baseline, settings.get("dtype"), classify=classify)
+
+
 def classify_divergence(entry: dict, threshold: float | None) -> str:
     """near-tie | mismatch | unclassified, for one first divergence (see `fidelity`)."""
     if entry["token"] is None or entry["ar_token"] is None:
@@ -244,6 +254,7 @@ def speedup_stats(records: list[dict], baseline: list[dict], reps: int = 2000, s
         "median_ratio": statistics.median(ratios) if ratios else None,
         "median_ratio_ci95": [low, high],
         "by_category": {c: ratio_of_means(p) for c, p in sorted(by_category.items())},
+        "per_question_range": [min(ratios), max(ratios)] if ratios else [None, None],
         "questions": len(pairs),
     }
 
@@ -282,12 +293,15 @@ def summarize(method: str, records: list[dict], baseline: list[dict] | None, met
     summary = {**meta, "method": method, "questions": len(records), "decoder": decoder_stats(records),
                "busy": busy_questions(records, baseline), "shared_node": shared_node_questions(records, baseline)}
     if baseline is None:
+        summary["caveats"] = caveats(None, None, None, summary["busy"], questions=len(records))
         return summary
     summary["baseline"] = decoder_stats(baseline)
     summary["speedup"] = speedup_stats(records, baseline)
     greedy = not (meta.get("sampling") or {}).get("temperature")
     summary["fidelity"] = fidelity(records, baseline, meta.get("dtype"), classify=meta.get("lossless", True) and greedy)
     summary["explained"] = decomposition(summary["decoder"], summary["baseline"])
+    summary["caveats"] = caveats(summary["speedup"], summary["decoder"]["tau"], summary["fidelity"], summary["busy"],
+                                 meta.get("lossless", True))
     base_ttft, ttft = summary["baseline"]["mean_ttft"], summary["decoder"]["mean_ttft"]
     summary["ttft_speedup"] = base_ttft / ttft if ttft else None
     summary["ttft_speedup_by_category"] = {
@@ -298,17 +312,104 @@ def summarize(method: str, records: list[dict], baseline: list[dict] | None, met
     return summary
 
 
-def describe_fidelity(fid: dict, lossless: bool = True) -> str:
-    """'5 differ: 5 near-ties (max gap 0.25), 0 mismatches', or why the divergences are not classified."""
+MIN_INTERVAL_N = 5  # below this many questions a speedup is printed without its interval (a bootstrap of 1-4)
+WIDE_INTERVAL = 0.25  # a 95% interval wider than this share of its speedup is called wide
+FEW_QUESTIONS = 20  # fewer questions than this: too few for a narrow interval (Spec-Bench has 480)
+FIDELITY_KEYS = ("differing_questions", "classified", "near_ties", "mismatches", "unclassified", "max_near_tie_gap")
+
+
+def caveats(speed: dict | None, tau: float | None, fid: dict | None, busy: dict, lossless: bool = True,
+            questions: int | None = None) -> dict:
+    """What limits the trust a speedup deserves, computed beside every speedup (a run's summary, a
+    table's cell, a sweep's job) and printed with it (`caveat_note`): n; the questions measured
+    on a busy machine and the most cores other processes used; the outputs that differ from AR's
+    (near-ties, mismatches); whether the speedup exceeds τ (a decoding step costs at least one AR
+    step, so only a slower AR measurement or a cheaper prefill gives more); whether its 95%
+    interval is wide (wider than WIDE_INTERVAL of the speedup) and why: busy questions, few
+    questions, or (on a quiet machine) how far the per-question speedups spread; below
+    MIN_INTERVAL_N questions there is no interval to speak of."""
+    n = speed["questions"] if speed else (questions or 0)
+    value = (speed or {}).get("specbench")
+    low, high = (speed or {}).get("specbench_ci95") or (None, None)
+    busy_count = len(busy["questions"]) if busy.get("recorded") else None
+    few = value is not None and n < MIN_INTERVAL_N
+    wide = bool(value and not few and low is not None and high is not None and high - low > WIDE_INTERVAL * value)
+    reasons = []
+    if wide:
+        if busy_count:
+            reasons.append(f"{busy_count} of {n} questions measured on a busy machine")
+        if n < FEW_QUESTIONS:
+            reasons.append(f"only {n} question{'s' * (n != 1)}")
+        spread = speed.get("per_question_range") or [None, None]
+        if not busy_count and spread[0] is not None:
+            reasons.append(f"per-question speedups from {spread[0]:.2f} to {spread[1]:.2f}x")
+    return {"questions": n, "busy": busy_count, "max_other_cores": busy.get("max_other_cores"),
+            "fidelity": {**{k: fid.get(k) for k in FIDELITY_KEYS}, "lossless": lossless} if fid else None,
+            "tau": tau, "above_tau": bool(value and tau and value > tau),
+            "too_few_for_interval": few, "interval_wide": wide, "interval_reasons": reasons}
+
+
+def above_tau_reason(c: dict) -> str:
+    """Why a speedup above τ cannot be trusted as it stands."""
+    if c.get("busy"):
+        return (f"a speedup above τ ({c['tau']:.2f}) on a busy machine is not to be trusted: a decoding step costs at "
+                "least one AR step, so AR was timed during a slowdown; rerun on a quiet machine")
+    return (f"a speedup above τ ({c['tau']:.2f}): a decoding step costs at least one AR step, so only a cheaper "
+            "prefill or a slower AR measurement gives more; check both before quoting it")
+
+
+def caveat_note(c: dict | None) -> str:
+    """One line of a speedup's caveats: `n 18; BUSY 18/18 (others used up to 3.2 cores); 14/18
+    differ from AR: 14 near-ties (max gap 0.875), 0 mismatches; speedup > τ on a busy machine:
+    not to be trusted`. Every status line, job list and table that prints a speedup prints it."""
+    if not c:
+        return "caveats not recorded"
+    n = c["questions"]
+    parts = [f"n {n}"]
+    if c["busy"] is None:
+        parts.append("busy not recorded")
+    elif c["busy"]:
+        parts.append(f"BUSY {c['busy']}/{n} (others used up to {c['max_other_cores'] or 0:.1f} cores)")
+    else:
+        parts.append(f"quiet (others used at most {c['max_other_cores'] or 0:.2f} cores)")
+    fid = c.get("fidelity")
+    if fid:
+        parts.append(describe_fidelity(fid, fid.get("lossless", True), of=n).replace(" differ", " differ from AR", 1))
+    if c.get("above_tau"):
+        parts.append("speedup > τ on a busy machine: not to be trusted" if c.get("busy") else "speedup > τ: check it")
+    if c.get("interval_wide"):
+        parts.append(f"wide interval: {', '.join(c['interval_reasons'])}")
+    if c.get("too_few_for_interval"):
+        parts.append(f"no interval from fewer than {MIN_INTERVAL_N} questions")
+    return "; ".join(parts)
+
+
+def speedup_status(speedup: float | None, interval: list | None, tau: float | None, c: dict | None) -> str:
+    """A sweep job's numbers in one line, its caveats included: `speedup 1.51x [1.22, 1.80], τ 1.11;
+    n 18; BUSY 18/18 …` (the sweep's status lines and `python -m harness.report --jobs`)."""
+    numbers = []
+    if speedup is not None:
+        low, high = interval or (None, None)
+        shown = low is not None and not (c or {}).get("too_few_for_interval")
+        numbers.append(f"speedup {speedup:.2f}x" + (f" [{low:.2f}, {high:.2f}]" if shown else ""))
+    if tau is not None:
+        numbers.append(f"τ {tau:.2f}")
+    return "; ".join([", ".join(numbers), caveat_note(c)] if numbers else [caveat_note(c)])
+
+
+def describe_fidelity(fid: dict, lossless: bool = True, of: int | None = None) -> str:
+    """'5 differ: 5 near-ties (max gap 0.25), 0 mismatches' ('5/13 differ' with `of`), or why the
+    divergences are not classified."""
     differ = fid["differing_questions"]
+    count = f"{differ}/{of}" if of is not None else str(differ)
     if not differ:
-        return "0 differ"
+        return f"{count} differ"
     if not lossless:
-        return f"{differ} differ (lossy)"
+        return f"{count} differ (lossy)"
     if not fid.get("classified", False):
-        return f"{differ} differ (sampling: not compared token by token)"
+        return f"{count} differ (sampling: not compared token by token)"
     gap = fid.get("max_near_tie_gap")
-    text = f"{differ} differ: {fid['near_ties']} near-tie{'s' * (fid['near_ties'] != 1)}"
+    text = f"{count} differ: {fid['near_ties']} near-tie{'s' * (fid['near_ties'] != 1)}"
     text += f" (max gap {gap:.3g})" if gap is not None else ""
     text += f", {fid['mismatches']} mismatch{'es' * (fid['mismatches'] != 1)}"
     return text + (f", {fid['unclassified']} unclassified (no logit margins recorded)" if fid.get("unclassified") else "")
@@ -332,8 +433,46 @@ def fidelity_lines(summary: dict) -> list[str]:
     return lines
 
 
+def headline_lines(summary: dict) -> list[str]:
+    """The lines a run's printout leads with: one speedup (Spec-Bench's form) with its 95% interval
+    and n; in words, why the interval is wide and why a speedup above τ is suspect; every caveat
+    in one line (`caveat_note`); the busy questions by id."""
+    c = summary.get("caveats") or caveats(None, None, None, summary.get("busy") or {}, questions=summary["questions"])
+    speedup = summary.get("speedup")
+    lines = []
+    if speedup and speedup.get("specbench") is not None:
+        value, (low, high) = speedup["specbench"], speedup["specbench_ci95"]
+        mine, base = summary["decoder"], summary["baseline"]
+        interval = ("too few questions for an interval" if c.get("too_few_for_interval")
+                    else f"95% interval [{low:.2f}, {high:.2f}]")
+        lines.append(f"SPEEDUP {value:.2f}x over AR, {interval}, n = {c['questions']} questions "
+                     f"(Spec-Bench form: mean tokens/s per question, {mine['mean_question_tokens_per_second']:.2f} vs "
+                     f"AR's {base['mean_question_tokens_per_second']:.2f})")
+        if c["interval_wide"]:
+            lines.append(f"  the interval is wide ({low:.2f} to {high:.2f}x): {'; '.join(c['interval_reasons'])}; "
+                         "read the speedup as a rough estimate")
+        if c["above_tau"]:
+            lines.append(f"  {above_tau_reason(c)}")
+    lines.append(f"caveats: {caveat_note(c)}")
+    busy = summary.get("busy") or {}
+    if busy.get("questions"):
+        lines.append(f"BUSY MACHINE: {len(busy['questions'])} of {summary['questions']} questions were measured beside "
+                     f"other work ({busy['rule']}; up to {busy['max_other_cores']:.2f} cores used by others): "
+                     f"{', '.join(map(str, busy['questions'][:10]))}{' …' if len(busy['questions']) > 10 else ''}")
+    busy_profiles = [Path(f).name for f, p in ((summary.get("engine") or {}).get("profiles") or {}).items() if not p["quiet"]]
+    if busy_profiles:
+        lines.append(f"BUSY PROFILE: {', '.join(busy_profiles)} measured beside other work chose this run's kernels "
+                     "or sizes; the next run measures again")
+    shared = summary.get("shared_node") or {}
+    if shared.get("questions"):
+        lines.append(f"SHARED NODE: {len(shared['questions'])} of {summary['questions']} questions were measured while "
+                     f"up to {shared['max_other_jobs']} other SLURM job(s) ran on the node (hydra.launcher.exclusive=true avoids it)")
+    return lines
+
+
 def format_summary(summary: dict) -> str:
-    """The table printed at the end of a run."""
+    """The printout at the end of a run: the headline speedup and its caveats (`headline_lines`),
+    the decoders' table, then what explains the speedup and the rest of the numbers."""
     rows = []
     decoders = [("ar (baseline)", summary.get("baseline")), (summary["method"], summary["decoder"])]
     if summary.get("baseline") is None:
@@ -344,32 +483,31 @@ def format_summary(summary: dict) -> str:
     for name, stats in decoders:
         alpha = "-" if stats["acceptance_rate"] is None else f"{stats['acceptance_rate']:.2f}"
         rows.append(
-            f"{name:<16}{stats['tokens_per_second']:>8.2f}{stats['tau']:>7.2f}{alpha:>7}"
+            f"{name:<16}{stats['mean_question_tokens_per_second']:>8.2f}{stats['tau']:>7.2f}{alpha:>7}"
             f"{1000 * stats['mean_ttft']:>9.1f}{stats['new_tokens']:>8}{stats['wall_time']:>9.1f}"
         )
+    rows.append("tok/s: the mean over questions of tokens / wall time (Spec-Bench's form; the speedup is their ratio)")
     lossy = "" if summary.get("lossless", True) else " [LOSSY]"
     lines = [
         f"{summary['method']}{lossy} on {summary.get('model')} / {summary.get('dataset')} "
         f"({summary['questions']} questions, {summary.get('dtype')}, {summary.get('hardware')})",
+        *headline_lines(summary),
         *rows,
     ]
     speedup = summary.get("speedup")
     if speedup:
-        low, high = speedup["median_ratio_ci95"]
-        sb_low, sb_high = speedup["specbench_ci95"]
-        lines.append(
-            f"speedup: {speedup['specbench']:.3f}x [95% CI {sb_low:.3f}, {sb_high:.3f}] (Spec-Bench form); "
-            f"median per-question {speedup['median_ratio']:.3f}x [{low:.3f}, {high:.3f}]"
-        )
-        cats = ", ".join(f"{c} {v:.2f}x" for c, v in speedup["by_category"].items() if v is not None)
-        lines.append(f"by category: {cats}")
         explained = summary.get("explained")
         if explained:
             lines.append(
-                f"explained, per decoding step in AR steps ({1000 * explained['ar_step_seconds']:.1f} ms): "
+                f"why, per decoding step in AR steps ({1000 * explained['ar_step_seconds']:.1f} ms): "
                 f"tokens {explained['tau']:.2f} / (verify {explained['verify']:.2f} + draft {explained['draft']:.2f} + "
                 f"other {explained['other']:.2f}) = {explained['predicted_decode_speedup']:.2f}x predicted for decoding; "
                 f"measured {speedup['specbench']:.2f}x with the prefill ({100 * explained['prefill_fraction']:.0f}% of its time)")
+        low, high = speedup["median_ratio_ci95"]
+        lines.append(f"median per-question speedup: {speedup['median_ratio']:.2f}x [{low:.2f}, {high:.2f}] "
+                     "(less moved by one question timed during a slowdown)")
+        cats = ", ".join(f"{c} {v:.2f}x" for c, v in speedup["by_category"].items() if v is not None)
+        lines.append(f"by category: {cats}")
         lines += fidelity_lines(summary)
         lines.append(f"TTFT speedup over AR's prefill: {summary['ttft_speedup']:.2f}x ("
                      + ", ".join(f"{c} {v:.2f}x" for c, v in summary["ttft_speedup_by_category"].items()) + ")")
@@ -382,21 +520,6 @@ def format_summary(summary: dict) -> str:
             lines.append(f"prompt tokens computed per layer {label}: " + " ".join(f"{v:.2f}" for v in summary["decoder"][key]))
     if "mean_iterations_per_block" in summary["decoder"]:
         lines.append(f"Jacobi iterations per block: {summary['decoder']['mean_iterations_per_block']:.2f}")
-    busy = summary.get("busy") or {}
-    if busy.get("questions"):
-        lines.append(f"BUSY MACHINE: {len(busy['questions'])} of {summary['questions']} questions were measured beside "
-                     f"other work ({busy['rule']}; up to {busy['max_other_cores']:.2f} cores used by others): "
-                     f"{', '.join(map(str, busy['questions'][:10]))}{' …' if len(busy['questions']) > 10 else ''}")
-    elif busy.get("recorded"):
-        lines.append(f"machine quiet during every question (other processes used at most {busy['max_other_cores']:.2f} cores)")
-    busy_profiles = [Path(f).name for f, p in ((summary.get("engine") or {}).get("profiles") or {}).items() if not p["quiet"]]
-    if busy_profiles:
-        lines.append(f"BUSY PROFILE: {', '.join(busy_profiles)} measured beside other work chose this run's kernels "
-                     "or sizes; the next run measures again")
-    shared = summary.get("shared_node") or {}
-    if shared.get("questions"):
-        lines.append(f"SHARED NODE: {len(shared['questions'])} of {summary['questions']} questions were measured while "
-                     f"up to {shared['max_other_jobs']} other SLURM job(s) ran on the node (hydra.launcher.exclusive=true avoids it)")
     per_position = summary["decoder"]["acceptance_per_position"]
     if per_position:  # α with its counts: a deep position is tested rarely
         hits, tested = summary["decoder"]["position_accepted"], summary["decoder"]["position_tested"]

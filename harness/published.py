@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.metrics import decoder_stats, speedup_stats
+from harness.metrics import busy_questions, caveat_note, caveats, compare_outputs, decoder_stats, speedup_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLISHED = ROOT / "docs" / "published"
@@ -83,12 +83,16 @@ def comparisons(table, published: list[Published] | None = None) -> list[tuple[P
                 if not keys:
                     continue
                 records, baseline = [row.records[k] for k in keys], [row.baseline[k] for k in keys]
-                ours = {"speedup": speedup_stats(records, baseline, reps=200)["specbench"],
-                        "tau": decoder_stats(records)["tau"]}
+                speed, tau = speedup_stats(records, baseline, reps=200), decoder_stats(records)["tau"]
+                ours = {"speedup": speed["specbench"], "tau": tau}
+                lossless = row.config.get("lossless", True)
+                caveat = caveats(speed, tau, compare_outputs(records, baseline, table.settings, lossless),
+                                 busy_questions(records, baseline), lossless)
                 theirs = {m: numbers.get(m, {}).get(column) for m in ("speedup", "tau")}
                 lines.append({"method": label, "column": column, "questions": len(keys), **{
                     f"{kind}_{m}": value for m in ours for kind, value in (("ours", ours[m]), ("published", theirs[m]))},
-                    "speedup_ratio": ours["speedup"] / theirs["speedup"] if ours["speedup"] and theirs["speedup"] else None})
+                    "speedup_ratio": ours["speedup"] / theirs["speedup"] if ours["speedup"] and theirs["speedup"] else None,
+                    "caveats": caveat_note(caveat)})
         if lines:
             out.append((pub, lines))
     return out
@@ -104,9 +108,10 @@ def markdown(table, published: list[Published] | None = None) -> str:
     for pub, lines in comparisons(table, published):
         head = (f"**Published: {pub.title}** — {pub.source}; {pub.hardware}. Ours: {table.settings['hardware']}, "
                 f"{table.settings['dtype']}, n = {len(table.questions)}, max_new_tokens {table.settings['max_new_tokens']}.")
-        rows = ["| method | column | n | speedup | published | ours ÷ published | τ | published τ |", "|" + "---|" * 8]
+        rows = ["| method | column | n | speedup | published | ours ÷ published | τ | published τ | our caveats |",
+                "|" + "---|" * 9]
         rows += [f"| {r['method']} | {r['column']} | {r['questions']} | {_x(r['ours_speedup'], '×')} | "
                  f"{_x(r['published_speedup'], '×')} | {_x(r['speedup_ratio'])} | {_x(r['ours_tau'])} | "
-                 f"{_x(r['published_tau'])} |" for r in lines]
+                 f"{_x(r['published_tau'])} | {r['caveats']} |" for r in lines]
         sections.append("\n".join([head, "", *rows]))
     return "\n\n".join(sections)

@@ -15,7 +15,9 @@ sweep over categories makes them, are joined, the newest answer of a question wi
 variant whose questions differ from the others' gets a table of its own. Columns are Spec-Bench
 categories (or the dataset), each with its n, plus an overall column. Tables: speedup (95%
 bootstrap intervals where a cell has at least `MIN_INTERVAL_N` questions), τ, acceptance rate,
-TTFT; each as Markdown, CSV and LaTeX, with a caption naming every setting.
+TTFT; each as Markdown, CSV and LaTeX, with a caption naming every setting and, per method, a
+last column of caveats (`metrics.caveat_note`: n, busy questions, outputs that differ from AR's,
+a speedup above τ, a wide interval; in the CSV per cell, also as numbers).
 """
 
 from __future__ import annotations
@@ -31,14 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import published
-from harness.metrics import busy_questions, decoder_stats, decomposition, describe_fidelity, fidelity, speedup_stats
+from harness.metrics import (  # MIN_INTERVAL_N: below it, a cell shows no interval
+    MIN_INTERVAL_N, busy_questions, caveat_note, caveats, compare_outputs, decoder_stats, decomposition,
+    describe_fidelity, speedup_stats, speedup_status)
 from harness.results import read_answers
 
 SKIP_DIRS = {".multirun", "perf", "report"}
 REFERENCE = "reference"  # results/reference/: the committed run, read only when named
 OVERALL = "Overall"
 TABLES = ("speedup", "tau", "acceptance", "ttft")
-MIN_INTERVAL_N = 5  # below this many questions a cell shows no interval
 
 
 @dataclass
@@ -204,28 +207,33 @@ def slugify(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
-def cell_metrics(records: list[dict], baseline: list[dict]) -> dict:
+def cell_metrics(records: list[dict], baseline: list[dict], settings: dict | None = None, lossless: bool = True) -> dict:
     stats = decoder_stats(records)
     speed = speedup_stats(records, baseline)
+    fid = compare_outputs(records, baseline, settings or {}, lossless)
     return {
         "speedup": speed["specbench"], "speedup_ci95": speed["specbench_ci95"], "tau": stats["tau"],
         "acceptance": stats["acceptance_rate"], "ttft": stats["mean_ttft"], "questions": len(records),
-        "acceptance_per_position": stats["acceptance_per_position"],
+        "acceptance_per_position": stats["acceptance_per_position"], "position_tested": stats["position_tested"],
+        "position_accepted": stats["position_accepted"],
+        "caveats": caveats(speed, stats["tau"], fid, busy_questions(records, baseline), lossless),
     }
 
 
-def group_table(rows: dict[str, Row]) -> tuple[list[str], dict[str, dict[str, dict]]]:
+def group_table(table: Table) -> tuple[list[str], dict[str, dict[str, dict]]]:
     """Columns (sorted, then Overall) and label -> column -> metrics."""
+    rows = table.rows
     columns = sorted({c for row in rows.values() for c in row.columns.values()})
-    table = {}
+    cells_by_label = {}
     for label, row in sorted(rows.items()):
         cells = {}
         for column in columns + [OVERALL]:
             keys = [k for k, c in row.columns.items() if column in (c, OVERALL)]
             if keys:
-                cells[column] = cell_metrics([row.records[k] for k in keys], [row.baseline[k] for k in keys])
-        table[label] = cells
-    return columns + [OVERALL], table
+                cells[column] = cell_metrics([row.records[k] for k in keys], [row.baseline[k] for k in keys],
+                                             table.settings, row.config.get("lossless", True))
+        cells_by_label[label] = cells
+    return columns + [OVERALL], cells_by_label
 
 
 def format_value(metric: str, cell: dict | None, latex: bool = False) -> str:
@@ -243,6 +251,8 @@ def format_value(metric: str, cell: dict | None, latex: bool = False) -> str:
     return f"{value:.2f}"
 
 
+CAVEATS = "caveats (Overall)"  # the last column of every table: `metrics.caveat_note` of the row's Overall cell
+CAVEAT_FIELDS = ("busy", "differ_from_ar", "near_ties", "mismatches", "above_tau", "interval_wide", "caveats")
 TITLES = {"speedup": f"Speedup over AR (Spec-Bench form; bootstrap 95% interval where n >= {MIN_INTERVAL_N})",
           "tau": "τ (mean accepted tokens: new tokens per decoding step, as Spec-Bench counts them)",
           "acceptance": "Acceptance rate α (accepted / proposed draft tokens)", "ttft": "TTFT (ms, mean per turn)"}
@@ -255,32 +265,48 @@ def column_counts(table: Table) -> dict[str, int]:
     return {**counts, OVERALL: len(table.questions)}
 
 
+def caveat_fields(cell: dict) -> dict:
+    """A cell's caveats as CSV columns (CAVEAT_FIELDS)."""
+    c = cell["caveats"]
+    fid = c["fidelity"] or {}
+    return {"busy": c["busy"], "differ_from_ar": fid.get("differing_questions"),
+            "near_ties": fid.get("near_ties") if fid.get("classified") else None,
+            "mismatches": fid.get("mismatches") if fid.get("classified") else None,
+            "above_tau": c["above_tau"], "interval_wide": c["interval_wide"], "caveats": caveat_note(c)}
+
+
 def write_tables(table: Table, columns: list[str], cells_by_label: dict, out: Path) -> list[Path]:
+    """Each metric's table as Markdown, CSV and LaTeX; every row ends with its caveats (n, busy
+    questions, outputs that differ from AR's, a speedup above τ, a wide interval)."""
     folder = out / table.slug
     folder.mkdir(parents=True, exist_ok=True)
     caption = table.caption()
     counts = column_counts(table)
     written = []
     for metric in TABLES:
-        header = ["method", *(f"{c} (n={counts.get(c, 0)})" for c in columns)]
-        body = [[label, *(format_value(metric, cells.get(c)) for c in columns)] for label, cells in cells_by_label.items()]
+        header = ["method", *(f"{c} (n={counts.get(c, 0)})" for c in columns), CAVEATS]
+        notes = {label: caveat_note(cells[OVERALL]["caveats"]) for label, cells in cells_by_label.items()}
+        body = [[label, *(format_value(metric, cells.get(c)) for c in columns), notes[label]]
+                for label, cells in cells_by_label.items()]
         md = [f"**{TITLES[metric]}** — {caption}", "", "| " + " | ".join(header) + " |",
               "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in body]
         (folder / f"{metric}.md").write_text("\n".join(md) + "\n")
         with open(folder / f"{metric}.csv", "w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow([*SETTING_NAMES, "method", "column", metric, "ci_low", "ci_high", "questions"])
+            writer.writerow([*SETTING_NAMES, "method", "column", metric, "ci_low", "ci_high", "questions", *CAVEAT_FIELDS])
             for label, cells in cells_by_label.items():
                 for column in columns:
                     cell = cells.get(column)
                     if cell:
                         low, high = cell["speedup_ci95"] if metric == "speedup" else (None, None)
-                        writer.writerow([*table.settings.values(), label, column, cell[metric], low, high, cell["questions"]])
+                        writer.writerow([*table.settings.values(), label, column, cell[metric], low, high, cell["questions"],
+                                         *caveat_fields(cell).values()])
         esc = lambda text: str(text).replace("_", r"\_").replace("%", r"\%").replace("&", r"\&")  # noqa: E731
         tex = [r"\begin{table}[t]", r"\centering", r"\small",
-               r"\begin{tabular}{l" + "c" * len(columns) + "}", r"\toprule",
+               r"\begin{tabular}{l" + "c" * len(columns) + "p{5cm}}", r"\toprule",
                " & ".join(esc(h) for h in header) + r" \\", r"\midrule"]
-        tex += [" & ".join([esc(label), *(format_value(metric, cells.get(c), latex=True) for c in columns)]) + r" \\"
+        tex += [" & ".join([esc(label), *(format_value(metric, cells.get(c), latex=True) for c in columns),
+                            esc(notes[label])]) + r" \\"
                 for label, cells in cells_by_label.items()]
         tex += [r"\bottomrule", r"\end{tabular}", rf"\caption{{{esc(TITLES[metric])}. {esc(caption)}.}}", r"\end{table}"]
         (folder / f"{metric}.tex").write_text("\n".join(tex).replace("τ", r"$\tau$").replace("α", r"$\alpha$") + "\n")
@@ -300,12 +326,12 @@ def breakdown_rows(rows: dict[str, Row], settings: dict | None = None) -> list[d
         keys = list(row.records)
         records, baseline = [row.records[k] for k in keys], [row.baseline[k] for k in keys]
         lossless = row.config.get("lossless", True)
-        classify = lossless and settings.get("sampling", "greedy") == "greedy"
         stats, speed = decoder_stats(records), speedup_stats(records, baseline)
-        fid = fidelity(records, baseline, settings.get("dtype"), classify=classify)
+        fid = compare_outputs(records, baseline, settings, lossless)
         base_stats = decoder_stats(baseline)
         explained = decomposition(stats, base_stats)
         busy = busy_questions(records, baseline)
+        caveat = caveats(speed, stats["tau"], fid, busy, lossless)
         positions = sorted(d["position"] for d in fid["first_divergence"])
         out.append({
             "method": label, "questions": len(records), "speedup": speed["specbench"],
@@ -316,9 +342,11 @@ def breakdown_rows(rows: dict[str, Row], settings: dict | None = None) -> list[d
             "predicted": (explained or {}).get("predicted_decode_speedup"),
             "lossless": lossless, "differ_from_ar": fid["differing_questions"],
             "first_divergence_median": positions[len(positions) // 2] if positions else None,
-            "near_ties": fid["near_ties"] if classify else None, "mismatches": fid["mismatches"] if classify else None,
-            "max_near_tie_gap": fid["max_near_tie_gap"], "fidelity": describe_fidelity(fid, lossless),
-            "busy": len(busy["questions"]) if busy["recorded"] else None,
+            "near_ties": fid["near_ties"] if fid["classified"] else None,
+            "mismatches": fid["mismatches"] if fid["classified"] else None,
+            "max_near_tie_gap": fid["max_near_tie_gap"], "fidelity": describe_fidelity(fid, lossless, of=len(records)),
+            "busy": len(busy["questions"]) if busy["recorded"] else None, "max_other_cores": busy["max_other_cores"],
+            "above_tau": caveat["above_tau"], "interval_wide": caveat["interval_wide"], "caveats": caveat_note(caveat),
             **{phase: stats["time_fractions"].get(phase, 0.0) for phase in PHASES},
         })
     return out
@@ -331,9 +359,10 @@ def _per_step(row: dict) -> str:
 
 
 def write_breakdown(table: Table, folder: Path) -> list[Path]:
-    """`breakdown.md/csv`: one line per method with speedup, τ, tokens/s, how many questions'
-    outputs differ from AR's (near-ties and mismatches, and the median first differing token), how
-    many were measured on a busy machine, and the time fractions."""
+    """`breakdown.md/csv`: one line per method with speedup (flagged when above τ), τ, tokens/s, how
+    many questions' outputs differ from AR's (near-ties and mismatches, and the median first
+    differing token), how many were measured on a busy machine (and the most cores others used),
+    and the time fractions."""
     lines = breakdown_rows(table.rows, table.settings)
     header = ["method", "questions", "speedup", "τ", "verify / draft / other per step", "predicted", "tok/s (AR)",
               "differ from AR", "busy", *[f"{p} %" for p in PHASES]]
@@ -342,23 +371,26 @@ def write_breakdown(table: Table, folder: Path) -> list[Path]:
           "decoding step adds after the prefill's / their sum (decoding only; the measured speedup also pays the "
           "prefill). Differ from AR: near-tie = both top-2 logit gaps at the first differing token within the "
           "dtype's rounding, mismatch = beyond it (docs/benchmarks.md, fidelity). Busy: questions measured beside "
-          "other work (docs/benchmarks.md, reading the busy flag).", "",
+          "other work (docs/benchmarks.md, reading the busy flag). tok/s: all tokens / all wall time (the speedup, "
+          "Spec-Bench's, divides the mean per-question tokens/s: one slow question moves the two apart). Above τ: a "
+          "decoding step costs at least one AR step, so a speedup above τ comes from a slower AR measurement or a "
+          "cheaper prefill.", "",
           "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in lines:
         differ = f"{r['differ_from_ar']}/{r['questions']}"
-        if r["differ_from_ar"]:
-            total = f"/{r['questions']} differ"
-            differ = r["fidelity"].replace(" differ", total, 1)  # 5/13 differ: 5 near-ties (max gap 0.25), 0 mismatches
-            differ += f" (first at token {r['first_divergence_median']}, median)"
+        if r["differ_from_ar"]:  # 5/13 differ: 5 near-ties (max gap 0.25), 0 mismatches
+            differ = r["fidelity"] + f" (first at token {r['first_divergence_median']}, median)"
         if r["mismatches"]:
             differ = f"**{differ}**"
         interval = f" [{r['ci_low']:.2f}, {r['ci_high']:.2f}]" if r["questions"] >= MIN_INTERVAL_N else ""
+        interval += (" **above τ, busy: not to be trusted**" if r["busy"] else " (above τ)") if r["above_tau"] else ""
+        busy = "not recorded" if r["busy"] is None else f"{r['busy']}/{r['questions']}"
+        busy += f" (others up to {r['max_other_cores']:.1f} cores)" if r["busy"] else ""
         md.append("| " + " | ".join([
             r["method"], str(r["questions"]), f"{r['speedup']:.2f}×{interval}",
             f"{r['tau']:.2f}", _per_step(r), "–" if r["predicted"] is None else f"{r['predicted']:.2f}×",
             f"{r['tokens_per_second']:.1f} ({r['ar_tokens_per_second']:.1f})", differ,
-            "not recorded" if r["busy"] is None else f"{r['busy']}/{r['questions']}",
-            *[f"{100 * r[p]:.0f}" for p in PHASES]]) + " |")
+            busy, *[f"{100 * r[p]:.0f}" for p in PHASES]]) + " |")
     (folder / "breakdown.md").write_text("\n".join(md) + "\n")
     with open(folder / "breakdown.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[*SETTING_NAMES, *lines[0]])
@@ -374,7 +406,7 @@ def report(paths, out: Path, select: str | None = None) -> dict[str, tuple]:
     out.mkdir(parents=True, exist_ok=True)
     index, written = [], {}
     for table in tables:
-        columns, cells = group_table(table.rows)
+        columns, cells = group_table(table)
         written[table.slug] = (columns, cells)
         write_tables(table, columns, cells, out)
         write_breakdown(table, out / table.slug)
@@ -404,8 +436,8 @@ def job_status(sweep_dir: Path) -> list[dict]:
 
 
 def print_jobs(sweep_dir: Path) -> int:
-    """One line per job: ok (speedup, τ, results folder), failed or interrupted (the error), or
-    running: started but no end recorded (still running, or killed from outside: cancelled, out of
+    """One line per job: ok (speedup, τ and their caveats, `harness.metrics.speedup_status`; results
+    folder), failed or interrupted (the error), or running: started but no end recorded (still running, or killed from outside: cancelled, out of
     memory, node lost; its log in the sweep's .submitit folder tells). With the SLURM job and node."""
     jobs = job_status(sweep_dir)
     counts = {status: sum(j["status"] == status for j in jobs) for status in ("ok", "running", "interrupted", "failed")}
@@ -416,8 +448,8 @@ def print_jobs(sweep_dir: Path) -> int:
         array = f"{slurm.get('array_job_id')}_{slurm.get('task_id')}, " if slurm.get("array_job_id") else ""
         where = f"  [SLURM job {array}id {slurm['job_id']} on {slurm['node']}]" if slurm else ""
         if job["status"] == "ok":
-            speed = "-" if job.get("speedup") is None else f"{job['speedup']:.2f}x"
-            print(f"  #{job['job']} ok          {overrides}  speedup {speed}  τ {job['tau']:.2f}  {job['results']}{where}")
+            numbers = speedup_status(job.get("speedup"), job.get("speedup_ci95"), job.get("tau"), job.get("caveats"))
+            print(f"  #{job['job']} ok          {overrides}  {numbers}  {job['results']}{where}")
             if job.get("fidelity_failure"):
                 print(f"     {job['fidelity_failure']}")
         elif job["status"] == "running":

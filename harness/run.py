@@ -178,6 +178,40 @@ class LiveCount:
         self.bar.set_postfix_str(f"{self.label}: {tokens}/{self.limit} tokens, {tokens / (now - self.begin):.1f} tok/s")
 
 
+class LogProgress:
+    """The progress of a run whose stderr is not a terminal (a sweep job's log, `make bench > log`):
+    a line `sps on spec_bench: 3/13 questions, 2.1 min` after a question when `every` seconds have
+    passed since the last line (and after the last question), and the live count of a long question
+    (`LiveCount`) on such a line as often, instead of tqdm's one line of carriage returns that grows
+    for the whole run."""
+
+    def __init__(self, items: list, desc: str, every: float = 30.0, emit=None, clock=time.monotonic):
+        self.items, self.desc, self.every, self.clock = items, desc, every, clock
+        self.emit = emit or (lambda line: log.info("%s", line))
+        self.done, self.begin = 0, clock()
+        self.last = self.begin
+
+    def _line(self, extra: str = "") -> None:
+        self.last = self.clock()
+        self.emit(f"{self.desc}: {self.done}/{len(self.items)} questions, {(self.last - self.begin) / 60:.1f} min{extra}")
+
+    def __iter__(self):
+        for item in self.items:
+            yield item
+            self.done += 1
+            if self.clock() - self.last >= self.every or self.done == len(self.items):
+                self._line()
+
+    def set_postfix_str(self, text: str) -> None:
+        if self.clock() - self.last >= self.every:
+            self._line(f"; now {text}")
+
+
+def progress(items: list, desc: str):
+    """tqdm's bar on a terminal, else periodic log lines (`LogProgress`)."""
+    return tqdm(items, desc=desc, unit="q") if sys.stderr.isatty() else LogProgress(items, desc)
+
+
 def run(cfg: DictConfig, started=None) -> dict:
     """`started(folder, questions)`, when given, is called once the results folder is known (sweep status)."""
     validate(cfg)  # before anything loads: a bad value costs seconds, not a model load
@@ -215,7 +249,7 @@ def run(cfg: DictConfig, started=None) -> dict:
         if todo:
             log.info("warming up: %d untimed generation(s) per decoder", int(cfg.warmup))
             bench.warm_up(todo[0][1])
-        bar = tqdm(todo, desc=f"{method} on {cfg.dataset.name}", unit="q")
+        bar = progress(todo, f"{method} on {cfg.dataset.name}")
         live = LiveCount(bar)
         for index, question in bar:
             order = list(bench.decoders.items())
@@ -304,10 +338,30 @@ def main(cfg: DictConfig) -> None:
         write_json(job_file, {**record, "status": status, "error": f"{type(err).__name__}: {err}",
                               "traceback": traceback.format_exc()})
         raise
-    write_json(job_file, {**record, "status": "ok", "results": summary["results"],
-                          "speedup": (summary.get("speedup") or {}).get("specbench"), "tau": summary["decoder"]["tau"],
-                          "fidelity_failure": fidelity_failure(summary)})
+    write_json(job_file, {**record, **job_result(summary)})
+
+
+def job_result(summary: dict) -> dict:
+    """What a finished sweep job adds to its job.json: its numbers with their caveats, as the
+    sweep's status lines and `harness.report --jobs` print them (`harness.metrics.speedup_status`)."""
+    speedup = summary.get("speedup") or {}
+    return {"status": "ok", "results": summary["results"], "speedup": speedup.get("specbench"),
+            "speedup_ci95": speedup.get("specbench_ci95"), "tau": summary["decoder"]["tau"],
+            "caveats": summary["caveats"], "fidelity_failure": fidelity_failure(summary)}
+
+
+def entry(argv: list[str]) -> None:
+    """`python -m harness.run`: a config group's unknown choice (`method=eagel`) is one line and
+    exit code 2, checked before Hydra composes; then Hydra runs `main`."""
+    from harness.validate import check_group_choices
+
+    try:
+        check_group_choices(argv)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    main()
 
 
 if __name__ == "__main__":
-    main()
+    entry(sys.argv[1:])

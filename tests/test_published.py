@@ -173,6 +173,7 @@ def test_matching_run_set_gets_the_published_column(tmp_path):
     assert rows["mt_bench"][5] == f"{2.0 / a100['speedup']['mt_bench']:.2f}"
     assert rows["overall"][6] == "4.00" and rows["overall"][7] == f"{a100['tau']['overall']:.2f}"
     assert rows["rag"][7] == "–"  # Spec-Bench publishes mean accepted tokens overall only
+    assert rows["overall"][8] == "n 480; busy not recorded; 0/480 differ from AR"  # our number's caveats
     assert text in (tmp_path / "report" / "report.md").read_text()
     # the RTX 3090 table has the same setting: its own section
     assert "**Published: Spec-Bench leaderboard, 3090, vicuna-7b**" in text

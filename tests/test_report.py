@@ -108,6 +108,43 @@ def test_tables_equal_values_recomputed_from_records(results, tmp_path):
     assert "Per method" in (tmp_path / "report" / "report.md").read_text()
 
 
+@pytest.fixture
+def busy_results(tmp_path):
+    """Six questions whose AR answers 0-2 were measured beside other work (1.5 cores): pld with
+    num_draft=4 (τ 5, speedup 4, one output differs) and num_draft=8 (τ 2, speedup 4: above τ)."""
+    root = tmp_path / "busy"
+    base = root / "tiny" / "spec_bench" / "ar" / "x"
+    (base / "answers").mkdir(parents=True)
+    baseline = [dict(record(q, "qa", 100, 4.0, 100, prompt_len=20 * (q + 1), ttft=0.01 * (q + 1)),
+                     machine={"other_cores": 1.5 if q < 3 else 0.0}) for q in range(6)]
+    (base / "answers" / "ar.jsonl").write_text("".join(json.dumps(r) + "\n" for r in baseline))
+    method = [dict(record(q, "qa", 100, 1.0, 20, [12, 6], [20, 12], diverge_at=50 if q == 0 else None,
+                          prompt_len=20 * (q + 1)), machine={"other_cores": 0.0}) for q in range(6)]
+    write_run(root, "pld", "r", method, base, {"num_draft": 4})
+    fast = [dict(record(q, "qa", 100, 1.0, 50, [8], [10], prompt_len=20 * (q + 1)), machine={"other_cores": 0.0})
+            for q in range(6)]
+    write_run(root, "pld", "s", fast, base, {"num_draft": 8})
+    return root
+
+
+def test_every_table_carries_its_caveats(busy_results, tmp_path):
+    """Each metric's table (Markdown, CSV, LaTeX) and the breakdown say, per method, n, how many
+    questions were measured on a busy machine and how many outputs differ from AR's."""
+    report(busy_results, tmp_path / "report")
+    folder = tmp_path / "report" / "tiny-spec-bench-n6-128tok-greedy-float32-cpu-a"
+    note = "n 6; BUSY 3/6 (others used up to 1.5 cores); 1/6 differ from AR: 0 near-ties, 0 mismatches, 1 unclassified (no logit margins recorded)"
+    for metric in ("speedup", "tau", "acceptance", "ttft"):
+        markdown = (folder / f"{metric}.md").read_text().splitlines()
+        assert markdown[2].endswith("| Overall (n=6) | caveats (Overall) |") and markdown[4].endswith(f"| {note} |")
+        row = next(csv.DictReader(open(folder / f"{metric}.csv")))
+        assert (row["busy"], row["differ_from_ar"], row["above_tau"], row["caveats"]) == ("3", "1", "False", note)
+        assert "BUSY 3/6" in (folder / f"{metric}.tex").read_text()
+    first, second = (folder / "breakdown.md").read_text().splitlines()[-2:]
+    assert "| 3/6 (others up to 1.5 cores) |" in first and "above τ" not in first
+    assert "| 4.00× [4.00, 4.00] **above τ, busy: not to be trusted** |" in second
+    assert "speedup > τ on a busy machine: not to be trusted" in (folder / "speedup.md").read_text().splitlines()[5]
+
+
 def test_runs_with_other_settings_never_share_a_table_and_the_newest_answer_wins(results, tmp_path):
     base = next((results / "tiny" / "spec_bench" / "ar").iterdir())
     # an 8-token run of the same variant on the same questions: another table, never merged
@@ -142,24 +179,87 @@ def test_make_report_leaves_the_reference_run_alone(results, tmp_path, monkeypat
     assert after == before
     user_report = (tmp_path / "results" / "report" / "all" / "report.md").read_text()
     assert "sps (gamma=4)" in user_report and "eagle" not in user_report
-    assert (tmp_path / "plots" / "all" / "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a" / "size_sweep.png").is_file()
+    assert (tmp_path / "plots" / "all" / "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a" / "speedup_vs_tau.png").is_file()
 
 
-def test_figures_are_written(results, tmp_path):
+def test_a_users_report_and_figures_stay_out_of_git():
+    """What `make report` and `make figures` write for a user's run set is ignored by git; the
+    committed reference run's report and figures are not."""
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    user = ["results/report/all/report.md", "plots/all/tiny-table/size_sweep.png", "plots/20261123-171500/t/speedup_vs_tau.pdf"]
+    committed = ["plots/README.md", "plots/reference/t/speedup_vs_tau.png", "results/reference/report/report.md"]
+    done = subprocess.run(["git", "check-ignore", "--no-index", *user, *committed], cwd=REPO, capture_output=True, text=True)
+    assert done.stdout.split() == user
+
+
+def test_figures_are_written_and_none_without_data(results, tmp_path):
+    """Every table gets its figures, but no size sweep where no method was measured at two sizes
+    (sps gamma=2 answered other questions: another table), and a stale one is removed."""
+    stale = tmp_path / "plots" / "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a" / "size_sweep.png"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"an earlier run set's")
     written = figures(results, tmp_path / "plots")
     names = {p.name for p in written}
-    for figure in ("speedup_by_dataset", "size_sweep", "acceptance_by_position", "ttft_vs_prompt_length", "speedup_vs_tau"):
+    for figure in ("speedup_by_dataset", "acceptance_by_position", "ttft_vs_prompt_length", "speedup_vs_tau"):
         assert {f"{figure}.png", f"{figure}.pdf"} <= names
+    assert "size_sweep.png" not in names and not stale.exists()
     assert all(p.stat().st_size > 1000 for p in written)
 
 
-def test_size_sweep_skips_sizes_that_are_not_numbers(results, tmp_path):
-    """An EAGLE-2 run sized `adaptive` beside one with total_tokens=60 must not break the figures."""
+def test_size_sweep_of_a_method_at_two_sizes_skips_sizes_that_are_not_numbers(results, tmp_path):
+    """EAGLE-2 at total_tokens 30 and 60 is a sweep; its run sized `adaptive` has no point on the axis."""
     base = next((results / "tiny" / "spec_bench" / "ar").iterdir())
-    for run, total in (("a", "adaptive"), ("b", 60)):
+    for run, total in (("a", "adaptive"), ("b", 60), ("c", 30)):
         write_run(results, "eagle2", run, [record(1, "writing", 100, 2.0, 50, [30], [50])], base, {"total_tokens": total})
-    names = {p.name for p in figures(results, tmp_path / "plots")}
-    assert "size_sweep.png" in names
+    drawn = capture_figures(results, tmp_path)
+    [line] = drawn["size_sweep"].axes[0].lines
+    assert list(line.get_xdata()) == [30, 60]
+
+
+def capture_figures(runs, tmp_path) -> dict:
+    """name -> the matplotlib figure of each figure written (the last table's, by name)."""
+    from harness import figures as module
+
+    drawn, save = {}, module._save
+    def keep(fig, out, name):
+        drawn[name] = fig
+        return save(fig, out, name)
+    original, module._save = module._save, keep
+    try:
+        figures(runs, tmp_path / "plots")
+    finally:
+        module._save = original
+    return drawn
+
+
+def test_figures_show_intervals_counts_points_and_busy_marks(busy_results, tmp_path):
+    """What a reviewer asks of each figure: acceptance per position with Wilson intervals over the
+    times each position was tested; TTFT as points, one series per method and one for AR; speedup
+    against τ with its interval and a ring on methods measured beside other work."""
+    from harness.figures import wilson_interval
+
+    assert wilson_interval(8, 10) == (pytest.approx(0.4902, abs=1e-4), pytest.approx(0.9433, abs=1e-4))  # Wilson 1927
+    drawn = capture_figures(busy_results, tmp_path)
+    assert "size_sweep" not in drawn
+    rates, counts = drawn["acceptance_by_position"].axes[:2]
+    first = rates.containers[0]  # pld num_draft=4: 72/120 at position 1, 36/72 at 2
+    assert [round(y, 3) for y in first.lines[0].get_ydata()] == [0.6, 0.5]
+    bars = first.lines[2][0].get_segments()
+    assert [(round(s[0][1], 4), round(s[1][1], 4)) for s in bars] == [
+        tuple(round(v, 4) for v in wilson_interval(72, 120)), tuple(round(v, 4) for v in wilson_interval(36, 72))]
+    assert [list(line.get_ydata()) for line in counts.lines] == [[120, 72], [60]]
+    ttft = drawn["ttft_vs_prompt_length"].axes[0]
+    assert not [line for line in ttft.lines if len(line.get_xdata()) > 1]  # no line joins unrelated questions
+    series = {c.get_label(): len(c.get_offsets()) for c in ttft.collections}
+    # the AR answers both runs were paired with, once each
+    assert series == {"AR baselines (full prefill)": 6, "pld (num_draft=4)": 6, "pld (num_draft=8)": 6}
+    tau = drawn["speedup_vs_tau"].axes[0]
+    assert len(tau.containers) == 2 and all(c.has_yerr for c in tau.containers)
+    [ring] = [c for c in tau.collections if c.get_label() == "measured partly on a busy machine"]
+    assert sorted(map(tuple, ring.get_offsets().tolist())) == [(2.0, 4.0), (5.0, 4.0)]
+    [busy] = [c for c in drawn["speedup_by_dataset"].axes[0].collections if c.get_label().startswith("measured partly")]
+    assert len(busy.get_offsets()) == 4  # both methods, in the qa column and overall
 
 
 def test_sweep_through_submitit_local_reports_results_and_failures(tmp_path, tiny_chat_model_dir):
@@ -194,6 +294,57 @@ def test_sweep_through_submitit_local_reports_results_and_failures(tmp_path, tin
     assert len(tables) == 1
     _, cells = next(iter(tables.values()))
     assert sorted(cells) == ["sps (draft_vocab=8192, gamma=2)", "sps (draft_vocab=8192, gamma=3)"]
+
+
+class FinishedJob:
+    """What `describe` reads of a submitit job."""
+
+    def __init__(self, job_id, state="FINISHED"):
+        self.job_id, self.state = job_id, state
+        self.paths = type("Paths", (), {"stderr": Path("/logs") / f"{job_id}.err"})()
+
+    def done(self):
+        return self.state == "FINISHED"
+
+
+def test_a_sweeps_status_lines_and_job_list_carry_the_caveats(tmp_path, capsys):
+    """A sweep on a busy machine: each job's status line and the final job list print, beside its
+    speedup, n, the busy questions and the near-ties (job.json as harness.run writes it)."""
+    from harness.metrics import summarize
+    from harness.report import print_jobs
+    from harness.run import job_result
+    from hydra_plugins.decodebench_launcher.launcher import describe
+    from tests.test_harness import answered
+
+    meta = {"dtype": "bfloat16", "lossless": True, "sampling": {"temperature": 0.0}, "results": str(tmp_path / "run")}
+    busy = summarize("pld", [answered(q, 100, 2.0, 90, diverge_at=40) for q in range(3)],
+                     [answered(q, 100, 3.0, 100, other_cores=1.5) for q in range(3)], meta)
+    quiet = summarize("pld", [answered(q, 100, 2.0, 90) for q in range(3)], [answered(q, 100, 2.1, 100) for q in range(3)], meta)
+    sweep = tmp_path / "sweep"
+    records = []
+    for num, summary in enumerate((busy, quiet)):
+        (sweep / str(num)).mkdir(parents=True)
+        records.append({"job": num, "job_id": f"7_{num}", "overrides": [f"method.num_draft={num + 4}"], "method": "pld",
+                        **job_result(summary)})
+        (sweep / str(num) / "job.json").write_text(json.dumps(records[-1]))
+    busy_note = ("speedup 1.50x, τ 1.11; n 3; BUSY 3/3 (others used up to 1.5 cores); 3/3 differ from AR: "
+                 "3 near-ties (max gap 0.5), 0 mismatches; speedup > τ on a busy machine: not to be trusted; "
+                 "no interval from fewer than 5 questions")
+    assert describe(FinishedJob("7_0"), records[0]) == ("done", f"done: {busy_note} ({tmp_path / 'run'})")
+    state, line = describe(FinishedJob("7_1"), records[1])
+    assert line.startswith("done: speedup 1.05x, τ 1.11; n 3; quiet (others used at most 0.00 cores); "
+                           "0/3 differ from AR; no interval from fewer than 5 questions (")
+    assert print_jobs(sweep) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert listing[1] == f"  #0 ok          method.num_draft=4  {busy_note}  {tmp_path / 'run'}"
+    # a job still running: how many of its finished questions were measured on a busy machine
+    folder = tmp_path / "running"
+    (folder / "answers").mkdir(parents=True)
+    for name, cores in (("pld", 0.0), ("ar", 1.5)):
+        rows = [answered(q, 10, 1.0, 10, other_cores=cores if q else 0.0) for q in range(3)]
+        (folder / "answers" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    running = {"job": 2, "job_id": "7_2", "status": "running", "method": "pld", "results": str(folder), "questions": 5}
+    assert describe(FinishedJob("7_2", "RUNNING"), running)[1] == "running: 3/5 questions, BUSY 2/3 (log: /logs/7_2.err)"
 
 
 def test_slurm_launcher_config_composes():

@@ -11,8 +11,10 @@
   accounting is off, warns on every call and learns of a finished job only from its result file.
   Here each job gets a `QueueWatcher`: `sacct` while it works, else `scontrol show job`
   (harness/cluster.py), every `poll_s` seconds, with one log line when it switches.
-- One status line per job, printed whenever it changes: pending, running (node, questions done),
-  done (speedup, τ), failed (the last line of its error and its log file).
+- One status line per job, printed whenever it changes: pending, running (node, questions done,
+  how many measured on a busy machine), done (speedup, its interval, τ and their caveats: n, busy
+  questions, near-ties and mismatches, a speedup above τ), failed (the last line of its error and
+  its log file).
 
 The waiting loop here replaces upstream's `[j.results()[0] for j in jobs]`; the executor setup
 mirrors upstream's `launch` (hydra_plugins/hydra_submitit_launcher/submitit_launcher.py).
@@ -258,9 +260,9 @@ def describe(job, record: dict | None) -> tuple[str, str]:
     job_name = f"{slurm['array_job_id']}_{slurm['task_id']}" if slurm.get("array_job_id") else slurm.get("job_id")
     where = f" on {slurm['node']}, job {job_name}" if slurm.get("node") else ""
     if status == "ok":
-        speedup, tau = record.get("speedup"), record.get("tau")
-        numbers = ", ".join(x for x in (f"speedup {speedup:.2f}x" if speedup else "",
-                                        f"tau {tau:.2f}" if tau else "") if x)
+        from harness.metrics import speedup_status
+
+        numbers = speedup_status(record.get("speedup"), record.get("speedup_ci95"), record.get("tau"), record.get("caveats"))
         return "done", f"done{where}: {numbers} ({record.get('results')})"
     if status == "failed":
         error = (record.get("error") or "").strip().splitlines()[-1:] or ["no error recorded"]
@@ -274,14 +276,17 @@ def describe(job, record: dict | None) -> tuple[str, str]:
 
 
 def questions_done(record: dict) -> str:
+    """`3/5 questions` and, when some were measured beside other work (either side), `, BUSY 2/3`."""
     total = record.get("questions")
     if not record.get("results") or total is None:
         return "loading"
-    answers = Path(record["results"]) / "answers" / f"{record.get('method')}.jsonl"
+    from harness.machine import is_busy
     from harness.results import read_jsonl  # half-written lines are skipped
 
-    done = len({row.get("question_id") for row in read_jsonl(answers)})
-    return f"{done}/{total} questions"
+    rows = {name: read_jsonl(Path(record["results"]) / "answers" / f"{name}.jsonl") for name in {record.get("method"), "ar"}}
+    done = {row.get("question_id") for row in rows[record.get("method")]}
+    busy = {row.get("question_id") for side in rows.values() for row in side if is_busy(row.get("machine"))} & done
+    return f"{len(done)}/{total} questions" + (f", BUSY {len(busy)}/{len(done)}" if busy else "")
 
 
 def last_line(path: Path) -> str:
