@@ -90,20 +90,25 @@ def forward_breakdown(runner: ModelRunner, weights: int, prefix: int = 256, roun
         runner.forward([0])
         runner.rollback(prefix)
 
+    # On a GPU launches are asynchronous: both timings would be the host's, their difference no GEMM time
+    split = runner.device.type != "cuda"
     memo: dict = {}
-    with gemms_skipped(memo):
-        one()  # remember every linear's output
+    if split:
+        with gemms_skipped(memo):
+            one()  # remember every linear's output
     total, rest = [], []
     for _ in range(rounds):
         total.append(timed(one, runner.device))
-        with gemms_skipped(memo):
-            rest.append(timed(one, runner.device))
+        if split:
+            with gemms_skipped(memo):
+                rest.append(timed(one, runner.device))
     calls = count_aten_calls(one)
     runner.reset()
-    t, other = statistics.median(total), statistics.median(rest)
-    if runner.device.type == "cuda":  # launches are asynchronous: both timings are the host's, the difference no GEMM time
+    t = statistics.median(total)
+    if not split:
         return {"t1_seconds": t, "without_gemms_seconds": None, "gemm_seconds": None,
                 "gemm_bytes_per_second": None, "aten_calls": calls}
+    other = statistics.median(rest)
     return {"t1_seconds": t, "without_gemms_seconds": other, "gemm_seconds": t - other,
             "gemm_bytes_per_second": weights / (t - other) if t > other else None, "aten_calls": calls}
 
