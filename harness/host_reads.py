@@ -15,6 +15,7 @@ prints, per method, the host reads per decoding step of the embedded model (fp32
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
 from contextlib import contextmanager
 
@@ -99,8 +100,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     methods = args.methods.split(",") if args.methods else [m for m in available_methods() if m != "lazyllm"]
     unknown = sorted(set(methods) - set(available_methods()))
-    if unknown:
-        raise SystemExit(f"error: unknown method(s) {', '.join(unknown)}; valid: {', '.join(available_methods())}")
+    if unknown:  # one line and exit 2, as every bad value in the suite
+        print(f"error: unknown method(s) {', '.join(unknown)}; valid: {', '.join(available_methods())}", file=sys.stderr)
+        sys.exit(2)
 
     config = model_config(EMBEDDED)
     spec = ModelSpec.from_mapping(config)
