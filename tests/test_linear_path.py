@@ -52,12 +52,17 @@ def test_the_path_routes_inside_the_engine_only(monkeypatch):
 
     monkeypatch.setattr("methods.engine.linear.run_kernel", spy)
     path = LinearPath(LinearPlan({"8x16+b": {b: "w_xt" for b in BUCKETS}}))
+    bystander = nn.Linear(16, 8)  # a linear of a model the engine was not given: never routed
+    path.adopt(nn.Sequential(layer))
+    assert type(layer) is not nn.Linear and isinstance(layer, nn.Linear) and type(bystander) is nn.Linear
+    assert nn.Linear.forward is not type(layer).forward  # nn.Linear itself is left as it is
     x = torch.randn(3, 16)
     expected = F.linear(x, layer.weight, layer.bias)
     with torch.inference_mode():
         with path.active():
             torch.testing.assert_close(layer(x), expected)
             layer(torch.randn(40, 16))  # above the largest bucket: a prefill stays on F.linear
+            bystander(x)
         assert calls == ["w_xt"]
         layer(x)  # outside: stock
     assert calls == ["w_xt"]

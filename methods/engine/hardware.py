@@ -18,8 +18,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
-import re
 import statistics
 import time
 from datetime import datetime, timezone
@@ -28,84 +26,12 @@ from typing import Sequence
 
 import torch
 
-from .storage import cache_root
 from . import load, native
+from .identity import auto_dtype, cpu_flags, cpu_isa, cpu_model, l3_bytes, machine, machine_key, native_bf16, profile_dir  # noqa: F401 (the facade callers import)
 from .linear import KERNELS, LinearPath, LinearPlan, linear_shapes, measure_plan
 
 SKINNY_GEMM_MODES = ("auto", "off")
 log = logging.getLogger(__name__)
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_isa(flags: set[str] | None = None) -> str:
-    """The CPU class that decides GEMM speed: amx, avx512-bf16, avx512, avx2 or other."""
-    flags = cpu_flags() if flags is None else flags
-    if "amx_bf16" in flags:
-        return "amx"
-    if "avx512_bf16" in flags:
-        return "avx512-bf16"
-    if "avx512f" in flags:
-        return "avx512"
-    if "avx2" in flags:
-        return "avx2"
-    return "other"
-
-
-def native_bf16(flags: set[str] | None = None) -> bool:
-    flags = cpu_flags() if flags is None else flags
-    return bool({"avx512_bf16", "amx_bf16"} & flags)
-
-
-def auto_dtype(device: torch.device, flags: set[str] | None = None) -> tuple[torch.dtype, str]:
-    """`dtype=auto`, with the reason recorded beside every result."""
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return torch.bfloat16, "CUDA device with bf16 support"
-        return torch.float16, "CUDA device without bf16 support"
-    if native_bf16(flags):
-        return torch.bfloat16, f"CPU with native bf16 matmul ({cpu_isa(flags)})"
-    return torch.float32, (f"CPU without native bf16 matmul ({cpu_isa(flags)}): bf16 would be emulated, "
-                           "slower and worse with more tokens per forward")
-
-
-def machine(device: torch.device) -> dict:
-    """What a measurement's speed depends on."""
-    if device.type == "cuda":
-        hw = {"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
-    else:
-        hw = {"cpu": cpu_model(), "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count()}
-    return {**hw, "torch": torch.__version__, "threads": torch.get_num_threads()}
-
-
-def machine_key(device: torch.device) -> str:
-    info = machine(device)
-    name = info.get("gpu") or f"{info['cpu']}-{info['cpu_isa']}"
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:48]
-    digest = hashlib.sha1(json.dumps(info, sort_keys=True).encode()).hexdigest()[:8]
-    return f"{slug}-{digest}"
-
-
-def profile_dir(device: torch.device) -> Path:
-    return cache_root() / "profiles" / machine_key(device)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -160,6 +86,7 @@ def linear_path(models, mode: str = "auto") -> LinearPath:
     device, dtype = param.device, param.dtype
     if mode == "off" or device.type != "cpu":  # cuBLAS handles skinny GEMMs; measure there when a GPU is lent
         return _PATHS.setdefault(("off",), LinearPath(None))
+    LinearPath.adopt(*models)
     key = (str(device), str(dtype))
     file = _plan_file(device, dtype)
     path = _PATHS.get(key)
@@ -199,7 +126,7 @@ def _load_plan(file: Path) -> tuple[LinearPlan, list[dict]]:
 
 def _candidates() -> list[str]:
     """The kernels a plan chooses among, the native one named by its build."""
-    return [f"native-{native.DIGEST}" if kernel == "native" else kernel for kernel in KERNELS]
+    return [f"native-{native.digest()}" if kernel == "native" else kernel for kernel in KERNELS]
 
 
 def _write_json(file: Path, data) -> None:
@@ -214,11 +141,15 @@ def _write_json(file: Path, data) -> None:
 # Memory bandwidth and the roofline
 
 
-def read_bandwidth(megabytes: int = 256, repeats: int = 7, device: torch.device | str = "cpu") -> float:
+def read_bandwidth(megabytes: int | None = None, repeats: int = 7, device: torch.device | str = "cpu") -> float:
     """Bytes per second of streaming a large tensor of random values (`x.sum()`), median of
     `repeats`. Random values matter: a never-written tensor reads the zero page and fakes speed.
-    On a GPU give it a tensor well past the L2 (1 GiB+) and it times with a sync after each sum."""
+    The tensor is twice the last-level cache (at least 256 MB; some Xeons have 480 MB of L3): memory's
+    bandwidth, not the cache's. On a GPU give it a tensor well past the L2 (1 GiB+) and it times
+    with a sync after each sum."""
     device = torch.device(device)
+    if megabytes is None:
+        megabytes = max(256, 2 * (l3_bytes() or 0) >> 20)
     x = torch.rand(megabytes * (1 << 20) // 4, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     x.sum()

@@ -15,8 +15,11 @@ machine, the weight's shape and the number of rows, so it is measured, not assum
 `measure_plan` times every candidate for each weight shape of a model and each row bucket
 (1, 2, 4, 8, 16, 32; larger forwards, prefills, stay on `f_linear`) with the weights cycled
 through copies larger than the caches, interleaved in rounds, and keeps the median's winner.
-`LinearPath.active()` routes linears through the plan while the engine runs a model: outside
-it (e.g. `transformers.generate` in tests) every linear is stock `F.linear`; under autograd too.
+`LinearPath.adopt(models)` marks the linears of the models the engine runs (their class becomes
+`RoutedLinear`, an `nn.Linear` whose forward consults the path); `LinearPath.active()` routes
+them through the plan while the engine runs: outside it (e.g. `transformers.generate` in tests)
+they compute stock `F.linear`, under autograd too, and every other `nn.Linear` of the process is
+never touched.
 All kernels compute in the weight's dtype (fp32 stays fp32); `off` keeps `f_linear`.
 
 Inputs may carry a batch dimension: rows = every leading dimension together.
@@ -162,11 +165,12 @@ def measure_plan(shapes: dict[str, tuple[torch.Tensor, torch.Tensor | None]], ke
 
 
 class LinearPath:
-    """Routes every `nn.Linear` through a plan while active (`with path.active(): ...`).
+    """Routes the linears of the models it adopted through a plan while active (`path.adopt(model)`,
+    then `with path.active(): ...`).
 
-    `nn.Linear.forward` is replaced once, process-wide, by a dispatcher that computes stock
-    `F.linear` unless a path is active in the current context: code outside the engine, and
-    every linear whose shape the plan does not name, runs exactly as before."""
+    An adopted linear computes stock `F.linear` unless a path is active in the current context:
+    code outside the engine, and every linear whose shape the plan does not name, runs exactly as
+    before; linears of models the engine was not given are plain `nn.Linear`s."""
 
     def __init__(self, plan: LinearPlan | None):
         self.plan = plan  # None: off (f_linear everywhere)
@@ -174,9 +178,17 @@ class LinearPath:
         self._routes: dict[tuple[int, int], tuple] = {}  # (id(weight), rows) -> (weight, bias, x -> y)
         self._native: dict[tuple, tuple] = {}  # (ids of the weights, rows) -> (weights, packed copies or None)
 
+    @staticmethod
+    def adopt(*models: nn.Module | None) -> None:
+        """Route these models' `nn.Linear`s (exactly that class; subclasses keep their own forward)
+        through whichever path is active: their class becomes `RoutedLinear`. Idempotent."""
+        for model in models:
+            for module in model.modules() if model is not None else ():
+                if type(module) is nn.Linear:
+                    module.__class__ = RoutedLinear
+
     @contextlib.contextmanager
     def active(self):
-        _install_dispatcher()
         token = _ACTIVE.set(self if self.plan is not None else None)
         try:
             yield
@@ -272,6 +284,8 @@ def _dispatch(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return path.route(weight, bias, x.numel() // x.shape[-1])(x)
 
 
-def _install_dispatcher() -> None:
-    if nn.Linear.forward is not _dispatch:
-        nn.Linear.forward = _dispatch
+class RoutedLinear(nn.Linear):
+    """An `nn.Linear` of a model the engine runs (`LinearPath.adopt`): the same parameters, state
+    dict and outputs, computed by the active path's plan inside the engine, by `F.linear` outside."""
+
+    forward = _dispatch

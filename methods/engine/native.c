@@ -1,14 +1,15 @@
-/* The engine's native kernels (fp32, AVX2 + FMA), built by `native.py` with `-O3 -mavx2 -mfma
- * -ffp-contract=off -fopenmp` once per machine class and linked to the OpenMP runtime torch has
+/* The engine's native kernels (fp32, AVX2 + FMA; the GEMM in AVX-512 where the build adds
+ * -mavx512f), built by `native.py` with `-O3 -mavx2 -mfma -ffp-contract=off -fopenmp` once per machine class and linked to the OpenMP runtime torch has
  * already loaded (one thread pool; `torch.set_num_threads` applies).
  *
  * decodebench_pack_f32, decodebench_linear_f32: y = x W^T (+ b) for a few rows of x, the case
  *   that matters on a CPU: W streamed once from memory at the machine's bandwidth, and a forward
  *   over 2-16 rows (verification) computed while it streams. W [out, in] is packed once into
- *   panels of 8 output rows, P [ceil(out / 8)][in][8] (zero padded), so that one 32-byte load
- *   holds one input's weight for 8 outputs. Each OpenMP thread takes blocks of 3 panels (24
- *   outputs) and computes them for the rows of x, 4 rows at a time: 12 accumulators, 3 weight
- *   loads and 4 broadcasts of x per 12 fused multiply-adds, no horizontal sums. Every output is
+ *   panels of PW output rows (16 with AVX-512, 8 with AVX2), P [ceil(out / PW)][in][PW] (zero
+ *   padded), so that one vector load holds one input's weight for PW outputs. Each OpenMP thread
+ *   takes blocks of 3 panels and computes them for the rows of x, MAXM rows at a time (8 with
+ *   AVX-512, 4 with AVX2): 3 x MAXM accumulators, 3 weight loads and MAXM broadcasts of x per
+ *   3 x MAXM fused multiply-adds, no horizontal sums. Every output is
  *   one chain of fused multiply-adds over `in` in order, then + b, whatever the number of rows
  *   and their grouping: a row's result does not depend on how many rows share the call (not
  *   MKL's order: same fp32 class, not the same bits).
@@ -18,79 +19,141 @@
 #include <immintrin.h>
 #include <math.h>
 
+/* The GEMM's vector: 16 floats where the build targets AVX-512 (`-mavx512f`, chosen by native.py
+ * on a CPU that has it), else 8 (AVX2). PW outputs share a panel; each output is still one FMA
+ * chain over `in` in order, so both builds compute the same bits (tests/test_native.py). */
+#ifdef __AVX512F__
+#define PW 16
+#define MAXM 8 /* rows per group: 8 x 3 accumulators + 3 weights + 1 broadcast of 32 registers */
+typedef __m512 vec;
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VSET1(p) _mm512_set1_ps(*(p))
+#else
+#define PW 8
+#define MAXM 4 /* rows per group: 4 x 3 accumulators + 3 weights + 1 broadcast of 16 registers */
+typedef __m256 vec;
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VSET1(p) _mm256_broadcast_ss(p)
+#endif
+
+long decodebench_panel_width(void) { return PW; }
+
 void decodebench_pack_f32(const float *W, float *P, long out, long in) {
-    const long panels = (out + 7) / 8;
+    const long panels = (out + PW - 1) / PW;
     #pragma omp parallel for schedule(static)
     for (long p = 0; p < panels; p++)
         for (long k = 0; k < in; k++)
-            for (long c = 0; c < 8; c++) {
-                const long o = p * 8 + c;
-                P[(p * in + k) * 8 + c] = o < out ? W[o * in + k] : 0.0f;
+            for (long c = 0; c < PW; c++) {
+                const long o = p * PW + c;
+                P[(p * in + k) * PW + c] = o < out ? W[o * in + k] : 0.0f;
             }
 }
 
-/* outputs o0 .. o0+7 of one row: the accumulator + b, the padding left out */
-static inline void store8(__m256 acc, const float *b, float *y, long out, long o0) {
-    float t[8];
-    _mm256_storeu_ps(t, acc);
-    const long n = out - o0 < 8 ? out - o0 : 8;
+/* outputs o0 .. o0+PW-1 of one row: the accumulator + b, the padding left out */
+static inline void store_panel(vec acc, const float *b, float *y, long out, long o0) {
+    float t[PW];
+    VSTORE(t, acc);
+    const long n = out - o0 < PW ? out - o0 : PW;
     for (long i = 0; i < n; i++) y[o0 + i] = t[i] + (b ? b[o0 + i] : 0.0f);
 }
 
 /* named accumulators a<row><panel> (an array of them would live on the stack: a store per FMA) */
-#define ACC(m) __m256 a##m##0 = _mm256_setzero_ps(), a##m##1 = a##m##0, a##m##2 = a##m##0;
-#define FMA(m) if (M > m) { const __m256 xb = _mm256_broadcast_ss(x##m + k); \
-        a##m##0 = _mm256_fmadd_ps(w0, xb, a##m##0); \
-        if (V > 1) a##m##1 = _mm256_fmadd_ps(w1, xb, a##m##1); \
-        if (V > 2) a##m##2 = _mm256_fmadd_ps(w2, xb, a##m##2); }
-#define STORE(m) if (M > m) { float *ym = y + (r0 + m) * out; store8(a##m##0, b, ym, out, o0); \
-        if (V > 1) store8(a##m##1, b, ym, out, o0 + 8); \
-        if (V > 2) store8(a##m##2, b, ym, out, o0 + 16); }
+#define ACC(m) vec a##m##0 = VZERO(), a##m##1 = a##m##0, a##m##2 = a##m##0;
+#define FMA(m) if (M > m) { const vec xb = VSET1(x##m + k); \
+        a##m##0 = VFMA(w0, xb, a##m##0); \
+        if (V > 1) a##m##1 = VFMA(w1, xb, a##m##1); \
+        if (V > 2) a##m##2 = VFMA(w2, xb, a##m##2); }
+#define STORE(m) if (M > m) { float *ym = y + (r0 + m) * out; store_panel(a##m##0, b, ym, out, o0); \
+        if (V > 1) store_panel(a##m##1, b, ym, out, o0 + PW); \
+        if (V > 2) store_panel(a##m##2, b, ym, out, o0 + 2 * PW); }
 
-/* rows r0 .. r0+M-1 of x (M <= 4) against V (<= 3) consecutive panels from P (outputs from o0);
+/* rows r0 .. r0+M-1 of x (M <= MAXM) against V (<= 3) consecutive panels from P (outputs from o0);
  * M and V are constants where it is inlined, so only the live accumulators exist. pf (or NULL):
- * memory to prefetch into L2 meanwhile, `stride` (<= 64) bytes a step */
+ * memory to prefetch into L2 meanwhile, `stride` (<= 128) bytes a step */
 static inline __attribute__((always_inline)) void panels_rows(const int M, const int V, const float *P, const float *x,
                                                               long in, const float *b, float *y, long out, long o0, long r0,
                                                               const char *pf, long stride) {
-    ACC(0) ACC(1) ACC(2) ACC(3)
+    ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5) ACC(6) ACC(7)
     const float *x0 = x + r0 * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;
-    const float *p0 = P, *p1 = P + in * 8, *p2 = P + 2 * in * 8;
+    const float *x4 = x3 + in, *x5 = x4 + in, *x6 = x5 + in, *x7 = x6 + in;
+    const float *p0 = P, *p1 = P + in * PW, *p2 = P + 2 * in * PW;
     #pragma GCC unroll 2
     for (long k = 0; k < in; k++) {
-        if (pf) _mm_prefetch(pf + k * stride, _MM_HINT_T1);
-        const __m256 w0 = _mm256_loadu_ps(p0 + k * 8);
-        const __m256 w1 = V > 1 ? _mm256_loadu_ps(p1 + k * 8) : w0, w2 = V > 2 ? _mm256_loadu_ps(p2 + k * 8) : w0;
-        FMA(0) FMA(1) FMA(2) FMA(3)
+        if (pf) {
+            _mm_prefetch(pf + k * stride, _MM_HINT_T1);
+            if (stride > 64) _mm_prefetch(pf + k * stride + 64, _MM_HINT_T1);
+        }
+        const vec w0 = VLOAD(p0 + k * PW);
+        const vec w1 = V > 1 ? VLOAD(p1 + k * PW) : w0, w2 = V > 2 ? VLOAD(p2 + k * PW) : w0;
+        FMA(0) FMA(1) FMA(2) FMA(3) FMA(4) FMA(5) FMA(6) FMA(7)
     }
-    STORE(0) STORE(1) STORE(2) STORE(3)
+    STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5) STORE(6) STORE(7)
 }
 
+#if MAXM == 8
+#define ROWS(V) switch (m) { \
+        case 8: panels_rows(8, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        case 7: panels_rows(7, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        case 6: panels_rows(6, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        case 5: panels_rows(5, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        case 4: panels_rows(4, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        case 3: panels_rows(3, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        case 2: panels_rows(2, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        default: panels_rows(1, V, pp, x, in, b, y, out, o0, r, pf, stride); }
+#else
 #define ROWS(V) switch (m) { \
         case 4: panels_rows(4, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
         case 3: panels_rows(3, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
         case 2: panels_rows(2, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
         default: panels_rows(1, V, pp, x, in, b, y, out, o0, r, pf, stride); }
+#endif
 
-/* Rows go 4 at a time. One group (1-4 rows) streams the block's 3 panels from memory. From 2
- * groups on, each group reads the block from L2 and prefetches a share of the next block into L2,
- * so that memory streams during every group's multiply-adds instead of the first group waiting on
- * memory and the later ones computing with memory idle (AVX2, 2 cores, the 4 projections of 30
- * layers, medians of 31 interleaved rounds: 8 rows 18.9 -> 16.8 ms, 12 rows 21.7 -> 19.3, 16 rows
- * 26.7 -> 24.5; 1-4 rows unchanged, ~12.6-13.6 ms). */
+/* Rows go MAXM at a time. One group streams the block's 3 panels from memory. From 2 groups on,
+ * each group reads the block from L2 and prefetches a share of the next block into L2, so that
+ * memory streams during every group's multiply-adds instead of the first group waiting on memory
+ * and the later ones computing with memory idle (docs/performance.md). */
 void decodebench_linear_f32(const float *P, const float *x, const float *b, float *y, long out, long in, long rows) {
-    const long panels = (out + 7) / 8, blocks = (panels + 2) / 3;
+    const long panels = (out + PW - 1) / PW, blocks = (panels + 2) / 3;
     #pragma omp parallel for schedule(static)
     for (long blk = 0; blk < blocks; blk++) {
-        const long p0 = blk * 3, v = panels - p0 < 3 ? panels - p0 : 3, o0 = p0 * 8;
-        const float *pp = P + p0 * in * 8;
-        const long groups = (rows + 3) / 4, stride = groups >= 2 ? 96 / groups : 0;  /* 3 panels: 96 B a step */
-        for (long r = 0, g = 0; r < rows; r += 4, g++) {
-            const char *pf = stride && blk + 1 < blocks ? (const char *)(pp + 3 * in * 8) + g * stride * in : 0;
-            const long m = rows - r < 4 ? rows - r : 4;
+        const long p0 = blk * 3, v = panels - p0 < 3 ? panels - p0 : 3, o0 = p0 * PW;
+        const float *pp = P + p0 * in * PW;
+        const long groups = (rows + MAXM - 1) / MAXM, stride = groups >= 2 ? 3 * PW * 4 / groups : 0;
+        for (long r = 0, g = 0; r < rows; r += MAXM, g++) {
+            const char *pf = stride && blk + 1 < blocks ? (const char *)(pp + 3 * in * PW) + g * stride * in : 0;
+            const long m = rows - r < MAXM ? rows - r : MAXM;
             if (v == 3) { ROWS(3) } else if (v == 2) { ROWS(2) } else { ROWS(1) }
         }
     }
+}
+
+/* The FMA units' peak: every thread runs `steps` x 12 independent vector FMAs on registers (no
+ * memory), so `make perf` can give each verification size the floor its arithmetic sets. Returns
+ * the FMAs counted, each PW lanes wide (x 2 flops). */
+long decodebench_fma_peak(long steps) {
+    long total = 0;
+    #pragma omp parallel reduction(+ : total)
+    {
+        vec a0 = VSET1(&(float){1.0f}), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+        vec a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+        const vec m = VSET1(&(float){0.999999f}), c = VSET1(&(float){1e-7f});
+        for (long s = 0; s < steps; s++) {
+            a0 = VFMA(a0, m, c); a1 = VFMA(a1, m, c); a2 = VFMA(a2, m, c); a3 = VFMA(a3, m, c);
+            a4 = VFMA(a4, m, c); a5 = VFMA(a5, m, c); a6 = VFMA(a6, m, c); a7 = VFMA(a7, m, c);
+            a8 = VFMA(a8, m, c); a9 = VFMA(a9, m, c); a10 = VFMA(a10, m, c); a11 = VFMA(a11, m, c);
+            __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5));
+        }
+        float t[PW];
+        VSTORE(t, a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11);
+        total += 12 * steps + (t[0] < 0.0f);  /* the result is used: the loop is not optimized away */
+    }
+    return total;
 }
 
 /* RMSNorm as `transformers`' LlamaRMSNorm computes it in fp32, given its statistic (variance =
@@ -320,7 +383,8 @@ static void attend(const float *q, const float *K, const float *V, const float *
     }
 }
 
-/* x, y [batch, n, hidden] (y written; not x); cos, sin [batch, n, d] (sin sign-folded); keys,
+/* x, y [batch, n, hidden] (y written; not x); attn_in NULL (q, k, v read RMSNorm(x)) or the
+ * input of q, k, v [batch, n, attn_width] (the input norm then unused); cos, sin [batch, n, d] (sin sign-folded); keys,
  * values: the layer's cache buffers [batch, kv, capacity, d], positions start .. start + n - 1
  * written; mask [mask_batch, n, start + n] additive (0 visible, the dtype's minimum not) or NULL
  * (causal); norms NULL: identity; biases NULL: none; scratch: decodebench_layer_scratch floats;
@@ -334,18 +398,22 @@ long decodebench_layer_scratch(long rows, long hidden, long heads, long kv, long
     return rows * (2 * hidden + (heads + 2 * kv) * d + 2 * heads * d + 3 * inter);
 }
 
-void decodebench_layer_f32(const float *x, float *y, float *scratch,
+void decodebench_layer_f32(const float *x, const float *attn_in, float *y, float *scratch,
                            const float *in_norm, const float *post_norm, float in_eps, float post_eps,
                            const float *Pqkv, const float *bqkv, const float *Po, const float *bo,
                            const float *Pgu, const float *bgu, const float *Pdown, const float *bdown,
                            const float *cos, const float *sin, float *keys, float *values, const float *mask,
                            long batch, long n, long hidden, long heads, long kv, long d, long inter,
-                           long capacity, long start, long mask_batch, float scaling, long skip_gemms) {
+                           long capacity, long start, long mask_batch, float scaling, long skip_gemms, long attn_width) {
     const long rows = batch * n, width = (heads + 2 * kv) * d, total = start + n;
     float *h = scratch, *qkv = h + rows * hidden, *q = qkv + rows * width, *att = q + rows * heads * d;
     float *x2 = att + rows * heads * d, *gu = x2 + rows * hidden, *act = gu + rows * 2 * inter;
-    for (long r = 0; r < rows; r++) rms_row(x + r * hidden, in_norm, in_eps, h + r * hidden, hidden);
-    PROJECT(Pqkv, h, bqkv, qkv, width, hidden, rows);
+    if (attn_in)  /* EAGLE-3's layer: q, k, v read their own input [rows, attn_width], the residual stream is x */
+        PROJECT(Pqkv, attn_in, bqkv, qkv, width, attn_width, rows);
+    else {
+        for (long r = 0; r < rows; r++) rms_row(x + r * hidden, in_norm, in_eps, h + r * hidden, hidden);
+        PROJECT(Pqkv, h, bqkv, qkv, width, hidden, rows);
+    }
     decodebench_rope_store_f32(qkv, cos, sin, q, keys, values, batch, n, heads, kv, d, capacity, start);  /* q [B, heads, n, d] */
     const long group = heads / kv, tasks = rows * heads;
     int *idx = malloc(sizeof(int) * rows * total), *shifted = malloc(sizeof(int) * rows);
