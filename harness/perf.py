@@ -1,8 +1,9 @@
 """`make perf`: does the engine measure the methods, not itself? (A benchmark, not a test.)
 
 In one run, on the same model, prompts, dtype and stopping rule (greedy, EOS, max new tokens):
-  * the machine: read bandwidth (a tensor of random values summed: 256 MB on a CPU, 2 GB on a GPU) and the roofline of one
-    forward, weight bytes / bandwidth;
+  * the machine: read bandwidth (a tensor of random values summed: twice the L3, at least 256 MB, on a CPU;
+    2 GB on a GPU) and the roofline of one forward, weight bytes / bandwidth; on a CPU the FMA peak
+    (registers only) and each verification size's floor, max(bytes / bandwidth, flops / peak);
   * the target's forward latency against tokens per forward (1..64 after a 256-token prefix):
     the engine as it runs (its own fused forward, `engine.decoder=auto`, and the measured linear
     path, `engine.skinny_gemm=auto`), the `transformers` decoder stack on that linear path, and
@@ -10,8 +11,9 @@ In one run, on the same model, prompts, dtype and stopping rule (greedy, EOS, ma
     speculation can gain;
   * where a one-token forward's time goes: its GEMMs (and the bandwidth they reach) against
     everything else (the other aten ops and Python), and how many aten calls it makes;
-  * one EAGLE draft level (a head forward over 4 nodes + the vocabulary projection) with the full
-    vocabulary and with the reduced one, in units of the target's one-token forward;
+  * one draft level of each head kind (EAGLE with the full and the reduced vocabulary, EAGLE-3: the
+    head over 4 nodes + its projection) and one token of the SpS draft LM, in units of the target's
+    one-token forward;
   * our AR loop vs `transformers` `generate(do_sample=False)`, and our SpS vs
     `generate(assistant_model=draft)` with the same draft and a constant γ; both sides' tokens compared.
 Alternatives are interleaved and repeated; medians are reported. Writes results/perf/<hardware>-<dtype>.json.
@@ -35,7 +37,8 @@ from harness.environment import environment, hardware_name, hardware_slug
 from harness.prompts import ChatTemplate, Message
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
-from methods.engine.hardware import forward_latencies, read_bandwidth, weight_bytes
+from methods.engine import native
+from methods.engine.hardware import forward_latencies, forward_latency, read_bandwidth, weight_bytes
 from methods.engine.linear import gemms_skipped
 from methods.engine.runner import ModelRunner
 from methods.models.heads.checkpoints import head_spec
@@ -114,36 +117,53 @@ def forward_breakdown(runner: ModelRunner, weights: int, prefix: int = 256, roun
 
 
 @torch.inference_mode()
-def eagle_level_cost(model, runner: ModelRunner, context: BuildContext, nodes: int = 4, rounds: int = 9) -> dict | None:
-    """Seconds of one EAGLE draft level (head forward over `nodes` tree nodes at a 256-pair cache,
-    then the projection) with the full and the reduced vocabulary."""
+def draft_level_costs(model, runner: ModelRunner, context: BuildContext, config, nodes: int = 4, rounds: int = 9) -> dict:
+    """Seconds of one draft level of each head kind this model has: EAGLE's and EAGLE-3's (the
+    head's layer over `nodes` tree nodes at a 256-pair cache, then the projection; EAGLE with the
+    full and the reduced vocabulary, EAGLE-3 over its own), and one token of the SpS draft LM
+    (a 256-token prefix), with the draft LM's share of the target's weight bytes."""
     from methods.eagle import EagleDrafter
+    from methods.eagle3 import Eagle3Drafter
+    from methods.models.heads.eagle3 import load_eagle3_head
 
+    drafters, widths = {}, {}
+    vocabulary = context.draft_vocabulary({})
     try:
         head = load_eagle_head(head_spec({}, context, "eagle"), model)
+        drafters["eagle, full vocabulary"] = EagleDrafter(head, runner.lm_head)
+        if vocabulary is not None:
+            drafters[f"eagle, {len(vocabulary)} tokens"] = EagleDrafter(head, runner.lm_head, vocabulary)
+        runner.cover(head, *drafters["eagle, full vocabulary"].linears,
+                     *([vocabulary.head(runner.lm_head.weight)] if vocabulary else []))
     except (ValueError, OSError) as err:
-        print(f"  (no EAGLE head for this model: {err}; level cost skipped)")
-        return None
-    vocabulary = context.draft_vocabulary({})
-    drafters = {"full": EagleDrafter(head, runner.lm_head)}
-    if vocabulary is not None:
-        drafters[f"reduced_{len(vocabulary)}"] = EagleDrafter(head, runner.lm_head, vocabulary)
-    runner.cover(head, *drafters["full"].linears, *([vocabulary.head(runner.lm_head.weight)] if vocabulary else []))
+        print(f"  (no EAGLE head for this model: {err}; its level cost skipped)")
+    try:
+        head3 = load_eagle3_head(head_spec({}, context, "eagle3"), model)
+        name = f"eagle3, {head3.lm_head.out_features} tokens"
+        drafters[name] = Eagle3Drafter(head3)
+        widths[name] = len(head3.layers)
+        runner.cover(*[m for d in drafters.values() for m in (d.head, *d.linears)])
+    except (ValueError, OSError) as err:
+        print(f"  (no EAGLE-3 head for this model: {err}; its level cost skipped)")
     hidden = model.config.hidden_size
-    features = torch.randn(256, hidden, dtype=runner.dtype, device=model.device)
     samples = {name: [] for name in drafters}
     with runner.linear.active():
-        for drafter in drafters.values():
+        for name, drafter in drafters.items():
             drafter.reset()
-            drafter.follow(list(range(256)), features)
+            drafter.follow(list(range(256)), torch.randn(256, widths.get(name, 1) * hidden, dtype=runner.dtype,
+                                                         device=model.device))
         for _ in range(rounds):
             for name, drafter in drafters.items():
                 def level():
-                    out = drafter.feed_level(list(range(nodes)), features[:nodes], 1, [[] for _ in range(nodes)])
+                    parent = drafter.root_hidden.expand(nodes, -1)
+                    out = drafter.feed_level(list(range(nodes)), parent, 1, [[] for _ in range(nodes)])
                     drafter.logits(out)
                 samples[name].append(timed(level, runner.device))
                 drafter.cache.rollback(drafter.committed)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    costs = {name: statistics.median(v) for name, v in samples.items()}
+    draft = load_draft_lm(OmegaConf.to_container(config.drafts.sps, resolve=True), model)
+    costs["draft LM token"] = forward_latency(ModelRunner(draft), (1,), prefix_length=256, repeats=rounds)[1]
+    return {"seconds": costs, "nodes": nodes, "draft_lm_weight_share": weight_bytes(draft) / weight_bytes(model)}
 
 
 def main(argv=None) -> dict:
@@ -174,18 +194,21 @@ def main(argv=None) -> dict:
     bandwidth = read_bandwidth() if device.type == "cpu" else read_bandwidth(2048, device=device)
     weights = weight_bytes(model)
     roofline = weights / bandwidth if bandwidth else None
+    peak = native.fma_peak() if native.available(device, dtype) else None  # fp32 kernels
+    floors = verification_floors(weights, next(model.parameters()).element_size(), bandwidth, peak)
     print("measuring the linear path (once per machine; cached) ...", flush=True)
     runners = {"auto": ModelRunner(model, "auto", "auto"), "transformers": ModelRunner(model, "auto", "transformers"),
                "off": ModelRunner(model, "off", "transformers")}
     curves = forward_latencies(runners, SIZES, prefix_length=256, repeats=7)
     breakdown = {name: forward_breakdown(runners[name], weights) for name in ("auto", "transformers")}
     context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True))
-    level = eagle_level_cost(model, runners["auto"], context)
+    level = draft_level_costs(model, runners["auto"], context, config)
     result = {
         "dtype": dtype_name, "device": str(device), "hardware": hardware, "environment": env,
         "read_bandwidth_bytes_per_second": bandwidth, "weight_bytes": weights, "roofline_seconds": roofline,
+        "fma_peak_flops_per_second": peak, "floor_seconds_by_tokens": floors,
         "forward_seconds_by_tokens": curves, "one_token_forward_breakdown": breakdown, "linear_kernels": runners["auto"].linear.describe(),
-        "eagle_level_seconds": level,
+        "draft_level": level,
     }
     print_curves(result)
 
@@ -200,18 +223,37 @@ def main(argv=None) -> dict:
     return result
 
 
+def verification_floors(weights: int, element_size: int, bandwidth: float | None, peak: float | None) -> dict | None:
+    """What a forward over n tokens cannot beat on this machine: the weights read once at the
+    measured bandwidth, or the multiply-adds of n tokens (2 flops per weight per token) at the
+    measured FMA peak, whichever is longer (perfect overlap of the two; attention's few flops and
+    the cache's reads left out)."""
+    if not bandwidth or not peak:
+        return None
+    return {n: max(weights / bandwidth, 2 * (weights // element_size) * n / peak) for n in SIZES}
+
+
 def print_curves(result: dict) -> None:
     curves = result["forward_seconds_by_tokens"]
     if result["roofline_seconds"]:
         print(f"read bandwidth {result['read_bandwidth_bytes_per_second'] / 1e9:.1f} GB/s; weights "
               f"{result['weight_bytes'] / 1e6:.0f} MB -> roofline t(1) = {1000 * result['roofline_seconds']:.1f} ms")
+    if result.get("fma_peak_flops_per_second"):
+        print(f"FMA peak {result['fma_peak_flops_per_second'] / 1e9:.0f} GFLOP/s ({native.isa()} build, "
+              f"{torch.get_num_threads()} threads, registers only)")
     print("target forward by tokens per forward (256-token prefix), median ms and ratio to one token:")
     labels = {"auto": "engine (fused forward, measured linears)", "transformers": "transformers stack, measured linears",
               "off": "transformers stack, F.linear"}
     width = max(len(label) for label in labels.values())
     print("  " + f"{'':<{width}}" + "".join(f"{n:>13}" for n in SIZES))
+    floors = result.get("floor_seconds_by_tokens")
+    if floors:
+        label = "floor: max(bytes / bandwidth, flops / FMA peak)"
+        print("  " + f"{label:<{width}}" + "".join(f"{1000 * floors[n]:>7.1f} {floors[n] / floors[1]:>4.2f}x" for n in SIZES))
     for name, curve in curves.items():
         print("  " + f"{labels.get(name, name):<{width}}" + "".join(f"{1000 * curve[n]:>7.1f} {curve[n] / curve[1]:>4.2f}x" for n in SIZES))
+    if floors:
+        print("  engine / floor: " + "  ".join(f"t({n}) {curves['auto'][n] / floors[n]:.2f}x" for n in SIZES))
     if result["roofline_seconds"]:
         one = curves["auto"][1]
         print(f"  t(1) = {one / result['roofline_seconds']:.2f}x the roofline")
@@ -226,11 +268,14 @@ def print_curves(result: dict) -> None:
         print(f"  {labels.get(name, name)}: t(1) {1000 * part['t1_seconds']:.1f} ms = GEMMs "
               f"{1000 * part['gemm_seconds']:.1f} ms ({(bandwidth or 0) / 1e9:.1f} GB/s{share}) + everything else "
               f"{1000 * part['without_gemms_seconds']:.1f} ms ({part['aten_calls']} aten calls)")
-    level = result.get("eagle_level_seconds")
+    level = result.get("draft_level")
     if level:
         one = curves["auto"][1]
-        print("EAGLE draft level (4 nodes): " + ", ".join(
-            f"{name} {1000 * s:.1f} ms = {s / one:.3f} t(1)" for name, s in level.items()))
+        print(f"one draft level ({level['nodes']} nodes) or draft-LM token, in units of the target's t(1):")
+        for name, s in level["seconds"].items():
+            share = (f" (its weights: {level['draft_lm_weight_share']:.3f} of the target's)"
+                     if name == "draft LM token" else "")
+            print(f"  {name:<28} {1000 * s:6.2f} ms = {s / one:.3f} t(1){share}")
 
 
 def greedy_generate(model, device, max_new_tokens: int, eos: list[int]):

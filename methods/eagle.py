@@ -60,8 +60,8 @@ class EagleDrafter:
         self.head, self.lm_head, self.vocabulary = head, lm_head, vocabulary
         self.device = head.fc.weight.device
         self.dtype = head.fc.weight.dtype
-        # the head's layer on the engine's fused forward where it runs (EAGLE-3's head has its own)
-        self.fused = head.fused() if hasattr(head, "fused") else None
+        # the head's layer on the engine's fused forward where it runs (EAGLE's and EAGLE-3's)
+        self.fused = head.fused()
         self.linears = [self.fused[0].qkv, self.fused[0].gate_up] if self.fused else []
         self.reset()
 
@@ -76,9 +76,9 @@ class EagleDrafter:
         if self.fused is None:
             return self.head(tokens, features, positions, mask, self.cache)
         layer, rope = self.fused
-        x = self.head.inputs(tokens, features)[None]
+        x, attn_in = self.head.layer_inputs(tokens, features)
         cos, sin = rope.lookup(positions.view(1, -1), x)
-        return layer.forward(x, cos, sin, mask, self.cache)[0]
+        return layer.forward(x[None], cos, sin, mask, self.cache, None if attn_in is None else attn_in[None])[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():

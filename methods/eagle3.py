@@ -46,8 +46,9 @@ class Eagle3Decoder(Eagle2Decoder):
         target.capture_inputs(head.layers)
 
     def make_drafter(self, head: Eagle3Head, vocabulary) -> Eagle3Drafter:
-        self.target.cover(head)
-        return Eagle3Drafter(head)
+        drafter = Eagle3Drafter(head)
+        self.target.cover(head, *drafter.linears)
+        return drafter
 
     def features(self, out) -> torch.Tensor:
         return out.layers

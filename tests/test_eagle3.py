@@ -4,6 +4,7 @@ training-time test against inference, and the harness end to end."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -170,6 +171,36 @@ def test_eagle3_loader_matches_the_reference(tmp_path, case):
     full[draft_ids] = draft_logits[-1]  # target id = draft id + d2t[draft id]
     torch.testing.assert_close(drafter.root_logits, full, rtol=1e-4, atol=1e-4)
     assert (head.vocabulary is None) == (case == "safetensors-full-no-maps")
+
+
+@pytest.mark.parametrize("native_call", [False, True], ids=["torch ops", "one native call"])
+def test_eagle3_head_drafts_the_same_on_the_fused_layer(tmp_path, native_call, monkeypatch):
+    """The EAGLE-3 drafter runs its midlayer on the fused forward (q, k, v reading
+    [input_layernorm(embed); hidden_norm(g)], the residual stream g): the committed pairs and two
+    tree levels give the head's own (transformers) forward's outputs; with every linear on the
+    native kernel, the layer is one native call."""
+    from tests.test_native import all_native, layer_calls, native
+
+    if native_call and native.unavailable_reason() is not None:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    calls = layer_calls(monkeypatch)
+    target = tiny_model("llama", seed=67, vocab_size=64, layers=LAYERS)
+    write_eagle3(tmp_path, target, None, seed=3)
+    fused, stock = (Eagle3Drafter(load_eagle3_head(ModelSpec(path=str(tmp_path)), target)) for _ in range(2))
+    stock.fused = None
+    assert fused.fused is not None and len(fused.linears) == 2
+    path = all_native([fused.head, *fused.linears]) if native_call else None
+    features = target_features(target, list(range(1, 13)))
+    outputs = []
+    for drafter in (fused, stock):
+        with path.active() if path else contextlib.nullcontext():
+            drafter.follow(list(range(10, 22)), features)
+            first = drafter.feed_level([4, 5, 6], drafter.root_hidden.expand(3, -1), 1, [[], [], []])
+            second = drafter.feed_level([7, 8], first[:2], 2, [[0], [1]])
+        outputs.append((drafter.root_hidden, drafter.root_logits, first, second))
+    assert calls == ([12, 3, 2] if native_call else [])
+    for a, b in zip(*outputs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_eagle3_loader_rejects_what_does_not_fit(tmp_path):

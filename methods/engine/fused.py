@@ -148,19 +148,22 @@ class FusedLayer:
         return self.native
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache) -> torch.Tensor:
+                cache, attn_in: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, n, H] -> [B, n, H]; cos/sin [B, n, 1, d] (sin signed: `RopeTable`); appends k/v to
-        `cache` at this layer's index; no mask: causal over the new tokens (a prefill) or one token."""
+        `cache` at this layer's index; no mask: causal over the new tokens (a prefill) or one token.
+        `attn_in` [B, n, qkv's inputs]: what q, k, v read instead of the input norm of x (EAGLE-3's
+        layer, whose residual stream x is not what its attention reads)."""
         batch, n, _ = x.shape
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         whole = self.native_layer(x, mask, cache)
         if whole is not None:
             keys, values, start = cache.reserve(self.index, n, batch, kv_heads, d, x.dtype, x.device)
-            y = whole(x, cos, sin, keys, values, start, mask, gemms_are_skipped())
+            y = whole(x, cos, sin, keys, values, start, mask, gemms_are_skipped(), attn_in)
             cache.advance(self.index, n)
             return y
         glue = native_active(x)  # native RMSNorm, RoPE, KV write
-        qkv = self.qkv(rms_norm(x, self.input_norm, glue)).view(batch, n, heads + 2 * kv_heads, d)
+        qkv = self.qkv(rms_norm(x, self.input_norm, glue) if attn_in is None else attn_in)
+        qkv = qkv.view(batch, n, heads + 2 * kv_heads, d)
         # native RoPE + KV write where the projection came back in rows (a transposed `w_xt` output
         # goes the torch way: attention's rounding follows q's memory layout, and torch's q has qkv's)
         if glue and qkv.is_contiguous() and hasattr(cache, "reserve"):

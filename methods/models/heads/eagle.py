@@ -63,6 +63,10 @@ class EagleHead(nn.Module):
         """tokens [n], features [n, H] -> the layer's input fc([e(x); f]) [n, H]"""
         return self.fc(torch.cat([self.embed_tokens(tokens), features.to(self.fc.weight.dtype)], dim=-1))
 
+    def layer_inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The fused layer's input x [n, H] (its q, k, v read its input norm of x: None)."""
+        return self.inputs(tokens, features), None
+
     def fused(self):
         """(layer, rope table) on the engine's fused forward (`engine/fused.py`) for drafting, or
         None where its layer type is not supported; training keeps `forward`."""

@@ -86,6 +86,30 @@ class Eagle3Head(nn.Module):
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.vocabulary: DraftVocabulary | None = None  # the target ids of the draft vocabulary (None: all, in order)
 
+    def fused(self):
+        """(layer, rope table) on the engine's fused forward (`engine/fused.py`) for drafting: the
+        midlayer as a fused layer whose q, k, v read `layer_inputs`' second part; None where its
+        layer type is not supported; training keeps `forward`."""
+        from ...engine.fused import RopeTable, fused_layer, unsupported_layers
+
+        if unsupported_layers(self.config, self.rotary_emb):
+            return None
+        layer = fused_layer(self.midlayer, self.config)
+        return layer, RopeTable(self.rotary_emb, layer.head_dim)
+
+    def layer_inputs(self, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [n], hidden [n, H] -> the fused layer's residual stream g [n, H] and what its
+        q, k, v read, [input_layernorm(embed(tokens)); hidden_norm(g)] [n, 2·H]."""
+        from ...engine.fused import rms_norm
+        from ...engine.linear import native_active
+
+        hidden = hidden.to(self.fc.weight.dtype)
+        embeds = self.embed_tokens(tokens)
+        glue = native_active(hidden)
+        midlayer = self.midlayer
+        return hidden, torch.cat([rms_norm(embeds, midlayer.input_layernorm, glue),
+                                  rms_norm(hidden, midlayer.hidden_norm, glue)], dim=-1)
+
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """[n, 3·H_t] target features -> [n, H]."""
         return self.fc(features.to(self.fc.weight.dtype))
