@@ -266,52 +266,58 @@ class Eagle2Decoder(_EagleBase):
         self._follow_seconds = time.perf_counter() - started
 
     def _propose(self, root: int, budget: int) -> Tree:
+        """EAGLE-2's expansion: the top-k children of the root, then per level the top-k children of
+        the k best frontier nodes, of which the k best by path value form the next frontier; the
+        candidates' tokens, parents and values stay tensors (one host read a level: the frontier's
+        candidate ids, for the level mask); `_rerank` keeps the best."""
         levels = min(self.depth + 1, budget)  # draft tokens along a path
         if levels <= 0:
             return Tree(torch.tensor([root]), [-1])
         k = min(self.top_k, self.drafter.root_logits.shape[-1])
+        device = self.drafter.root_logits.device
         # candidates in creation order (ancestors before descendants): token, parent (-1 = root), value
-        cand_tokens: list[int] = []
-        cand_parent: list[int] = []
-        values = []
-        logp = torch.log_softmax(self.drafter.root_logits, -1)
-        top = torch.topk(logp, k)
-        cand_tokens += top.indices.tolist()
-        cand_parent += [-1] * k
-        values.append(top.values)
-        frontier = list(range(k))
-        frontier_values = top.values
-        frontier_hidden = self.drafter.root_hidden.expand(k, -1)
+        top = torch.topk(torch.log_softmax(self.drafter.root_logits, -1), k)
+        tokens, parents, values = [top.indices], [torch.full((k,), -1, device=device)], [top.values]
+        frontier = list(range(k))  # candidate ids (host: the level mask is built from them)
+        frontier_ids = torch.arange(k, device=device)
+        frontier_values, frontier_hidden = top.values, self.drafter.root_hidden.expand(k, -1)
+        visible_of: dict[int, list[int]] = {c: [] for c in frontier}  # candidate -> its ancestors' slots
         slot_of: dict[int, int] = {}
+        count = k
         for level in range(1, levels):
-            visible = [[slot_of[a] for a in ancestors_of(cand_parent, c, stop_at=-1)] for c in frontier]
-            hidden = self.drafter.feed_level([cand_tokens[c] for c in frontier], frontier_hidden, level, visible)
+            hidden = self.drafter.feed_level(torch.cat(tokens)[frontier_ids], frontier_hidden, level,
+                                             [visible_of[c] for c in frontier])
             base = len(slot_of)
             for i, c in enumerate(frontier):
                 slot_of[c] = base + i
             child = torch.topk(torch.log_softmax(self.drafter.logits(hidden), -1), k)  # [k, k]
             cumulative = (frontier_values[:, None] + child.values).flatten()
-            first = len(cand_tokens)
-            cand_tokens += child.indices.flatten().tolist()
-            cand_parent += [c for c in frontier for _ in range(k)]
+            tokens.append(child.indices.flatten())
+            parents.append(frontier_ids.repeat_interleave(k))
             values.append(cumulative)
             best = torch.topk(cumulative, k).indices
-            frontier = [first + int(i) for i in best]
+            picks = best.tolist()  # the level's one host read: the next frontier (this level's candidates from `count`)
+            visible_of = {count + i: visible_of[frontier[i // k]] + [slot_of[frontier[i // k]]] for i in picks}
+            frontier, frontier_ids = [count + i for i in picks], best + count
+            count += k * k
             frontier_values = cumulative[best]
             frontier_hidden = hidden[best // k]
-        return self._rerank(root, cand_tokens, cand_parent, torch.cat(values))
+        return self._rerank(root, torch.cat(tokens), torch.cat(parents), torch.cat(values))
 
-    def _rerank(self, root: int, tokens: list[int], parents: list[int], values: torch.Tensor) -> Tree:
-        """Keep the best `total_tokens - 1` candidates; ties go to the earlier candidate, so a
-        kept node's ancestors (never worth less) are kept too."""
-        keep = min(self.total_tokens - 1, len(tokens))
-        order = sorted(range(len(tokens)), key=lambda c: (-float(values[c]), c))[:keep]
+    def _rerank(self, root: int, tokens: torch.Tensor, parents: torch.Tensor, values: torch.Tensor) -> Tree:
+        """Keep the best `total_tokens - 1` candidates; ties go to the earlier candidate (a stable
+        sort), so a kept node's ancestors (never worth less) are kept too. On tensors: one host read
+        for the adaptive size's probabilities, one for the tree's parents."""
+        keep = min(self.total_tokens - 1, tokens.numel())
+        order = torch.sort(values, descending=True, stable=True).indices[:keep]
         if self.verify_seconds is not None:
             order = order[:self.adaptive_size(values[order].exp().tolist())]
-        kept = sorted(order)
-        node_of = {c: i + 1 for i, c in enumerate(kept)}
-        tree_parents = [-1] + [0 if parents[c] < 0 else node_of[parents[c]] for c in kept]
-        return Tree(torch.tensor([root] + [tokens[c] for c in kept]), tree_parents)
+        kept = torch.sort(order).values
+        node_of = torch.zeros_like(parents)  # candidate -> its node in the tree (1-based); the root's children: 0
+        node_of[kept] = torch.arange(1, kept.numel() + 1, device=kept.device)
+        kept_parents = parents[kept]
+        tree_parents = torch.where(kept_parents < 0, 0, node_of[kept_parents.clamp(min=0)])
+        return Tree(torch.cat([tokens.new_tensor([root]), tokens[kept]]), [-1] + tree_parents.tolist())
 
     def adaptive_size(self, probabilities: list[float]) -> int:
         """How many of the best candidates (path probabilities, best first) to verify: the n with
