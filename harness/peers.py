@@ -219,7 +219,7 @@ def say(line: str) -> None:
 def run_peers(args, model, tokenizer, config, device, result: dict) -> dict:
     """Measure the peers; print the table; return {"peers": {...}} for perf's JSON. Never raises for
     a missing or failing peer: it is skipped with a one-line reason."""
-    from harness.perf import greedy_generate, spec_bench_prompts
+    from harness.workload import greedy_generate, spec_bench_prompts
     from harness.prompts import ChatTemplate
     from methods.ar import AutoregressiveDecoder
     from methods.engine.runner import ModelRunner
@@ -301,7 +301,7 @@ def time_contenders(contenders: dict, prompts: list[list[int]], repeats: int, de
             failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             say(f"{ENGINES.get(name, name)} skipped: {failed[name]}")
             del contenders[name]
-    from harness.perf import timed_generations
+    from harness.workload import timed_generations
 
     speeds, outputs = timed_generations(contenders, prompts, repeats, device)
     reference = outputs.get("ar_ours", {})

@@ -30,15 +30,15 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from harness.datasets import load_questions
 from harness.environment import environment, hardware_name, hardware_slug
-from harness.prompts import ChatTemplate, Message
+from harness.prompts import ChatTemplate
+from harness.workload import greedy_generate, spec_bench_prompts, timed_generations
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
 from methods.engine.hardware import forward_latencies, read_bandwidth, weight_bytes
 from methods.engine.linear import gemms_skipped
 from methods.engine.runner import ModelRunner
-from methods.models.heads.checkpoints import head_spec
+from methods.models.heads.source import head_spec
 from methods.models.heads.eagle import load_eagle_head
 from methods.models.loading import load_draft_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
 from methods.models.specs import ModelSpec, model_config
@@ -46,12 +46,6 @@ from methods.sps import SpeculativeSamplingDecoder
 
 EMBEDDED = "smollm2-135m"
 SIZES = (1, 2, 4, 8, 16, 32, 64)
-
-
-def spec_bench_prompts(template: ChatTemplate, count: int) -> list[list[int]]:
-    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "dataset" / "spec_bench.yaml")
-    questions = load_questions(cfg, count)
-    return [template.prompt_ids([Message("user", q.turns[0])]) for q in questions]
 
 
 def timed(fn, device) -> float:
@@ -231,36 +225,6 @@ def print_curves(result: dict) -> None:
         one = curves["auto"][1]
         print("EAGLE draft level (4 nodes): " + ", ".join(
             f"{name} {1000 * s:.1f} ms = {s / one:.3f} t(1)" for name, s in level.items()))
-
-
-def greedy_generate(model, device, max_new_tokens: int, eos: list[int]):
-    """`transformers` `generate`, greedy, as a function prompt ids (+ generate's kwargs) -> new tokens."""
-    def run(prompt, **kwargs):
-        ids = torch.tensor([prompt], device=device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos, pad_token_id=eos[0], **kwargs)
-        return out[0, len(prompt):].tolist()
-    return run
-
-
-def timed_generations(contenders: dict, prompts: list[list[int]], repeats: int, device) -> tuple[dict, dict]:
-    """Every contender (prompt -> new tokens) on every prompt, interleaved per prompt, `repeats`
-    times: ({name: [tokens/s per generation]}, {name: {prompt index: tokens}})."""
-    tokens_per_second = {name: [] for name in contenders}
-    outputs: dict[str, dict[int, list[int]]] = {name: {} for name in contenders}
-    rounds, began = max(1, repeats), time.perf_counter()
-    for round_ in range(rounds):
-        print(f"  round {round_ + 1}/{rounds}: {len(prompts)} prompts x {', '.join(contenders)} "
-              f"({time.perf_counter() - began:.0f} s so far)", flush=True)
-        for index, prompt in enumerate(prompts):
-            for name, run in contenders.items():
-                start = time.perf_counter()
-                tokens = run(prompt)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                tokens_per_second[name].append(len(tokens) / (time.perf_counter() - start))
-                outputs[name][index] = tokens
-    return tokens_per_second, outputs
 
 
 def compare_with_transformers(args, model, tokenizer, config, device) -> dict:

@@ -18,7 +18,7 @@ from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
 from methods.engine.vocab import DraftVocabulary
-from methods.models.heads.checkpoints import head_spec
+from methods.models.heads.source import head_spec
 from methods.models.heads.eagle3 import load_eagle3_head
 from methods.models.specs import ModelSpec
 from tests.conftest import write_checkpoint, tiny_config, tiny_model

@@ -15,18 +15,9 @@ from .draft_lm import DraftLMRecipe
 from .eagle import EagleRecipe
 from .eagle3 import Eagle3Recipe, attach_cached_features, attach_features
 from .examples import attach_hidden, feature_spread, load_examples, split
-from .loop import ROOT, evaluate, model_card, train
+from .loop import ROOT, evaluate, load_target, model_card, train
 from .hydra import HydraRecipe
 from .medusa import MedusaRecipe
-
-
-def load_target(model_name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-    from methods.models.loading import load_model, load_tokenizer
-    from methods.models.specs import ModelSpec, model_config
-
-    cfg = model_config(model_name)
-    spec = ModelSpec.from_mapping(cfg)
-    return cfg, load_model(spec, dtype, torch.device(device)), load_tokenizer(spec)
 
 
 def training_device(name: str) -> torch.device:

@@ -335,7 +335,7 @@ def distill_dtype(choice: str, device: torch.device | str = "cpu") -> torch.dtyp
 
 def _answer_target(model_name: str, dtype: torch.dtype, device: torch.device | str = "cpu"):
     from harness.prompts import ChatTemplate
-    from harness.training.__main__ import load_target
+    from harness.training.loop import load_target
 
     cfg, target, tokenizer = load_target(model_name, dtype, device)
     if dtype == torch.bfloat16 and target.device.type == "cpu":

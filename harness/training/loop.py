@@ -26,6 +26,16 @@ ROOT = Path(__file__).resolve().parents[2]
 CPU_MICRO_BATCH = 4
 
 
+def load_target(model_name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    """The target a recipe distils from: (its model config, the model, its tokenizer)."""
+    from methods.models.loading import load_model, load_tokenizer
+    from methods.models.specs import ModelSpec, model_config
+
+    cfg = model_config(model_name)
+    spec = ModelSpec.from_mapping(cfg)
+    return cfg, load_model(spec, dtype, torch.device(device)), load_tokenizer(spec)
+
+
 def evaluate(recipe, examples: list[Example], micro_batch: int = 8) -> dict[str, float]:
     """Held-out teacher-forced top-1 agreement of each draft position with the target's own argmax
     (`acc_k`: the fraction of answer positions where draft position k proposes the target's choice

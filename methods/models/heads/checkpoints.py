@@ -88,17 +88,3 @@ def place_like_target(head: torch.nn.Module, target_model, shared_embedding=None
 def read_config(folder: Path) -> dict:
     file = folder / "config.json"
     return json.loads(file.read_text()) if file.is_file() else {}
-
-
-def head_spec(params: dict, context, kind: str) -> ModelSpec:
-    """Where a method's draft head comes from: `method.head` when given, else the model config's
-    `drafts.<kind>`. `{path: ...}` is a Hub id or folder in the released format;
-    `{random_init: seed}` writes randomly initialized weights in that format once (cached) and
-    loads them through the same loader: exact decoding, near-zero acceptance."""
-    spec = dict(params.get("head") or context.draft_spec(kind, params.get("name", kind)))
-    if spec.get("random_init") is not None:
-        from .random_init import random_head_folder
-
-        folder = random_head_folder(kind, context.target_model, int(spec["random_init"]))
-        return ModelSpec(path=str(folder), override_hint="method.head.path")
-    return ModelSpec.from_mapping(spec, override_hint="method.head.path")
