@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from harness.results import read_jsonl
-from harness.run import run
+from harness.running.results import read_jsonl
+from harness.running.run import run
 from methods.base import DraftVerifyDecoder, available_methods, register
 from methods.engine.params import integer
 from methods.engine.tree import Tree

@@ -502,7 +502,7 @@ def tiny_deep_chat_model_dir(tmp_path_factory, embedded):
 def test_bench_runs_eagle3_with_a_released_format_head(tiny_deep_chat_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from harness.run import run
+    from harness.running.run import run
     from tests.test_harness import config, tiny_overrides
 
     target = AutoModelForCausalLM.from_pretrained(tiny_deep_chat_model_dir)

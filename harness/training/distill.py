@@ -221,7 +221,7 @@ def _words(text: str) -> list[str]:
 def evaluation_texts(question_files: Iterable[Path]) -> list[str]:
     """Every turn (and reference) of the question files that exist, plus the needle set's filler: the
     texts a training prompt must not share."""
-    from harness.datasets import _FILLER
+    from harness.running.datasets import _FILLER
 
     texts = list(_FILLER)
     for file in question_files:
@@ -268,8 +268,8 @@ def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batc
     each batch finishes and a rerun answers only the prompts it lacks."""
     from tqdm import tqdm
 
-    from harness.prompts import Message
-    from harness.results import read_jsonl, rewrite_jsonl
+    from harness.running.prompts import Message
+    from harness.running.results import read_jsonl, rewrite_jsonl
 
     pad = template.tokenizer.pad_token_id
     if pad is None:
@@ -334,7 +334,7 @@ def distill_dtype(choice: str, device: torch.device | str = "cpu") -> torch.dtyp
 
 
 def _answer_target(model_name: str, dtype: torch.dtype, device: torch.device | str = "cpu"):
-    from harness.prompts import ChatTemplate
+    from harness.running.prompts import ChatTemplate
     from harness.training.loop import load_target
 
     cfg, target, tokenizer = load_target(model_name, dtype, device)
@@ -397,7 +397,7 @@ def corpus(args, data_file: Path, manifest_file: Path | None = None) -> None:
 
     from harness.training.loop import ROOT, _machine
 
-    from harness.results import read_jsonl
+    from harness.running.results import read_jsonl
 
     prompts_file = getattr(args, "prompts_file", None)
     prompts = read_jsonl(prompts_file) if prompts_file else training_prompts(args.prompts, args.seed)

@@ -65,7 +65,7 @@ ConfigStore.instance().store(group="hydra/launcher", name="decodebench_local", n
 
 def queue_watcher(delay_s: float):
     """A submitit SlurmInfoWatcher that reads sacct while it works and scontrol when it does not."""
-    from harness.cluster import job_states
+    from harness.cluster.slurm import job_states
     from submitit.slurm.slurm import SlurmInfoWatcher
 
     class QueueWatcher(SlurmInfoWatcher):
@@ -260,7 +260,7 @@ def describe(job, record: dict | None) -> tuple[str, str]:
     job_name = f"{slurm['array_job_id']}_{slurm['task_id']}" if slurm.get("array_job_id") else slurm.get("job_id")
     where = f" on {slurm['node']}, job {job_name}" if slurm.get("node") else ""
     if status == "ok":
-        from harness.metrics import speedup_status
+        from harness.running.metrics import speedup_status
 
         numbers = speedup_status(record.get("speedup"), record.get("speedup_ci95"), record.get("tau"), record.get("caveats"))
         return "done", f"done{where}: {numbers} ({record.get('results')})"
@@ -280,8 +280,8 @@ def questions_done(record: dict) -> str:
     total = record.get("questions")
     if not record.get("results") or total is None:
         return "loading"
-    from harness.machine import is_busy
-    from harness.results import read_jsonl  # half-written lines are skipped
+    from harness.running.busy import is_busy
+    from harness.running.results import read_jsonl  # half-written lines are skipped
 
     rows = {name: read_jsonl(Path(record["results"]) / "answers" / f"{name}.jsonl") for name in {record.get("method"), "ar"}}
     done = {row.get("question_id") for row in rows[record.get("method")]}

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
+from harness import REPO
 from methods.engine.hardware import cpu_isa, cpu_model
 
-REPO = Path(__file__).resolve().parents[1]
 DECODING_CODE = REPO / "methods"
 
 

@@ -29,7 +29,8 @@ from typing import Callable, Sequence
 import torch
 from omegaconf import OmegaConf
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import REPO
+
 INSTALL_HINT = "pip install -e '.[peers]'"
 CURVE_SIZES = (1, 2, 4, 8, 16)
 # llama.cpp's file types (include/llama.h `enum llama_ftype`) by torch dtype
@@ -219,8 +220,8 @@ def say(line: str) -> None:
 def run_peers(args, model, tokenizer, config, device, result: dict) -> dict:
     """Measure the peers; print the table; return {"peers": {...}} for perf's JSON. Never raises for
     a missing or failing peer: it is skipped with a one-line reason."""
-    from harness.workload import greedy_generate, spec_bench_prompts
-    from harness.prompts import ChatTemplate
+    from harness.perf.workload import greedy_generate, spec_bench_prompts
+    from harness.running.prompts import ChatTemplate
     from methods.ar import AutoregressiveDecoder
     from methods.engine.runner import ModelRunner
     from methods.models.loading import _gguf_source
@@ -301,7 +302,7 @@ def time_contenders(contenders: dict, prompts: list[list[int]], repeats: int, de
             failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             say(f"{ENGINES.get(name, name)} skipped: {failed[name]}")
             del contenders[name]
-    from harness.workload import timed_generations
+    from harness.perf.workload import timed_generations
 
     speeds, outputs = timed_generations(contenders, prompts, repeats, device)
     reference = outputs.get("ar_ours", {})

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import REPO
 
 
 @dataclass

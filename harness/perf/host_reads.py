@@ -85,9 +85,9 @@ def reads_per_step(decoder, prompts, stop) -> tuple[float, Counter, int]:
 def main(argv=None) -> dict:
     from omegaconf import OmegaConf
 
-    from harness.perf import EMBEDDED
-    from harness.workload import spec_bench_prompts
-    from harness.prompts import ChatTemplate
+    from harness.perf.engine import EMBEDDED
+    from harness.perf.workload import spec_bench_prompts
+    from harness.running.prompts import ChatTemplate
     from methods.base import BuildContext, available_methods, get_method
     from methods.engine.runner import ModelRunner
     from methods.engine.stopping import StopCondition

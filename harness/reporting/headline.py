@@ -27,7 +27,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import REPO
 
 
 def run_overrides(config, extra: list[str] = (), limit: int | None = None) -> dict[str, list[str]]:
@@ -84,13 +84,13 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         return hydra_compose("config", overrides=overrides)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=ROOT / "conf" / "headline" / "smollm2-135m.yaml")
+    parser.add_argument("--config", type=Path, default=REPO / "conf" / "headline" / "smollm2-135m.yaml")
     parser.add_argument("--limit", type=int, default=None, help="questions (stratified); default: the config's")
     parser.add_argument("--only", nargs="+", default=None, help="run these methods of the config only")
     parser.add_argument("--figures", type=Path, default=None, help="figures folder; default: the config's")
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         runs = {m: o for m, o in runs.items() if m in args.only}
     from hydra.errors import HydraException
 
-    from harness.validate import validate
+    from harness.running.validate import validate
 
     configs = {}
     for method, overrides in runs.items():  # every run's config, before the first run loads a model
@@ -126,10 +126,10 @@ def main(argv=None) -> int:
         if unmet:
             print(f"(--check only) {unmet}", file=sys.stderr)
         return 0
-    from harness import figures, report
-    from harness.metrics import fidelity_failure
-    from harness.results import FolderMismatch
-    from harness.run import run
+    from harness.reporting import figures, report
+    from harness.running.metrics import fidelity_failure
+    from harness.running.results import FolderMismatch
+    from harness.running.run import run
 
     folders, failures = {}, []
     for method, overrides in runs.items():

@@ -15,13 +15,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from harness import REPO
 from methods.base import check_method_params
 from methods.engine.fused import DECODER_MODES
 from methods.engine.hardware import SKINNY_GEMM_MODES
 from methods.engine.params import BOOL, Check, ConfigError, integer, null, number, one_of
 from methods.models.loading import DTYPES
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = REPO / "conf"
 
 TEXT = Check(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
 SCHEMA: dict[str, Check] = {
@@ -58,7 +59,7 @@ def validate(cfg: DictConfig) -> None:
     check_method_params(params.get("name"), params)
     quality = OmegaConf.to_container(cfg.dataset.quality, resolve=True) if cfg.dataset.get("quality") else {}
     if "humaneval_pass_at_1" in quality.values():  # runs generated code: only in a sandbox, or opted in
-        from harness.execution import require_sandbox
+        from harness.running.execution import require_sandbox
 
         require_sandbox()
 

@@ -38,7 +38,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 from scipy.stats import binomtest  # noqa: E402
 
-from harness.report import (  # noqa: E402
+from harness.reporting.report import (  # noqa: E402
     MIN_INTERVAL_N, OVERALL, Table, build_tables, column_counts, find_runs, group_table, method_label, run_set_name)
 
 plt.rcParams.update({"font.size": 8, "axes.titlesize": 8, "legend.fontsize": 6.5, "figure.dpi": 150,

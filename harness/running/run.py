@@ -21,15 +21,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from harness import machine
-from harness.execution import SandboxUnavailable
-from harness.datasets import Question, load_questions, truncate_middle
-from harness.environment import drafts_digest, environment, hardware_key, hardware_name, hardware_slug
-from harness.metrics import fidelity_failure, format_summary, summarize
-from harness.quality import score_records
-from harness.prompts import ChatTemplate, Message
-from harness.results import RECORDS_FORMAT, FolderMismatch, RunFolder, compact_margins, settings_hash, write_json
-from harness.validate import validate
+from harness import REPO
+from harness.running import busy
+from harness.running.execution import SandboxUnavailable
+from harness.running.datasets import Question, load_questions, truncate_middle
+from harness.running.environment import drafts_digest, environment, hardware_key, hardware_name, hardware_slug
+from harness.running.metrics import fidelity_failure, format_summary, summarize
+from harness.running.quality import score_records
+from harness.running.prompts import ChatTemplate, Message
+from harness.running.results import RECORDS_FORMAT, FolderMismatch, RunFolder, compact_margins, settings_hash, write_json
+from harness.running.validate import validate
 from methods.base import BuildContext, Decoder, get_method
 from methods.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from methods.models.specs import ModelSpec, ModelUnavailableError
@@ -257,9 +258,9 @@ def run(cfg: DictConfig, started=None) -> dict:
                 order.reverse()
             records = {}
             for name, decoder in order:
-                before = machine.snapshot()
+                before = busy.snapshot()
                 record = bench.answer(decoder, question, progress=live)
-                records[name] = {**record, "session": session, "machine": machine.state(before, machine.snapshot())}
+                records[name] = {**record, "session": session, "machine": busy.state(before, busy.snapshot())}
             folder.append({name: records[name] for name in bench.decoders})
     except KeyboardInterrupt:
         saved = len(folder.records(method, ids))
@@ -292,7 +293,7 @@ class Interrupted(RuntimeError):
     """Ctrl-C during a run: what is saved and how to resume, in one line."""
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(REPO / "conf"), config_name="config")
 def main(cfg: DictConfig) -> None:
     """In a multirun (sweep), each job also leaves `job.json` in its Hydra job folder: its
     overrides and status, with the results folder or the error and traceback, so that no failure
@@ -317,7 +318,7 @@ def main(cfg: DictConfig) -> None:
             print(failure, file=sys.stderr)
             sys.exit(1)
         return
-    from harness.cluster import slurm_job
+    from harness.cluster.slurm import slurm_job
 
     job_file = Path(hydra_cfg.runtime.output_dir) / "job.json"
     record = {"job": hydra_cfg.job.num, "job_id": hydra_cfg.job.get("id"), "overrides": list(hydra_cfg.overrides.task),
@@ -353,7 +354,7 @@ def job_result(summary: dict) -> dict:
 def entry(argv: list[str]) -> None:
     """`python -m harness.run`: a config group's unknown choice (`method=eagel`) is one line and
     exit code 2, checked before Hydra composes; then Hydra runs `main`."""
-    from harness.validate import check_group_choices
+    from harness.running.validate import check_group_choices
 
     try:
         check_group_choices(argv)

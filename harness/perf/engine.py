@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from harness.environment import environment, hardware_name, hardware_slug
-from harness.prompts import ChatTemplate
-from harness.workload import greedy_generate, spec_bench_prompts, timed_generations
+from harness.running.environment import environment, hardware_name, hardware_slug
+from harness.running.prompts import ChatTemplate
+from harness.perf.workload import greedy_generate, spec_bench_prompts, timed_generations
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
 from methods.engine.hardware import forward_latencies, read_bandwidth, weight_bytes
@@ -185,7 +185,7 @@ def main(argv=None) -> dict:
 
     if not args.curve_only:
         result.update(compare_with_transformers(args, model, tokenizer, config, device))
-    from harness import peers  # peers (issue 19.3): our/generate's PLD, llama.cpp; one table
+    from harness.perf import peers  # peers (issue 19.3): our/generate's PLD, llama.cpp; one table
     result.update(peers.run_peers(args, model, tokenizer, config, device, result))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{hardware_slug(env)}-{dtype_name}.json"

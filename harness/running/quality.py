@@ -100,7 +100,7 @@ def bleu_corpus(answers: list[str], references: list) -> float:
 
 
 def humaneval_pass_at_1(answer: str, reference) -> float:
-    from harness.execution import humaneval_passes
+    from harness.running.execution import humaneval_passes
 
     return float(humaneval_passes(answer, reference))
 

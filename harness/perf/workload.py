@@ -4,17 +4,17 @@ greedy `generate` as a contender, and contenders timed interleaved on every prom
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-from harness.datasets import load_questions
-from harness.prompts import ChatTemplate, Message
+from harness import REPO
+from harness.running.datasets import load_questions
+from harness.running.prompts import ChatTemplate, Message
 
 
 def spec_bench_prompts(template: ChatTemplate, count: int) -> list[list[int]]:
-    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "dataset" / "spec_bench.yaml")
+    cfg = OmegaConf.load(REPO / "conf" / "dataset" / "spec_bench.yaml")
     questions = load_questions(cfg, count)
     return [template.prompt_ids([Message("user", q.turns[0])]) for q in questions]
 

@@ -19,10 +19,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.metrics import busy_questions, caveat_note, caveats, compare_outputs, decoder_stats, speedup_stats
+from harness import REPO
+from harness.running.metrics import busy_questions, caveat_note, caveats, compare_outputs, decoder_stats, speedup_stats
 
-ROOT = Path(__file__).resolve().parents[1]
-PUBLISHED = ROOT / "docs" / "published"
+PUBLISHED = REPO / "docs" / "published"
 
 
 @dataclass(frozen=True)
