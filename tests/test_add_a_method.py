@@ -1,5 +1,5 @@
 """Adding a method is one file and one config: a drafter registered with `@register` runs through the
-same path as the suite's own methods (the registry, `harness.run`, the shared loop and its
+same path as the suite's own methods (the registry, `harness.running.run`, the shared loop and its
 statistics). Done here from a test file, as docs/architecture.md tells a newcomer to do."""
 
 from __future__ import annotations

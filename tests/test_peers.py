@@ -1,4 +1,4 @@
-"""harness/peers.py: the peers table, the skip path without llama_cpp, and (where the `[peers]`
+"""harness/perf/peers.py: the peers table, the skip path without llama_cpp, and (where the `[peers]`
 extra is installed) llama.cpp's greedy tokens on the embedded model against our AR's."""
 
 from __future__ import annotations

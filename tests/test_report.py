@@ -310,7 +310,7 @@ class FinishedJob:
 
 def test_a_sweeps_status_lines_and_job_list_carry_the_caveats(tmp_path, capsys):
     """A sweep on a busy machine: each job's status line and the final job list print, beside its
-    speedup, n, the busy questions and the near-ties (job.json as harness.run writes it)."""
+    speedup, n, the busy questions and the near-ties (job.json as harness.running.run writes it)."""
     from harness.running.metrics import summarize
     from harness.cluster.jobs import print_jobs
     from harness.running.run import job_result

@@ -1,6 +1,6 @@
 """`make figures`: paper figures from one explicit set of runs (PNG and PDF, sized for a column).
 
-    python -m harness.figures [RUNS ...] [--out DIR] [--select GLOB]
+    python -m harness.reporting.figures [RUNS ...] [--out DIR] [--select GLOB]
 
 The runs are chosen as `make report` chooses them (by default every run under `results/` except
 the committed reference run) and fall into the same tables: one folder of figures per table

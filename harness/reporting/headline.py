@@ -13,7 +13,7 @@ A config may state what it `requires:` (`device: cuda`, `gpu_memory_gib`, `why`)
 settings do (`conf/headline/vicuna-7b-specbench.yaml`: Vicuna-7B in fp16): without it, the headline
 refuses in one line before anything loads. Every run's composed config is validated before the first
 run starts (`--check`: only that). Where the run set's settings match a published setting
-(`docs/published/`), the report prints our numbers beside the published ones (`harness/published.py`).
+(`docs/published/`), the report prints our numbers beside the published ones (`harness/reporting/published.py`).
 """
 
 from __future__ import annotations

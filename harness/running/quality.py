@@ -5,7 +5,7 @@
 
 Scores are 0..1. Per-answer metrics are averaged over questions; BLEU is corpus-level (sacrebleu).
 ROUGE comes from `rouge-score`, BLEU from `sacrebleu`, fuzzy code similarity from `rapidfuzz`;
-HumanEval's pass@1 runs each program in a separate process (`harness.execution`).
+HumanEval's pass@1 runs each program in a separate process (`harness.running.execution`).
 """
 
 from __future__ import annotations

@@ -297,7 +297,7 @@ class Interrupted(RuntimeError):
 def main(cfg: DictConfig) -> None:
     """In a multirun (sweep), each job also leaves `job.json` in its Hydra job folder: its
     overrides and status, with the results folder or the error and traceback, so that no failure
-    of a sweep is lost (`python -m harness.report --jobs <sweep dir>` lists them)."""
+    of a sweep is lost (`python -m harness.cluster.jobs <sweep dir>` lists them)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -344,7 +344,7 @@ def main(cfg: DictConfig) -> None:
 
 def job_result(summary: dict) -> dict:
     """What a finished sweep job adds to its job.json: its numbers with their caveats, as the
-    sweep's status lines and `harness.report --jobs` print them (`harness.metrics.speedup_status`)."""
+    sweep's status lines and `harness.cluster.jobs` print them (`harness.running.metrics.speedup_status`)."""
     speedup = summary.get("speedup") or {}
     return {"status": "ok", "results": summary["results"], "speedup": speedup.get("specbench"),
             "speedup_ci95": speedup.get("specbench_ci95"), "tau": summary["decoder"]["tau"],

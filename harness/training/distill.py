@@ -342,7 +342,7 @@ def corpus(args, data_file: Path, manifest_file: Path | None = None) -> None:
                                   for m in ("greedy", "sample")},
         "dtype": str(dtype).removeprefix("torch."), "machine": _machine(device),
         "hours_this_run": round((time.perf_counter() - started) / 3600, 2),
-        "disjoint_from": [str(f) for f in files] + ["needle filler (harness/datasets.py)"],
+        "disjoint_from": [str(f) for f in files] + ["needle filler (harness/running/datasets.py)"],
         "sources": {"templates": "harness/training/prompts.yaml (this suite, Apache-2.0)",
                     "passages": "the Python language reference shipped as pydoc_data.topics (PSF License)",
                     "code": "first lines of standard-library docstrings (PSF License)"},

@@ -10,7 +10,7 @@
 - Job states without accounting: submitit polls `sacct` with a back-off to 10 minutes and, where
   accounting is off, warns on every call and learns of a finished job only from its result file.
   Here each job gets a `QueueWatcher`: `sacct` while it works, else `scontrol show job`
-  (harness/cluster.py), every `poll_s` seconds, with one log line when it switches.
+  (harness/cluster/slurm.py), every `poll_s` seconds, with one log line when it switches.
 - One status line per job, printed whenever it changes: pending, running (node, questions done,
   how many measured on a busy machine), done (speedup, its interval, τ and their caveats: n, busy
   questions, near-ties and mismatches, a speedup above τ), failed (the last line of its error and
@@ -227,7 +227,7 @@ class SweepStatus:
             print(f"[sweep] #{num} {self.names[num]}: {line}", flush=True)
 
     def records(self) -> dict[int, dict]:
-        """The job.json of each job (harness/run.py writes it at start and end)."""
+        """The job.json of each job (harness/running/run.py writes it at start and end)."""
         found = {}
         for path in self.sweep_dir.glob("*/job.json"):
             try:
