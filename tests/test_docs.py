@@ -37,4 +37,3 @@ def test_architecture_md_lists_every_module_and_no_other():
                for path in (REPO / folder).rglob("*") if path.suffix in (".py", ".c") and "__pycache__" not in path.parts}
     assert modules - listed == set(), f"modules without their line in docs/architecture.md: {sorted(modules - listed)}"
     assert listed - modules == set(), f"docs/architecture.md lists modules that are gone: {sorted(listed - modules)}"
-
