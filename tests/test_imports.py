@@ -1,6 +1,7 @@
 """The package's imports form no circle: every import of `methods/`, `harness/` and `hydra_plugins/`
 (at any level, those inside functions included) read with `ast`, the module graph built, and each
-circle printed with the file and line of every edge."""
+circle printed with the file and line of every edge. An import inside a function is there only to
+put off a heavy or optional dependency, and says which (`# lazy: ...` on its line or above it)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ PACKAGES = ("methods", "harness", "hydra_plugins")
 # breaks (hardware imports linear and native, linear imports native, native imports hardware):
 # remove this entry with it.
 ALLOWED = {frozenset({"methods.engine.hardware", "methods.engine.linear", "methods.engine.native"})}
+# Imports inside functions of the engine files under rewrite, which say nothing yet: native's import of
+# hardware is the circle's last edge; hardware's of tree dodges nothing. Remove with the rewrite.
+UNSAID = {("methods/engine/native.py", "methods.engine.hardware"), ("methods/engine/hardware.py", "methods.engine.tree")}
 
 
 def module_name(path: Path) -> str:
@@ -116,5 +120,31 @@ def test_allowed_circles_still_stand():
 
 def test_the_graph_reads_imports_inside_functions():
     graph = import_graph()
-    assert "methods.engine.hardware" in graph["methods.engine.native"]  # imported inside a function there
+    assert "harness.running.run" in graph["harness.reporting.headline"]  # imported inside a function there
     assert graph["harness.training.__main__"]  # relative imports resolve
+
+
+def function_imports():
+    """(file, line number, the project's module or the package imported, whether a `# lazy:` comment says why)."""
+    modules = module_files()
+    for module, path in modules.items():
+        lines = path.read_text().splitlines()
+        tree = ast.parse("\n".join(lines), str(path))
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    first = node.lineno - 1  # the comment may stand above a run of imports
+                    while first > 0 and lines[first - 1].strip().startswith(("from ", "import ", "# lazy:")):
+                        first -= 1
+                    said = any("# lazy:" in line for line in lines[first:node.end_lineno])
+                    names = imported(node, module, path.name == "__init__.py", modules) or [
+                        node.names[0].name if isinstance(node, ast.Import) else node.module or ""]
+                    yield str(path.relative_to(REPO)), node.lineno, names[0], said
+
+
+def test_imports_inside_functions_say_what_they_put_off():
+    unsaid = [f"{file}:{line} imports {name}" for file, line, name, said in function_imports()
+              if not said and (file, name) not in UNSAID]
+    assert not unsaid, "imports inside functions without `# lazy: <the heavy or optional dependency>`:\n" + "\n".join(unsaid)

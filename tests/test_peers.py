@@ -76,7 +76,7 @@ def test_missing_llama_cpp_is_a_one_line_skip(monkeypatch, capsys):
         def __getattr__(self, key):
             return self[key]
 
-    monkeypatch.setattr("harness.perf.workload.spec_bench_prompts", lambda template, count: [[1, 2, 3]])
+    monkeypatch.setattr("harness.perf.peers.spec_bench_prompts", lambda template, count: [[1, 2, 3]])
     monkeypatch.setattr("harness.running.prompts.ChatTemplate.for_model", classmethod(
         lambda cls, config, tokenizer: types.SimpleNamespace(stop_condition=lambda n: StopCondition(n, frozenset({0})))))
     model = tiny_model("llama", seed=3)

@@ -29,12 +29,15 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness.perf import peers
 from harness.running.environment import environment, hardware_name, hardware_slug
 from harness.running.prompts import ChatTemplate
 from harness.perf.workload import greedy_generate, spec_bench_prompts, timed_generations
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
+from methods.eagle import EagleDrafter
 from methods.engine.hardware import forward_latencies, read_bandwidth, weight_bytes
 from methods.engine.linear import gemms_skipped
 from methods.engine.runner import ModelRunner
@@ -58,8 +61,6 @@ def timed(fn, device) -> float:
 
 def count_aten_calls(fn) -> int:
     """The aten operator calls `fn()` makes."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     class Count(TorchDispatchMode):
         calls = 0
 
@@ -111,8 +112,6 @@ def forward_breakdown(runner: ModelRunner, weights: int, prefix: int = 256, roun
 def eagle_level_cost(model, runner: ModelRunner, context: BuildContext, nodes: int = 4, rounds: int = 9) -> dict | None:
     """Seconds of one EAGLE draft level (head forward over `nodes` tree nodes at a 256-pair cache,
     then the projection) with the full and the reduced vocabulary."""
-    from methods.eagle import EagleDrafter
-
     try:
         head = load_eagle_head(head_spec({}, context, "eagle"), model)
     except (ValueError, OSError) as err:
@@ -185,7 +184,6 @@ def main(argv=None) -> dict:
 
     if not args.curve_only:
         result.update(compare_with_transformers(args, model, tokenizer, config, device))
-    from harness.perf import peers  # peers (issue 19.3): our/generate's PLD, llama.cpp; one table
     result.update(peers.run_peers(args, model, tokenizer, config, device, result))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{hardware_slug(env)}-{dtype_name}.json"

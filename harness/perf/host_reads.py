@@ -20,7 +20,17 @@ from collections import Counter
 from contextlib import contextmanager
 
 import torch
+from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from harness.perf.engine import EMBEDDED
+from harness.perf.workload import spec_bench_prompts
+from harness.running.prompts import ChatTemplate
+from methods.base import BuildContext, available_methods, get_method
+from methods.engine.runner import ModelRunner
+from methods.engine.stopping import StopCondition
+from methods.models.loading import load_model, load_tokenizer
+from methods.models.specs import ModelSpec, model_config
 
 _ATEN_READS = {"aten::_local_scalar_dense": "scalar", "aten::nonzero": "nonzero"}
 
@@ -83,17 +93,6 @@ def reads_per_step(decoder, prompts, stop) -> tuple[float, Counter, int]:
 
 
 def main(argv=None) -> dict:
-    from omegaconf import OmegaConf
-
-    from harness.perf.engine import EMBEDDED
-    from harness.perf.workload import spec_bench_prompts
-    from harness.running.prompts import ChatTemplate
-    from methods.base import BuildContext, available_methods, get_method
-    from methods.engine.runner import ModelRunner
-    from methods.engine.stopping import StopCondition
-    from methods.models.loading import load_model, load_tokenizer
-    from methods.models.specs import ModelSpec, model_config
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", default=None, help="comma-separated; default: every lossless method")
     parser.add_argument("--questions", type=int, default=2)

@@ -25,6 +25,8 @@ import os
 import sys
 from pathlib import Path
 
+from hydra import compose as hydra_compose, initialize_config_dir
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from harness import REPO
@@ -32,7 +34,7 @@ from harness import REPO
 
 def run_overrides(config, extra: list[str] = (), limit: int | None = None) -> dict[str, list[str]]:
     """Per method, the Hydra overrides of its run."""
-    from methods.base import available_methods
+    from methods.base import available_methods  # lazy: torch (via methods) after the GPU check
 
     methods = OmegaConf.to_container(config.methods, resolve=True) if config.get("methods") else {}
     if not methods:
@@ -58,7 +60,7 @@ def gpu_memory_gib() -> float | None:
         return None
     if not (os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/kfd") or glob.glob("/dev/nvidia[0-9]*")):
         return None
-    import torch
+    import torch  # lazy: torch (via methods) after the GPU check
 
     if not torch.cuda.is_available():
         return None
@@ -81,9 +83,6 @@ def unmet_requirement(config, name: str) -> str | None:
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         return hydra_compose("config", overrides=overrides)
 
@@ -109,9 +108,8 @@ def main(argv=None) -> int:
         if missing:
             raise SystemExit(f"--only {missing}: not in {args.config}; its methods: {', '.join(runs)}")
         runs = {m: o for m, o in runs.items() if m in args.only}
-    from hydra.errors import HydraException
 
-    from harness.running.validate import validate
+    from harness.running.validate import validate  # lazy: torch (via methods) after the GPU check
 
     configs = {}
     for method, overrides in runs.items():  # every run's config, before the first run loads a model
@@ -126,10 +124,10 @@ def main(argv=None) -> int:
         if unmet:
             print(f"(--check only) {unmet}", file=sys.stderr)
         return 0
-    from harness.reporting import figures, report
-    from harness.running.metrics import fidelity_failure
-    from harness.running.results import FolderMismatch
-    from harness.running.run import run
+    from harness.reporting import figures, report  # lazy: torch (via methods) after the GPU check
+    from harness.running.metrics import fidelity_failure  # lazy: torch (via methods) after the GPU check
+    from harness.running.results import FolderMismatch  # lazy: torch (via methods) after the GPU check
+    from harness.running.run import run  # lazy: torch (via methods) after the GPU check
 
     folders, failures = {}, []
     for method, overrides in runs.items():

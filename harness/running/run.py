@@ -12,16 +12,20 @@ import logging
 import os
 import sys
 import time
+import traceback
 import uuid
 import zlib
 from pathlib import Path
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from harness import REPO
+from harness.cluster.slurm import slurm_job
 from harness.running import busy
 from harness.running.execution import SandboxUnavailable
 from harness.running.datasets import Question, load_questions, truncate_middle
@@ -30,7 +34,7 @@ from harness.running.metrics import fidelity_failure, format_summary, summarize
 from harness.running.quality import score_records
 from harness.running.prompts import ChatTemplate, Message
 from harness.running.results import RECORDS_FORMAT, FolderMismatch, RunFolder, compact_margins, settings_hash, write_json
-from harness.running.validate import validate
+from harness.running.validate import validate, check_group_choices
 from methods.base import BuildContext, Decoder, get_method
 from methods.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from methods.models.specs import ModelSpec, ModelUnavailableError
@@ -298,9 +302,6 @@ def main(cfg: DictConfig) -> None:
     """In a multirun (sweep), each job also leaves `job.json` in its Hydra job folder: its
     overrides and status, with the results folder or the error and traceback, so that no failure
     of a sweep is lost (`python -m harness.cluster.jobs <sweep dir>` lists them)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:
         try:
@@ -318,7 +319,6 @@ def main(cfg: DictConfig) -> None:
             print(failure, file=sys.stderr)
             sys.exit(1)
         return
-    from harness.cluster.slurm import slurm_job
 
     job_file = Path(hydra_cfg.runtime.output_dir) / "job.json"
     record = {"job": hydra_cfg.job.num, "job_id": hydra_cfg.job.get("id"), "overrides": list(hydra_cfg.overrides.task),
@@ -332,8 +332,6 @@ def main(cfg: DictConfig) -> None:
     try:
         summary = run(cfg, started)
     except BaseException as err:
-        import traceback
-
         # SystemExit: submitit requeues a preempted or timed-out job (it resumes its results folder)
         status = "interrupted" if isinstance(err, (SystemExit, KeyboardInterrupt, Interrupted)) else "failed"
         write_json(job_file, {**record, "status": status, "error": f"{type(err).__name__}: {err}",
@@ -354,8 +352,6 @@ def job_result(summary: dict) -> dict:
 def entry(argv: list[str]) -> None:
     """`python -m harness.run`: a config group's unknown choice (`method=eagel`) is one line and
     exit code 2, checked before Hydra composes; then Hydra runs `main`."""
-    from harness.running.validate import check_group_choices
-
     try:
         check_group_choices(argv)
     except ValueError as err:

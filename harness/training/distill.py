@@ -14,6 +14,7 @@ answer are the training data (`answer_start` marks where the target's own tokens
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 import json
@@ -22,10 +23,20 @@ import re
 import time
 import zlib
 from pathlib import Path
+from pydoc_data.topics import topics
 from typing import Iterable
 
 import torch
 import yaml
+from tqdm import tqdm
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from harness.running.datasets import _FILLER
+from harness.running.prompts import Message, ChatTemplate
+from harness.running.results import read_jsonl, rewrite_jsonl
+from harness.training.loop import ROOT, load_target, _machine
+from methods.engine.hardware import native_bf16
 
 # the subjects and templates the prompts are drawn from (data, written for this suite; order matters)
 MATERIAL = yaml.safe_load((Path(__file__).parent / "prompts.yaml").read_text(encoding="utf-8"))
@@ -61,8 +72,6 @@ def _stdlib_functions() -> list[tuple[str, str]]:
 
 def _passages(min_chars: int = 250, max_chars: int = 650) -> list[str]:
     """Paragraph groups from the Python language reference that ships with CPython."""
-    from pydoc_data.topics import topics
-
     passages = []
     for text in topics.values():
         chunk = ""
@@ -123,8 +132,6 @@ def _words(text: str) -> list[str]:
 def evaluation_texts(question_files: Iterable[Path]) -> list[str]:
     """Every turn (and reference) of the question files that exist, plus the needle set's filler: the
     texts a training prompt must not share."""
-    from harness.running.datasets import _FILLER
-
     texts = list(_FILLER)
     for file in question_files:
         if not file.is_file():
@@ -168,11 +175,6 @@ def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batc
     `mode`: greedy, or sampled at T = 1 (no top-k/top-p) for prompts whose `mode` is "sample", each
     batch seeded from `seed` and its first prompt. With a `journal`, records are appended to it as
     each batch finishes and a rerun answers only the prompts it lacks."""
-    from tqdm import tqdm
-
-    from harness.running.prompts import Message
-    from harness.running.results import read_jsonl, rewrite_jsonl
-
     pad = template.tokenizer.pad_token_id
     if pad is None:
         pad = template.tokenizer.eos_token_id
@@ -219,8 +221,6 @@ def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batc
 
 def question_files(extra: Path | None = None) -> list[Path]:
     """Every evaluation question file the suite ships or has prepared on this machine."""
-    from harness.training.loop import ROOT
-
     files = [*sorted((ROOT / "data").glob("*/questions.jsonl")), *sorted((ROOT / "data").glob("*/question.jsonl"))]
     if extra is not None:
         files.insert(0, extra)
@@ -228,17 +228,12 @@ def question_files(extra: Path | None = None) -> list[Path]:
 
 
 def distill_dtype(choice: str, device: torch.device | str = "cpu") -> torch.dtype:
-    from methods.engine.hardware import native_bf16
-
     if choice == "auto":  # a GPU answers in the drafts' own dtype: fp32 is cheap there
         return torch.bfloat16 if torch.device(device).type == "cpu" and native_bf16() else torch.float32
     return getattr(torch, choice)
 
 
 def _answer_target(model_name: str, dtype: torch.dtype, device: torch.device | str = "cpu"):
-    from harness.running.prompts import ChatTemplate
-    from harness.training.loop import load_target
-
     cfg, target, tokenizer = load_target(model_name, dtype, device)
     if dtype == torch.bfloat16 and target.device.type == "cpu":
         # torch's bf16 attention kernels on CPU are several times slower than its fp32 ones (and than
@@ -249,9 +244,6 @@ def _answer_target(model_name: str, dtype: torch.dtype, device: torch.device | s
 
 def use_fp32_attention(model) -> None:
     """Run `model`'s attention through `_fp32_sdpa`, with SDPA's masks."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     AttentionInterface.register("fp32_sdpa", _fp32_sdpa)
     AttentionMaskInterface.register("fp32_sdpa", sdpa_mask)
     model.set_attn_implementation("fp32_sdpa")
@@ -270,8 +262,6 @@ def measure_batches(model_name: str, prompts: list[dict], max_new_tokens: int, s
                     dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
     """Answer tokens per second of batched self-distillation for each dtype and batch size (the same
     prompts each time: 2 batches of the largest size, drawn across the prompt lengths)."""
-    from methods.engine.hardware import native_bf16
-
     rng = random.Random(0)
     sample = rng.sample(prompts, 2 * max(sizes))
     rows = []
@@ -295,12 +285,6 @@ def corpus(args, data_file: Path, manifest_file: Path | None = None) -> None:
     """`python -m harness.training data`: the prompts (checked disjoint from every evaluation set on
     this machine), the target's answers (journalled: an interrupted run resumes) and a manifest with
     the recipe and the corpus's checksum (`drafts/<model>/corpus.json`, committed; the corpus is not)."""
-    import hashlib
-
-    from harness.training.loop import ROOT, _machine
-
-    from harness.running.results import read_jsonl
-
     prompts_file = getattr(args, "prompts_file", None)
     prompts = read_jsonl(prompts_file) if prompts_file else training_prompts(args.prompts, args.seed)
     files = question_files(args.questions)
