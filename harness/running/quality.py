@@ -88,7 +88,7 @@ def rouge_l(answer: str, reference) -> float:
     """ROUGE-L F1 (rouge-score, stemmed), best over references."""
     global _ROUGE
     if _ROUGE is None:
-        from rouge_score import rouge_scorer  # lazy: rouge_score (~1 s, nltk): ROUGE categories only
+        from rouge_score import rouge_scorer  # lazy: rouge_score (imports nltk): ROUGE categories only
 
         _ROUGE = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
     return max((_ROUGE.score(r, answer)["rougeL"].fmeasure for r in _references(reference)), default=0.0)

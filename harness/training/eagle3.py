@@ -124,7 +124,7 @@ class Eagle3Recipe:
     def _project(self, embeds, hidden, positions):
         """q [B, heads, n, d], k and v [B, heads, n, d] (kv heads repeated) of the midlayer's attention;
         embeds and hidden [B, n, H], positions [n] or [B, n]."""
-        # lazy: transformers' Llama code (~3 s): not for --help
+        # lazy: transformers' Llama code, slow to import: not for --help
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         layer = self.head.midlayer

@@ -25,8 +25,7 @@ from methods.models.loading import load_model, load_tokenizer
 from methods.models.specs import ModelSpec, model_config
 
 ROOT = Path(__file__).resolve().parents[2]
-# conversations per forward on a CPU (a GPU takes its whole share of the step): on one core of the
-# 2-core EPYC, EAGLE and Medusa over the 8,192-token vocabulary ran 1.0-1.3x faster at 4 than at 1, 2 or 8
+# conversations per forward on a CPU (a GPU takes its whole share of the step); why 4: docs/drafts.md
 CPU_MICRO_BATCH = 4
 
 

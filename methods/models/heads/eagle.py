@@ -28,11 +28,11 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 def _layer_classes(qkv_bias: bool):
     """Llama layers, or Qwen2 layers when q/k/v carry biases (EAGLE heads for Qwen2)."""
     if qkv_bias:
-        # lazy: transformers' model code (~3 s): not to check a config
+        # lazy: transformers' model code, slow to import: not to check a config
         from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 
         return Qwen2Config, Qwen2DecoderLayer, Qwen2RotaryEmbedding
-    # lazy: transformers' model code (~3 s): not to check a config
+    # lazy: transformers' model code, slow to import: not to check a config
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     return LlamaConfig, LlamaDecoderLayer, LlamaRotaryEmbedding

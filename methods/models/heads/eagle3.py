@@ -48,7 +48,7 @@ class Eagle3Layer(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        # lazy: transformers' model code (~3 s): not to check a config
+        # lazy: transformers' model code, slow to import: not to check a config
         from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
         hidden, eps = config.hidden_size, config.rms_norm_eps
@@ -73,7 +73,7 @@ class Eagle3Layer(nn.Module):
 class Eagle3Head(nn.Module):
     def __init__(self, config, target_hidden_size: int, draft_vocab_size: int, layers: tuple[int, ...]):
         super().__init__()
-        # lazy: transformers' model code (~3 s): not to check a config
+        # lazy: transformers' model code, slow to import: not to check a config
         from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
         hidden = config.hidden_size

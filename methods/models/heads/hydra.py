@@ -78,7 +78,7 @@ class PrefixLayer(nn.Module):
 
     def __init__(self, target_config):
         super().__init__()
-        # lazy: transformers' model code (~3 s): not to check a config
+        # lazy: transformers' model code, slow to import: not to check a config
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
         config = _llama_config(target_config)
