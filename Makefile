@@ -44,7 +44,7 @@ SWEEP_DIR := results/.multirun/$(shell date +%Y%m%d-%H%M%S)
 sweep: setup
 	$(PY) -m harness.run -m $(SWEEP) limit=$(SWEEP_LIMIT) max_new_tokens=$(SWEEP_MAX_NEW_TOKENS) \
 		hydra/launcher=$(LAUNCHER) hydra.sweep.dir=$(SWEEP_DIR) $(ARGS); \
-	status=$$?; if [ -d $(SWEEP_DIR) ]; then $(PY) -m harness.report --jobs $(SWEEP_DIR); fi; exit $$status
+	status=$$?; if [ -d $(SWEEP_DIR) ]; then $(PY) -m harness.cluster.jobs $(SWEEP_DIR); fi; exit $$status
 
 # Tables (Markdown, CSV, LaTeX) and figures (PNG, PDF) of one run set: RUNS names results folders,
 # folders holding them or sweep folders (default: everything under results/ except the committed
@@ -52,10 +52,10 @@ sweep: setup
 # plots/<run set>/, one table per set of settings and questions.
 RUNS ?= results
 report: setup
-	$(PY) -m harness.report $(RUNS) $(ARGS)
+	$(PY) -m harness.reporting.report $(RUNS) $(ARGS)
 
 figures: setup
-	$(PY) -m harness.figures $(RUNS) $(ARGS)
+	$(PY) -m harness.reporting.figures $(RUNS) $(ARGS)
 
 # Every method on one model over Spec-Bench with the settings of conf/headline/$(HEADLINE).yaml:
 # one results folder per method under results/reference/, its report and the figures (plots/).

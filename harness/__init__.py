@@ -1,0 +1,8 @@
+"""The benchmark around the methods, in rooms named by what they hold: `running/` (a benchmark run:
+datasets, prompts, results folders, metrics), `reporting/` (tables, figures, the headline run),
+`perf/` (`make perf`: what the engine itself costs), `cluster/` (SLURM and a sweep's jobs) and
+`training/` (the draft recipes). See docs/architecture.md."""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]  # the checkout: conf/, data/, drafts/, results/

@@ -14,19 +14,27 @@ state); AR is the method that proposes nothing.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
 from .engine.acceptance import Acceptance, greedy_accept, sample_accept
+from .engine.hardware import latency_curve
 from .engine.params import Check, ConfigError, check_params
 from .engine.runner import ForwardOutput, ModelRunner
 from .engine.sampling import SamplingConfig, logits_to_probs, sample
+from .engine.sizing import VERIFY_BUDGET, relative, tree_budget
+from .engine.static_trees import NAMED_TREES, StaticTree
 from .engine.stopping import StopCondition
 from .engine.tree import Tree
+from .engine.vocab import DraftVocabulary
+from .models.specs import ModelSpec
 
 
 @dataclass
@@ -40,7 +48,7 @@ class DecodeStats:
     prefill_step: bool = False
     # per generated token, from the target forward that chose it: the chosen token's logit minus the
     # best other token's (the row's top-2 gap when it chose its argmax, negative when it did not);
-    # the fidelity check classifies a divergence from AR with it (harness/metrics.py, `fidelity`)
+    # the fidelity check classifies a divergence from AR with it (harness/running/metrics.py, `fidelity`)
     logit_margins: list[float] = field(default_factory=list)
     drafted_tokens: int = 0  # draft tokens proposed (tree nodes other than roots)
     accepted_drafts: int = 0  # draft tokens accepted
@@ -155,14 +163,10 @@ class BuildContext:
 
     def latency_curve(self, target) -> dict[int, float]:
         """The target's forward-latency curve from the hardware profile (measured once, cached)."""
-        from .engine.hardware import latency_curve
-
         return latency_curve(target, self.model_name)
 
     def tree_budget(self, target, what: str) -> tuple[int, dict]:
         """`auto` tree sizes: the most tokens one verification may hold on this machine."""
-        from .engine.sizing import VERIFY_BUDGET, relative, tree_budget
-
         curve = self.latency_curve(target)
         budget = tree_budget(curve)
         return budget, {what: "auto", "verify_tokens": budget, "verify_budget_t1": VERIFY_BUDGET,
@@ -172,8 +176,6 @@ class BuildContext:
         """`method.tree`: a built-in name or a list of paths; `auto` is the `published` tree (paths
         deeper than `max_depth` left out) cut, in its own order, to this machine's tree budget.
         Returns the tree and, for `auto`, how it was sized."""
-        from .engine.static_trees import NAMED_TREES, StaticTree
-
         tree = params.get("tree", "auto")
         if tree != "auto":
             return StaticTree.build(tree), None
@@ -186,9 +188,6 @@ class BuildContext:
         """The FR-Spec subset a draft proposes from (`engine/vocab.py`), or None for the full vocabulary.
         `method.draft_vocab`: `auto` (the model config's `draft_vocabulary.size` when it names a
         token-frequency file, else the full vocabulary), `full`, or a number of tokens."""
-        from .engine.vocab import DraftVocabulary
-        from .models.specs import ModelSpec
-
         choice = params.get("draft_vocab", "auto")
         setting = self.model_config.get("draft_vocabulary") or {}
         if choice in (None, "full") or (choice == "auto" and not setting.get("frequencies")):
@@ -239,10 +238,6 @@ def check_method_params(name: str, params: dict) -> None:
 def available_methods() -> list[str]:
     """Every registered method: each module beside this one is a method file that registers itself
     on import (subpackages are the shared machinery: `engine/`, `models/`)."""
-    import importlib
-    import pkgutil
-    from pathlib import Path
-
     for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if not module.ispkg and module.name != "base" and not module.name.startswith("_"):
             importlib.import_module(f"{__package__}.{module.name}")

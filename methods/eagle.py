@@ -42,7 +42,7 @@ import torch
 from .base import BuildContext, DraftVerifyDecoder, register
 from .models.heads.eagle import EagleHead, load_eagle_head
 from .engine.kv_cache import TreeKVCache
-from .models.heads.checkpoints import head_spec
+from .models.heads.source import head_spec
 from .engine.hardware import forward_latency, latency_curve
 from .engine.sizing import verify_cost
 from .engine.params import integer, mapping, null, one_of, paths

@@ -17,7 +17,7 @@ import torch
 
 from .base import BuildContext, register
 from .eagle import DYNAMIC_TREE, Eagle2Decoder, EagleDrafter, build_dynamic
-from .models.heads.checkpoints import head_spec
+from .models.heads.source import head_spec
 from .models.heads.eagle3 import Eagle3Head, load_eagle3_head
 
 

@@ -31,7 +31,7 @@ from .engine.sampling import logits_to_probs
 from .engine.static_trees import NAMED_TREES, StaticTree
 from .engine.tree import Tree, attention_mask
 from .engine.vocab import DRAFT_VOCAB
-from .models.heads.checkpoints import head_spec
+from .models.heads.source import head_spec
 from .models.heads.hydra import HydraHeads, load_hydra_heads
 from .models.specs import PROJECT_ROOT, ModelUnavailableError
 

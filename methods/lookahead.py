@@ -38,6 +38,7 @@ import torch
 from .base import BuildContext, DraftVerifyDecoder, register
 from .engine.params import BOOL, integer, one_of
 from .engine.runner import ForwardOutput
+from .engine.sampling import SamplingConfig
 from .engine.tree import ExtraRows, Tree
 from .pld import trie
 
@@ -60,8 +61,6 @@ class LookaheadDecoder(DraftVerifyDecoder):
 
     # --------------------------------------------------------------------------------------
     def generate(self, prompt, stop, sampling=None, generator=None):
-        from .engine.sampling import SamplingConfig
-
         self.pool: dict[int, list[tuple[int, ...]]] = {}
         self.rows = self.candidates = self.with_guesses = 0
         out = super().generate(prompt, stop, sampling or SamplingConfig(), generator)

@@ -14,7 +14,7 @@ import torch
 from .engine.acceptance import typical_accept
 from .base import BuildContext, DraftVerifyDecoder, register
 from .models.heads.medusa import MedusaHeads, load_medusa_heads
-from .models.heads.checkpoints import head_spec
+from .models.heads.source import head_spec
 from .engine.sampling import logits_to_probs
 from .engine.params import mapping, null, number, one_of, paths
 from .engine.static_trees import NAMED_TREES, StaticTree

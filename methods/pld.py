@@ -23,6 +23,7 @@ import torch
 
 from .base import DraftVerifyDecoder, register
 from .engine.params import integer
+from .engine.sampling import SamplingConfig
 from .engine.tree import Tree
 
 
@@ -85,8 +86,6 @@ class PromptLookupDecoder(DraftVerifyDecoder):
         return {**super().describe(), "max_ngram": self.max_ngram, "num_draft": self.num_draft, "branches": self.branches}
 
     def generate(self, prompt, stop, sampling=None, generator=None):
-        from .engine.sampling import SamplingConfig
-
         self.eos = stop.eos_token_ids
         self.matched_steps = 0
         out = super().generate(prompt, stop, sampling or SamplingConfig(), generator)

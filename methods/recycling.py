@@ -26,6 +26,7 @@ import torch
 
 from .base import BuildContext, DraftVerifyDecoder, register
 from .engine.params import BOOL, integer, one_of, paths
+from .engine.sampling import SamplingConfig
 from .engine.static_trees import StaticTree
 from .engine.tree import Tree
 
@@ -72,8 +73,6 @@ class TokenRecyclingDecoder(DraftVerifyDecoder):
                 "top_k": self.top_k, "adjacency_persists": self.persist}
 
     def generate(self, prompt, stop, sampling=None, generator=None):
-        from .engine.sampling import SamplingConfig
-
         if not self.persist:
             self.reset()
         rows_before = int(self.filled.sum())

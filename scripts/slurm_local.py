@@ -8,7 +8,7 @@
 Everything lives in the given folder: munge key, socket and log, slurm.conf, the controller's
 state, slurmd's spool, both daemons' logs and pid files. The node is this machine as `slurmd -C`
 sees it (all its CPUs and memory), in one partition `debug`. No accounting (no slurmdbd): sacct
-does not work, as on many small clusters; harness/launcher.py reads job states from squeue and
+does not work, as on many small clusters; the sweep launcher (hydra_plugins/decodebench_launcher/launcher.py, harness/cluster/slurm.py) reads job states from squeue and
 scontrol instead. Needs root (slurmd runs jobs as their submitting user) and Debian's
 `slurm-wlm` and `munge` packages (tested with 22.05). Process tracking by /proc
 (`proctrack/linuxproc`, `task/none`), so no cgroup setup is needed.

@@ -1,5 +1,5 @@
 """Adding a method is one file and one config: a drafter registered with `@register` runs through the
-same path as the suite's own methods (the registry, `harness.run`, the shared loop and its
+same path as the suite's own methods (the registry, `harness.running.run`, the shared loop and its
 statistics). Done here from a test file, as docs/architecture.md tells a newcomer to do."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from harness.results import read_jsonl
-from harness.run import run
+from harness.running.results import read_jsonl
+from harness.running.run import run
 from methods.base import DraftVerifyDecoder, available_methods, register
 from methods.engine.params import integer
 from methods.engine.tree import Tree

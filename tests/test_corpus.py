@@ -47,13 +47,13 @@ def test_check_disjoint_catches_a_question_inside_a_prompt_and_a_shared_run_of_1
         check_disjoint([{"id": "p2", "text": paraphrase}], SPEC_BENCH)
     check_disjoint([{"id": "p3", "text": " ".join(words[1:13]) + " unrelated ending words here"}], SPEC_BENCH)
     # the needle set's filler is an evaluation text too
-    from harness.datasets import _FILLER
+    from harness.running.datasets import _FILLER
 
     assert any(f in evaluation_texts([]) for f in _FILLER)
 
 
 def test_self_distillation_greedy_answers_equal_the_targets_and_samples_are_seeded(tiny_chat_model_dir, tmp_path):
-    from harness.prompts import ChatTemplate, Message
+    from harness.running.prompts import ChatTemplate, Message
     from methods.models.loading import load_model, load_tokenizer
     from methods.models.specs import ModelSpec
 
@@ -91,7 +91,7 @@ def test_self_distillation_greedy_answers_equal_the_targets_and_samples_are_seed
 def test_self_distillation_cuts_answers_at_the_templates_stop_string(tiny_chat_model_dir):
     """fschat templates (Vicuna, LLaMA-2) end answers on a stop *string*: the answer keeps the token
     that completes it and nothing after, as the decoders do."""
-    from harness.prompts import ChatTemplate, Message
+    from harness.running.prompts import ChatTemplate, Message
     from methods.models.loading import load_model, load_tokenizer
     from methods.models.specs import ModelSpec
 
@@ -111,7 +111,7 @@ def test_self_distillation_cuts_answers_at_the_templates_stop_string(tiny_chat_m
 def test_fp32_attention_of_a_bf16_answerer_is_the_models_own_attention(tiny_chat_model_dir):
     """bf16 answerers run attention through `_fp32_sdpa`; on a float32 model it must reproduce
     the model's own greedy answers, padded batches included."""
-    from harness.prompts import ChatTemplate, Message
+    from harness.running.prompts import ChatTemplate, Message
     from harness.training.distill import use_fp32_attention
     from methods.models.loading import load_model, load_tokenizer
     from methods.models.specs import ModelSpec
@@ -133,7 +133,7 @@ def test_corpus_writes_the_answers_and_a_manifest_with_their_checksum(tiny_chat_
     import argparse
     import hashlib
 
-    from harness.prompts import ChatTemplate
+    from harness.running.prompts import ChatTemplate
     from harness.training import distill
     from methods.models.loading import load_model, load_tokenizer
     from methods.models.specs import ModelSpec

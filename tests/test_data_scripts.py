@@ -13,7 +13,7 @@ from tests.conftest import SPEC_BENCH
 def test_the_shipped_spec_bench_file_is_the_pinned_one_and_the_dataset_reads_it(capsys):
     from omegaconf import OmegaConf
 
-    from harness.datasets import load_questions
+    from harness.running.datasets import load_questions
 
     assert SPEC_BENCH == spec_bench.SHIPPED
     spec_bench.main(["--check"])

@@ -9,8 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from data_scripts.prepare import HubUnavailable, prepare
-from harness.datasets import load_questions, truncate_middle
-from harness.quality import METRICS, bleu_corpus, score_records
+from harness.running.datasets import load_questions, truncate_middle
+from harness.running.quality import METRICS, bleu_corpus, score_records
 from tests.conftest import REPO
 
 HUB_ROWS = {

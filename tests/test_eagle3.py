@@ -19,7 +19,7 @@ from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
 from methods.engine.vocab import DraftVocabulary
-from methods.models.heads.checkpoints import head_spec
+from methods.models.heads.source import head_spec
 from methods.models.heads.eagle3 import load_eagle3_head
 from methods.models.specs import ModelSpec
 from tests.conftest import write_checkpoint, tiny_config, tiny_model
@@ -533,7 +533,7 @@ def tiny_deep_chat_model_dir(tmp_path_factory, embedded):
 def test_bench_runs_eagle3_with_a_released_format_head(tiny_deep_chat_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from harness.run import run
+    from harness.running.run import run
     from tests.test_harness import config, tiny_overrides
 
     target = AutoModelForCausalLM.from_pretrained(tiny_deep_chat_model_dir)

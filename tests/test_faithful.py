@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from harness.prompts import ChatTemplate, Message
+from harness.running.prompts import ChatTemplate, Message
 from methods.ar import AutoregressiveDecoder
 from methods.engine.runner import ModelRunner
 from methods.engine.stopping import StopCondition

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.metrics import NEAR_TIE, fidelity, fidelity_failure, format_summary, summarize
-from harness.results import read_jsonl
-from harness.run import run
+from harness.running.metrics import NEAR_TIE, fidelity, fidelity_failure, format_summary, summarize
+from harness.running.results import read_jsonl
+from harness.running.run import run
 from methods.base import logit_margins
 from methods.engine.acceptance import greedy_accept
 from methods.sps import SpeculativeSamplingDecoder
@@ -129,7 +129,7 @@ def test_a_broken_acceptor_is_a_mismatch_and_fails_the_run(tiny_chat_model_dir, 
 
 
 def test_a_headline_with_a_mismatch_writes_its_report_and_fails(tiny_chat_model_dir, questions_file, tmp_path, monkeypatch):
-    from harness.headline import main
+    from harness.reporting.headline import main
 
     monkeypatch.setattr(SpeculativeSamplingDecoder, "_accept", broken_accept)
     results = tmp_path / "results"

@@ -10,10 +10,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from harness.datasets import Question, select
-from harness.metrics import bootstrap_median_interval, format_summary, summarize
-from harness.results import RunFolder, read_jsonl
-from harness.run import run
+from harness.running.datasets import Question, select
+from harness.running.metrics import bootstrap_median_interval, format_summary, summarize
+from harness.running.results import RunFolder, read_jsonl
+from harness.running.run import run
 from methods.base import available_methods, get_method
 from methods.engine.hardware import auto_dtype
 from methods.models.loading import load_model, resolve_device, resolve_dtype
@@ -126,7 +126,7 @@ def test_interrupted_run_resumes_without_duplicates_and_remeasures_lone_answers(
 
 
 def test_ctrl_c_says_what_is_saved_and_how_to_resume(tiny_model_dir, questions_file, tmp_path, monkeypatch):
-    from harness.run import Benchmark, Interrupted
+    from harness.running.run import Benchmark, Interrupted
 
     overrides = tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=sps", "limit=3", "warmup=0")
     answer, calls = Benchmark.answer, []
@@ -153,15 +153,15 @@ def test_resume_refuses_results_from_other_hardware(tmp_path):
 
 
 def test_resume_refuses_answers_timed_by_other_decoding_code(tmp_path, tiny_model_dir, questions_file, monkeypatch):
-    import harness.environment
-    import harness.run
+    import harness.running.environment
+    import harness.running.run
 
     overrides = tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=pld", "limit=1", "warmup=0")
     first = run(config(*overrides))
-    assert json.loads((Path(first["results"]) / "environment.json").read_text())["decoding_code"] == harness.environment.code_digest()
-    monkeypatch.setattr(harness.environment, "code_digest", lambda: "0123456789ab")  # an engine edit since
-    loads, load_model = [], harness.run.load_model
-    monkeypatch.setattr(harness.run, "load_model", lambda *a, **k: loads.append(a) or load_model(*a, **k))
+    assert json.loads((Path(first["results"]) / "environment.json").read_text())["decoding_code"] == harness.running.environment.code_digest()
+    monkeypatch.setattr(harness.running.environment, "code_digest", lambda: "0123456789ab")  # an engine edit since
+    loads, load_model = [], harness.running.run.load_model
+    monkeypatch.setattr(harness.running.run, "load_model", lambda *a, **k: loads.append(a) or load_model(*a, **k))
     with pytest.raises(RuntimeError, match=r"decoding_code '[0-9a-f]{12}' there, '0123456789ab' here.*never mixed"):
         run(config(*overrides))
     assert loads == []  # refused before the model loads
@@ -174,7 +174,7 @@ def test_retrained_drafts_get_their_own_results_folder(tmp_path):
     retrained drafts at the same path are never resumed into the old ones' folder."""
     from omegaconf import OmegaConf
 
-    from harness.environment import drafts_digest
+    from harness.running.environment import drafts_digest
 
     (tmp_path / "d" / "eagle").mkdir(parents=True)
     (tmp_path / "d" / "eagle" / "pytorch_model.bin").write_bytes(b"weights 1")
@@ -197,7 +197,7 @@ def test_retrained_drafts_get_their_own_results_folder(tmp_path):
 
 
 def test_code_digest_sees_an_edit_of_the_decoding_code(tmp_path):
-    from harness.environment import code_digest
+    from harness.running.environment import code_digest
 
     (tmp_path / "engine").mkdir()
     (tmp_path / "engine" / "native.c").write_text("int x;")
@@ -274,7 +274,7 @@ def test_bad_values_are_named():
     ("engine.decoder=fast", "engine.decoder='fast': valid: auto, transformers"),
 ])
 def test_bad_config_values_are_rejected_before_anything_loads(override, message):
-    from harness.validate import validate
+    from harness.running.validate import validate
 
     with pytest.raises(ValueError) as error:
         validate(config(*override.split()))
@@ -311,7 +311,7 @@ def test_a_misspelt_config_group_choice_exits_2_with_one_line(override, valid):
 
 
 def test_every_value_of_a_sweep_and_every_group_is_checked():
-    from harness.validate import check_group_choices
+    from harness.running.validate import check_group_choices
 
     with pytest.raises(ValueError, match="^method='eagel': valid: ar, eagle"):
         check_group_choices(["-m", "method=sps,eagel", "limit=1"])
@@ -480,7 +480,7 @@ def test_lazyllm_run_reports_ttft_layers_quality_and_is_lossy(tiny_model_dir, tm
 def test_kv_retrieval_questions_plant_the_answer():
     from omegaconf import OmegaConf
 
-    from harness.datasets import load_questions
+    from harness.running.datasets import load_questions
 
     cfg = OmegaConf.load(REPO / "conf" / "dataset" / "kv_retrieval.yaml")
     questions = load_questions(cfg)
@@ -494,7 +494,7 @@ def test_kv_retrieval_questions_plant_the_answer():
 def test_needle_questions_plant_one_number():
     from omegaconf import OmegaConf
 
-    from harness.datasets import load_questions
+    from harness.running.datasets import load_questions
 
     cfg = OmegaConf.load(REPO / "conf" / "dataset" / "needle.yaml")
     questions = load_questions(cfg)
@@ -506,7 +506,7 @@ def test_needle_questions_plant_one_number():
 
 
 def test_quality_metrics():
-    from harness.quality import contains_reference, gsm8k_exact_match
+    from harness.running.quality import contains_reference, gsm8k_exact_match
 
     assert gsm8k_exact_match("so the answer is 1,234.", "blah #### 1234") == 1.0
     assert gsm8k_exact_match("it is 12", "#### 13") == 0.0
@@ -521,7 +521,7 @@ def test_quality_metrics():
 def test_committed_headline_configs_compose_for_every_method():
     from omegaconf import OmegaConf
 
-    from harness.headline import compose, run_overrides
+    from harness.reporting.headline import compose, run_overrides
 
     files = sorted((REPO / "conf" / "headline").glob("*.yaml"))
     assert files
@@ -535,7 +535,7 @@ def test_committed_headline_configs_compose_for_every_method():
 def test_headline_rejects_an_unknown_method(tmp_path):
     from omegaconf import OmegaConf
 
-    from harness.headline import run_overrides
+    from harness.reporting.headline import run_overrides
 
     config = OmegaConf.create({"model": "m", "dataset": "spec_bench", "limit": 1, "max_new_tokens": 8,
                                "results_dir": str(tmp_path), "methods": {"sps": [], "eagle9": []}})
@@ -555,7 +555,7 @@ def test_model_config_reads_conf_model_and_names_the_valid_ones():
 
 
 def test_headline_runs_each_method_against_its_paired_baseline_and_reports_them(tiny_model_dir, questions_file, tmp_path):
-    from harness.headline import main
+    from harness.reporting.headline import main
 
     results, plots = tmp_path / "results", tmp_path / "plots"
     config = tmp_path / "headline.yaml"
@@ -582,7 +582,7 @@ def test_headline_runs_each_method_against_its_paired_baseline_and_reports_them(
 def test_live_token_count_follows_the_decoding_steps(monkeypatch):
     """The progress line of a long question: the decoder reports its token count every step; the
     line shows it (with tokens/s) once the question has run `after` seconds, at most every `every`."""
-    from harness.run import LiveCount
+    from harness.running.run import LiveCount
     from methods.ar import AutoregressiveDecoder
     from methods.engine.runner import ModelRunner
     from methods.engine.stopping import StopCondition
@@ -610,7 +610,7 @@ def test_live_token_count_follows_the_decoding_steps(monkeypatch):
 def test_progress_in_a_log_is_periodic_lines():
     """Without a terminal (a sweep job's log), progress is a line per `every` seconds, with the
     live count of a long question, and one after the last question: not one growing tqdm line."""
-    from harness.run import LogProgress, progress
+    from harness.running.run import LogProgress, progress
 
     now, lines = [0.0], []
     bar = LogProgress(list(range(5)), "sps on spec_bench", every=25.0, emit=lines.append, clock=lambda: now[0])

@@ -2,7 +2,7 @@
 
 import torch
 
-from harness.host_reads import counting_host_reads, reads_per_step
+from harness.perf.host_reads import counting_host_reads, reads_per_step
 from methods.ar import AutoregressiveDecoder
 from methods.engine.runner import ModelRunner
 from methods.engine.stopping import StopCondition

@@ -355,7 +355,7 @@ def test_full_vocabulary_heads_draft_over_a_draft_vocabulary(tmp_path):
 
 def test_bench_run_of_hydra_records_per_position_acceptance(tiny_chat_model_dir, tmp_path, monkeypatch):
     """`make bench METHOD=hydra` on a model whose drafts.hydra is a checkpoint in the released layout."""
-    from harness.run import run
+    from harness.running.run import run
     from methods.models.loading import load_model
     from tests.test_harness import config, tiny_overrides
 

@@ -1,4 +1,4 @@
-"""harness/peers.py: the peers table, the skip path without llama_cpp, and (where the `[peers]`
+"""harness/perf/peers.py: the peers table, the skip path without llama_cpp, and (where the `[peers]`
 extra is installed) llama.cpp's greedy tokens on the embedded model against our AR's."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from harness import peers
+from harness.perf import peers
 
 
 def fixture_rows():
@@ -76,8 +76,8 @@ def test_missing_llama_cpp_is_a_one_line_skip(monkeypatch, capsys):
         def __getattr__(self, key):
             return self[key]
 
-    monkeypatch.setattr("harness.perf.spec_bench_prompts", lambda template, count: [[1, 2, 3]])
-    monkeypatch.setattr("harness.prompts.ChatTemplate.for_model", classmethod(
+    monkeypatch.setattr("harness.perf.peers.spec_bench_prompts", lambda template, count: [[1, 2, 3]])
+    monkeypatch.setattr("harness.running.prompts.ChatTemplate.for_model", classmethod(
         lambda cls, config, tokenizer: types.SimpleNamespace(stop_condition=lambda n: StopCondition(n, frozenset({0})))))
     model = tiny_model("llama", seed=3)
     args = types.SimpleNamespace(questions=1, max_new_tokens=4, repeats=1, curve_only=False, gamma=2, draft_layers=1)

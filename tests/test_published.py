@@ -12,7 +12,7 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from harness import headline, published
+from harness.reporting import headline, published
 from tests.conftest import REPO
 
 SPECBENCH = REPO / "conf" / "headline" / "vicuna-7b-specbench.yaml"
@@ -23,7 +23,7 @@ TASKS = MT_BENCH + ["translation", "summarization", "qa", "math_reasoning", "rag
 # ------------------------------------------------------------------ the refusal, before anything loads
 
 def test_refuses_without_a_gpu_in_one_line_before_torch_is_imported():
-    code = ("import sys; from harness import headline; "
+    code = ("import sys; from harness.reporting import headline; "
             f"rc = headline.main(['--config', {str(SPECBENCH)!r}]); "
             "print('rc', rc, 'torch' in sys.modules, 'transformers' in sys.modules)")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
@@ -41,7 +41,7 @@ def test_refusal_stops_before_any_run_and_names_a_small_gpu(monkeypatch, capsys)
     def no_run(*args, **kwargs):
         raise AssertionError("a run started")
 
-    monkeypatch.setattr("harness.run.run", no_run)
+    monkeypatch.setattr("harness.running.run.run", no_run)
     monkeypatch.setattr(headline, "compose", no_run)  # not even a config is composed
     monkeypatch.setattr(headline, "gpu_memory_gib", lambda: 8.0)
     assert headline.main(["--config", str(SPECBENCH)]) == 2
@@ -61,7 +61,7 @@ def test_configs_without_requirements_are_not_refused(monkeypatch):
 
 @pytest.fixture(scope="module")
 def specbench_runs():
-    from harness.validate import validate
+    from harness.running.validate import validate
 
     runs = headline.run_overrides(OmegaConf.load(SPECBENCH))
     configs = {method: headline.compose(overrides) for method, overrides in runs.items()}
@@ -90,7 +90,7 @@ def test_specbench_config_is_spec_bench_setting(specbench_runs):
 
 
 def test_check_validates_every_run_on_any_machine(monkeypatch, capsys):
-    monkeypatch.setattr("harness.run.run", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr("harness.running.run.run", lambda *a, **k: pytest.fail("a run started"))
     monkeypatch.setattr(headline, "gpu_memory_gib", lambda: None)  # --check works without a GPU, and says so
     assert headline.main(["--config", str(SPECBENCH), "--check"]) == 0
     out, err = capsys.readouterr()
@@ -150,7 +150,7 @@ def fake_run_set(root, questions=480, max_new_tokens=1024, dtype="float16", mode
 
 def published_sections(paths, out) -> str:
     """`make report`'s comparison sections (`<table>/published.md`), as one text."""
-    from harness.report import report
+    from harness.reporting.report import report
 
     report(paths, out)
     return "\n\n".join(f.read_text().strip() for f in sorted(out.glob("*/published.md")))
@@ -179,7 +179,7 @@ def test_matching_run_set_gets_the_published_column(tmp_path):
     assert "**Published: Spec-Bench leaderboard, 3090, vicuna-7b**" in text
     assert "EAGLE-2 paper" not in text  # other datasets
     # the report table itself holds the same comparison
-    from harness.report import build_tables, find_runs
+    from harness.reporting.report import build_tables, find_runs
 
     (table,) = build_tables(find_runs([tmp_path / "results"]))
     assert published.markdown(table) == text

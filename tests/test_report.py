@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.figures import figures
-from harness.report import OVERALL, job_status, report
+from harness.reporting.figures import figures
+from harness.cluster.jobs import job_status
+from harness.reporting.report import OVERALL, report
 from tests.conftest import REPO
 
 ENV = {"torch": "2.13.0", "transformers": "5.23.0"}
@@ -164,8 +165,8 @@ def test_runs_with_other_settings_never_share_a_table_and_the_newest_answer_wins
 def test_make_report_leaves_the_reference_run_alone(results, tmp_path, monkeypatch):
     """`make report` reads every run but the committed reference run, writes under
     results/report/<run set>/, and leaves the reference files byte-identical."""
-    from harness import figures as figures_cli
-    from harness import report as report_cli
+    from harness.reporting import figures as figures_cli
+    from harness.reporting import report as report_cli
 
     base = next((results / "tiny" / "spec_bench" / "ar").iterdir())
     reference = results / "reference"
@@ -219,7 +220,7 @@ def test_size_sweep_of_a_method_at_two_sizes_skips_sizes_that_are_not_numbers(re
 
 def capture_figures(runs, tmp_path) -> dict:
     """name -> the matplotlib figure of each figure written (the last table's, by name)."""
-    from harness import figures as module
+    from harness.reporting import figures as module
 
     drawn, save = {}, module._save
     def keep(fig, out, name):
@@ -237,7 +238,7 @@ def test_figures_show_intervals_counts_points_and_busy_marks(busy_results, tmp_p
     """What a reviewer asks of each figure: acceptance per position with Wilson intervals over the
     times each position was tested; TTFT as points, one series per method and one for AR; speedup
     against τ with its interval and a ring on methods measured beside other work."""
-    from harness.figures import wilson_interval
+    from harness.reporting.figures import wilson_interval
 
     assert wilson_interval(8, 10) == (pytest.approx(0.4902, abs=1e-4), pytest.approx(0.9433, abs=1e-4))  # Wilson 1927
     drawn = capture_figures(busy_results, tmp_path)
@@ -283,7 +284,7 @@ def test_sweep_through_submitit_local_reports_results_and_failures(tmp_path, tin
     assert "method.gamma=0: valid: auto, heuristic or an integer >= 1" in jobs[0]["error"]
     for job in jobs[1:]:
         assert (Path(job["results"]) / "summary.json").is_file()
-    listing = subprocess.run([sys.executable, "-m", "harness.report", "--jobs", str(sweep_dir)], cwd=REPO,
+    listing = subprocess.run([sys.executable, "-m", "harness.cluster.jobs", str(sweep_dir)], cwd=REPO,
                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert listing.returncode == 1 and "1 failed" in listing.stdout and "FAILED" in listing.stdout
     # the sweep folder as a run set: its finished jobs' runs (a job still running has no summary yet)
@@ -309,10 +310,10 @@ class FinishedJob:
 
 def test_a_sweeps_status_lines_and_job_list_carry_the_caveats(tmp_path, capsys):
     """A sweep on a busy machine: each job's status line and the final job list print, beside its
-    speedup, n, the busy questions and the near-ties (job.json as harness.run writes it)."""
-    from harness.metrics import summarize
-    from harness.report import print_jobs
-    from harness.run import job_result
+    speedup, n, the busy questions and the near-ties (job.json as harness.running.run writes it)."""
+    from harness.running.metrics import summarize
+    from harness.cluster.jobs import print_jobs
+    from harness.running.run import job_result
     from hydra_plugins.decodebench_launcher.launcher import describe
     from tests.test_harness import answered
 

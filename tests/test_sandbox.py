@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import execution
-from harness.execution import SandboxUnavailable, humaneval_passes, run_program, sandbox_problem
+from harness.running import execution
+from harness.running.execution import SandboxUnavailable, humaneval_passes, run_program, sandbox_problem
 from tests.conftest import REPO
 
 if sandbox_problem():
@@ -109,7 +109,7 @@ def test_without_a_sandbox_pass_at_1_refuses_unless_opted_in(monkeypatch):
 def test_a_humaneval_run_without_a_sandbox_stops_before_the_model_loads(monkeypatch):
     from hydra import compose, initialize_config_dir
 
-    from harness.validate import validate
+    from harness.running.validate import validate
 
     monkeypatch.setattr(execution.shutil, "which", lambda name: None)
     execution.sandbox_problem.cache_clear()

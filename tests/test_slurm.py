@@ -147,7 +147,7 @@ def test_sweep_on_slurm_survives_preemption_and_cancel(slurm, tmp_path, tiny_cha
             assert len(sessions) == 2, sessions  # resumed by a second process, not rerun
     submission = next((sweep_dir / ".submitit").glob("*/*_submission.sh")).read_text()
     assert "#SBATCH --exclusive" in submission  # the default for timing: nodes are not shared
-    report = subprocess.run([sys.executable, "-m", "harness.report", "--jobs", str(sweep_dir)], cwd=REPO,
+    report = subprocess.run([sys.executable, "-m", "harness.cluster.jobs", str(sweep_dir)], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert report.returncode == 0 and "4 jobs" in report.stdout and "4 ok" in report.stdout, report.stdout
     assert report.stdout.count("[SLURM job ") == 4, report.stdout
@@ -157,7 +157,7 @@ def test_sweep_on_slurm_survives_preemption_and_cancel(slurm, tmp_path, tiny_cha
 
 
 def test_summary_flags_answers_measured_beside_other_jobs():
-    from harness.metrics import shared_node_questions
+    from harness.running.metrics import shared_node_questions
 
     def answer(question_id, other_jobs):
         return {"question_id": question_id, "machine": {"slurm": {"job_id": "7", "node": "n1", "other_jobs": other_jobs}}}

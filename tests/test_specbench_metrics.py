@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.metrics import decoder_stats
-from harness.report import OVERALL, report
-from harness.results import RECORDS_FORMAT, read_answers, read_jsonl, upgrade_record
-from harness.run import run
+from harness.running.metrics import decoder_stats
+from harness.reporting.report import OVERALL, report
+from harness.running.results import RECORDS_FORMAT, read_answers, read_jsonl, upgrade_record
+from harness.running.run import run
 from methods.base import DecodeStats
 from tests.conftest import REPO
 from tests.test_harness import config, tiny_overrides

@@ -14,7 +14,7 @@ from methods.base import BuildContext
 from methods.eagle import Eagle2Decoder, EagleDecoder
 from methods.models.heads.eagle import load_eagle_head
 from methods.models.heads.medusa import load_medusa_heads
-from methods.models.heads.checkpoints import head_spec
+from methods.models.heads.source import head_spec
 from methods.models.specs import ModelSpec
 from methods.medusa import MedusaDecoder
 from methods.engine.runner import ModelRunner

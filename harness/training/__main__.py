@@ -5,41 +5,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from . import __doc__ as RECIPES_DOC
-from .distributed import context, is_main, place
+from .distill import corpus
+from .distributed import context, is_main, place, launched
 from .draft_lm import DraftLMRecipe
 from .eagle import EagleRecipe
 from .eagle3 import Eagle3Recipe, attach_cached_features, attach_features
 from .examples import attach_hidden, feature_spread, load_examples, split
-from .loop import ROOT, evaluate, model_card, train
+from .loop import ROOT, evaluate, load_target, model_card, train
 from .hydra import HydraRecipe
 from .medusa import MedusaRecipe
-
-
-def load_target(model_name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-    from methods.models.loading import load_model, load_tokenizer
-    from methods.models.specs import ModelSpec, model_config
-
-    cfg = model_config(model_name)
-    spec = ModelSpec.from_mapping(cfg)
-    return cfg, load_model(spec, dtype, torch.device(device)), load_tokenizer(spec)
+from methods.base import BuildContext
+from methods.engine.vocab import token_frequencies
+from methods.models.heads.eagle3 import feature_layers
+from methods.models.loading import resolve_device
 
 
 def training_device(name: str) -> torch.device:
     """`--device`: auto = this rank's GPU (LOCAL_RANK under torchrun) where CUDA is present, else the CPU.
     The target (fp32) sits there too: its states, argmax and answers are computed where the draft trains."""
-    from methods.models.loading import resolve_device
-
-    from .distributed import launched
-
     device = resolve_device(name)
     if device.type == "cuda" and device.index is None:
-        import os
-
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if launched() else 0)
     return device
 
@@ -110,8 +102,6 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     data_file = args.data or ROOT / "data" / "distill" / args.model / "answers.jsonl"
     if args.kind == "data":
-        from .distill import corpus
-
         corpus(args, data_file)
         return
     cfg, target, tokenizer = load_target(args.model, device=device)
@@ -123,8 +113,6 @@ def main(argv=None) -> None:
                                 target.get_output_embeddings().out_features)
         return
     if args.kind == "states":
-        from methods.models.heads.eagle3 import feature_layers
-
         attach_features(target, load_examples(data_file), feature_layers(target.config.num_hidden_layers),
                         cache=data_file.with_name("eagle3_features.pt"), progress=True, **state_batch)
         print(f"wrote {data_file.with_name('eagle3_features.pt')} (+ .bin)")
@@ -135,8 +123,6 @@ def main(argv=None) -> None:
     train_set, val_set = split(examples, args.held_out, args.seed)
     train_set = train_set[: args.train_examples]
     if args.kind != "draft-lm":
-        from methods.models.heads.eagle3 import feature_layers
-
         layers, features = feature_layers(target.config.num_hidden_layers), data_file.with_name("eagle3_features.pt")
         if args.kind == "eagle3":  # three layers' inputs + last hidden state: their own 16-bit cache beside the data
             attach_features(target, examples, layers, cache=features, progress=True, **state_batch)
@@ -167,10 +153,6 @@ def main(argv=None) -> None:
 
 def draft_vocabulary(model_name: str, cfg, target):
     """The model config's reduced draft vocabulary (`draft_vocabulary`: frequencies + size), as methods read it."""
-    from omegaconf import OmegaConf
-
-    from methods.base import BuildContext
-
     vocabulary = BuildContext(target, model_name, OmegaConf.to_container(cfg, resolve=True)).draft_vocabulary({})
     if vocabulary is None:
         raise SystemExit(f"model {model_name!r} names no draft_vocabulary (frequencies, size): EAGLE-3 needs one; "
@@ -181,8 +163,6 @@ def draft_vocabulary(model_name: str, cfg, target):
 def write_token_frequencies(data_file: Path, out: Path, vocab_size: int) -> None:
     """The answer tokens' frequencies of the drafts' training corpus: the ranking a reduced draft
     vocabulary (`methods/engine/vocab.py`, FR-Spec) keeps the top of."""
-    from methods.engine.vocab import token_frequencies
-
     examples = load_examples(data_file)
     answers = [e.ids[e.answer_start:] for e in examples]
     counts = token_frequencies(answers, vocab_size)

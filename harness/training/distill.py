@@ -1,7 +1,7 @@
 """Training prompts for the suite's own drafts, and the target's answers to them (self-distillation).
 
 The prompts share nothing with any evaluation set: they are generated, seeded, from templates
-written here and from text that ships with Python itself (the language reference in
+written for this suite (`prompts.yaml`) and from text that ships with Python itself (the language reference in
 `pydoc_data.topics` and the first lines of standard-library docstrings). They cover the kinds of
 requests Spec-Bench asks (open writing, explanation, reasoning, arithmetic word problems, code,
 extraction, summarization, question answering over a passage) so a draft sees the target's style on
@@ -14,6 +14,7 @@ answer are the training data (`answer_start` marks where the target's own tokens
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 import json
@@ -22,101 +23,27 @@ import re
 import time
 import zlib
 from pathlib import Path
+from pydoc_data.topics import topics
 from typing import Iterable
 
 import torch
+import yaml
+from tqdm import tqdm
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-SUBJECTS = [
-    "volcanoes", "the water cycle", "honeybees", "the printing press", "black holes", "coral reefs",
-    "the Roman aqueducts", "electric cars", "sleep", "jazz music", "the immune system", "glaciers",
-    "chess openings", "the Silk Road", "solar panels", "bread baking", "migrating birds", "the moon landing",
-    "recycling plastic", "public libraries", "tea ceremonies", "earthquakes", "the human heart", "origami",
-    "lighthouses", "desert plants", "the stock market", "vaccines", "rainforests", "ancient Egypt",
-    "wind turbines", "meditation", "the periodic table", "submarines", "city parks", "photosynthesis",
-    "the Olympic Games", "bicycles", "mushrooms", "the Great Wall", "3D printing", "octopuses",
-    "renewable energy", "mountain climbing", "the invention of the telephone", "bats", "classical music",
-    "rain gardens", "the Renaissance", "semiconductors", "penguins", "time zones", "the Amazon river",
-    "remote work", "compost", "comets", "the violin", "sourdough", "tides", "bridges", "video games",
-    "maps", "the metric system", "wolves", "museums", "inflation", "snowflakes", "first aid", "kites",
-    "the internet", "dinosaurs", "hot air balloons", "spices", "robots", "trains", "whales", "clocks",
-    # corpus v2: more subjects, so that >= 8,000 prompts stay distinct and varied
-    "beekeeping", "the Byzantine Empire", "quantum computers", "vertical farming", "the Hubble telescope",
-    "coffee roasting", "sign language", "the Industrial Revolution", "thunderstorms", "ant colonies",
-    "the human brain", "cryptography", "urban gardening", "the Panama Canal", "fermentation", "satellites",
-    "the history of writing", "coral bleaching", "marathon training", "the blues", "electric guitars",
-    "the Moon's phases", "paper making", "airships", "recycling glass", "the Arctic", "river deltas",
-    "board games", "street food", "the Mayan calendar", "nuclear fusion", "wildfires", "tree rings",
-    "the Eiffel Tower", "sharks", "hydroelectric dams", "the human skeleton", "windmills", "pottery",
-    "public transport", "the Fibonacci sequence", "microplastics", "lunar eclipses", "sea turtles",
-    "the postal service", "typewriters", "caves", "the Northern Lights", "weather forecasting",
-    "crossword puzzles", "genetics", "the Vikings", "skyscrapers", "batteries", "elephants",
-    "the ozone layer", "architecture in ancient Greece", "mobile phones", "knitting", "cheese making",
-    "the Sahara desert", "photography", "democracy", "rivers", "coffee", "the speed of light",
-    "chocolate", "volunteering", "space stations", "the decimal system", "tornadoes", "bamboo",
-    "the French Revolution", "recycling electronics", "hummingbirds", "sailing", "the microscope",
-    "opera", "fossils", "the human eye", "trade routes", "greenhouses", "magnets", "the calendar",
-    "friendship", "learning a new language", "budgeting", "healthy breakfasts", "camping", "journaling",
-    "job interviews", "public speaking", "moving to a new city", "saving energy at home", "pets",
-]
+from harness.running.datasets import _FILLER
+from harness.running.prompts import Message, ChatTemplate
+from harness.running.results import read_jsonl, rewrite_jsonl
+from harness.training.loop import ROOT, load_target, _machine
+from methods.engine.hardware import native_bf16
 
-OPEN_TEMPLATES = [
-    "Write a short blog post about {s}.",
-    "Explain {s} to a ten-year-old.",
-    "Give three interesting facts about {s}.",
-    "Write a poem about {s}.",
-    "What are the advantages and disadvantages of {s}?",
-    "Describe the history of {s} in a few paragraphs.",
-    "Pretend you are a tour guide and introduce {s} to visitors.",
-    "Write a persuasive paragraph arguing that everyone should learn about {s}.",
-    "Compare {s} and {t}. How are they similar and how are they different?",
-    "Write a dialogue between two friends discussing {s}.",
-    "What would the world look like without {s}? Answer in a few sentences.",
-    "Create a lesson plan for a class about {s}.",
-    "List five questions a curious student might ask about {s}, and answer them briefly.",
-    "Write a product description for a board game themed around {s}.",
-    "Summarize the main ideas a beginner should know about {s}.",
-    "Write a short story in which {s} plays an important role.",
-    "Why do people find {s} fascinating? Give your reasons step by step.",
-    "Draft an email to a colleague proposing a team outing related to {s}.",
-    # corpus v2
-    "Write a news article announcing a surprising discovery about {s}.",
-    "Give me a step-by-step guide for getting started with {s}.",
-    "What are common misconceptions about {s}? Correct each one.",
-    "Write a haiku and a limerick about {s}.",
-    "Explain how {s} works, as if writing for an encyclopedia.",
-    "Write a speech for a school assembly about {s}.",
-    "Imagine {s} in the year 2100. Describe what has changed.",
-    "Create a short quiz with answers about {s}.",
-    "Write a diary entry of someone who spends a day learning about {s}.",
-    "Give a one-paragraph summary of {s}, then a one-sentence summary.",
-    "What careers are connected to {s}? Describe three of them.",
-    "Write a letter to a newspaper editor about {s}.",
-    "How could a small town benefit from {s}? Give practical ideas.",
-    "Explain the connection between {s} and {t}.",
-    "Write a short children's story that teaches something about {s}.",
-    "Outline an essay about {s} with an introduction, three sections and a conclusion.",
-]
-
-NAMES = ["Maya", "Tom", "Aiko", "Luis", "Priya", "Ben", "Sofia", "Omar", "Lena", "Kwame", "Ines", "Hugo",
-         "Mei", "Dara", "Felix", "Noor"]
-ITEMS = ["apples", "notebooks", "marbles", "stickers", "cookies", "pencils", "tickets", "stamps", "seeds",
-         "postcards", "batteries", "buttons"]
-LANGUAGES = ["French", "German", "Spanish", "Italian", "Portuguese", "Chinese"]
+# the subjects and templates the prompts are drawn from (data, written for this suite; order matters)
+MATERIAL = yaml.safe_load((Path(__file__).parent / "prompts.yaml").read_text(encoding="utf-8"))
+SUBJECTS, OPEN_TEMPLATES, MATH_TEMPLATES = MATERIAL["subjects"], MATERIAL["open_templates"], MATERIAL["math_templates"]
+NAMES, ITEMS, LANGUAGES = MATERIAL["names"], MATERIAL["items"], MATERIAL["languages"]
+CODE_TEMPLATES, PASSAGE_TEMPLATES = MATERIAL["code_templates"], MATERIAL["passage_templates"]
 SAMPLED_SHARE = 0.2  # prompts answered by sampling at T = 1 (diversity); the rest greedily
-
-
-MATH_TEMPLATES = [
-    "{name} has {a} {item}. {name} buys {b} packs with {c} {item} in each pack. "
-    "How many {item} does {name} have now? Explain your reasoning.",
-    "A store sells {item} for ${c} each. {name} spends ${ac} on {item} and gives {b} of them away. "
-    "How many {item} are left? Show your work.",
-    "What is {a} multiplied by {b}, plus {c7}? Think step by step.",
-    "{name} reads {b} pages every day. The book has {abc} pages. How many days does {name} need to finish the book?",
-    "A train travels at {a20} km per hour for {b} hours and then at {a} km per hour for {c} hours. "
-    "How far does it travel in total? Explain each step.",
-    "A rectangle is {a} cm long and {bc} cm wide. What are its area and its perimeter? Show the formulas you use.",
-    "{name} saves ${b} every week and already has ${a}. How many weeks until {name} has ${goal}? Reason step by step.",
-]
 
 
 def _math_prompt(rng: random.Random) -> str:
@@ -145,8 +72,6 @@ def _stdlib_functions() -> list[tuple[str, str]]:
 
 def _passages(min_chars: int = 250, max_chars: int = 650) -> list[str]:
     """Paragraph groups from the Python language reference that ships with CPython."""
-    from pydoc_data.topics import topics
-
     passages = []
     for text in topics.values():
         chunk = ""
@@ -161,20 +86,6 @@ def _passages(min_chars: int = 250, max_chars: int = 650) -> list[str]:
     return passages
 
 
-CODE_TEMPLATES = [
-    "Write a Python function that does the following without using `{q}`: {line} Include a short docstring.",
-    "Explain what `{q}` does (its documentation says: \"{line}\") and show two examples of calling it.",
-    "Write unit tests with pytest for a function that does the following: {line}",
-    "Implement the following in Python, then explain its time complexity: {line}",
-]
-PASSAGE_TEMPLATES = {
-    "summary": "Summarize the following text in a few sentences.\n\n{p}",
-    "qa": "Read the text below and explain its most important rule with an example.\n\n{p}",
-    "extract": "List the technical terms used in the following text, with a one-line definition of each.\n\n{p}",
-    "quiz": "Write three quiz questions, with answers, that test whether a reader understood this text.\n\n{p}",
-    "translate": "Translate the following text into {lang}.\n\n{p}",
-    "simplify": "Rewrite the following text in plain language for a beginner.\n\n{p}",
-}
 KINDS = {"open": 30, "math": 12, "code": 16, **{k: 7 for k in PASSAGE_TEMPLATES}}  # weights (percent)
 
 
@@ -221,8 +132,6 @@ def _words(text: str) -> list[str]:
 def evaluation_texts(question_files: Iterable[Path]) -> list[str]:
     """Every turn (and reference) of the question files that exist, plus the needle set's filler: the
     texts a training prompt must not share."""
-    from harness.datasets import _FILLER
-
     texts = list(_FILLER)
     for file in question_files:
         if not file.is_file():
@@ -266,11 +175,6 @@ def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batc
     `mode`: greedy, or sampled at T = 1 (no top-k/top-p) for prompts whose `mode` is "sample", each
     batch seeded from `seed` and its first prompt. With a `journal`, records are appended to it as
     each batch finishes and a rerun answers only the prompts it lacks."""
-    from tqdm import tqdm
-
-    from harness.prompts import Message
-    from harness.results import read_jsonl, rewrite_jsonl
-
     pad = template.tokenizer.pad_token_id
     if pad is None:
         pad = template.tokenizer.eos_token_id
@@ -317,8 +221,6 @@ def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batc
 
 def question_files(extra: Path | None = None) -> list[Path]:
     """Every evaluation question file the suite ships or has prepared on this machine."""
-    from harness.training.loop import ROOT
-
     files = [*sorted((ROOT / "data").glob("*/questions.jsonl")), *sorted((ROOT / "data").glob("*/question.jsonl"))]
     if extra is not None:
         files.insert(0, extra)
@@ -326,17 +228,12 @@ def question_files(extra: Path | None = None) -> list[Path]:
 
 
 def distill_dtype(choice: str, device: torch.device | str = "cpu") -> torch.dtype:
-    from methods.engine.hardware import native_bf16
-
     if choice == "auto":  # a GPU answers in the drafts' own dtype: fp32 is cheap there
         return torch.bfloat16 if torch.device(device).type == "cpu" and native_bf16() else torch.float32
     return getattr(torch, choice)
 
 
 def _answer_target(model_name: str, dtype: torch.dtype, device: torch.device | str = "cpu"):
-    from harness.prompts import ChatTemplate
-    from harness.training.__main__ import load_target
-
     cfg, target, tokenizer = load_target(model_name, dtype, device)
     if dtype == torch.bfloat16 and target.device.type == "cpu":
         # torch's bf16 attention kernels on CPU are several times slower than its fp32 ones (and than
@@ -347,9 +244,6 @@ def _answer_target(model_name: str, dtype: torch.dtype, device: torch.device | s
 
 def use_fp32_attention(model) -> None:
     """Run `model`'s attention through `_fp32_sdpa`, with SDPA's masks."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     AttentionInterface.register("fp32_sdpa", _fp32_sdpa)
     AttentionMaskInterface.register("fp32_sdpa", sdpa_mask)
     model.set_attn_implementation("fp32_sdpa")
@@ -368,8 +262,6 @@ def measure_batches(model_name: str, prompts: list[dict], max_new_tokens: int, s
                     dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
     """Answer tokens per second of batched self-distillation for each dtype and batch size (the same
     prompts each time: 2 batches of the largest size, drawn across the prompt lengths)."""
-    from methods.engine.hardware import native_bf16
-
     rng = random.Random(0)
     sample = rng.sample(prompts, 2 * max(sizes))
     rows = []
@@ -393,12 +285,6 @@ def corpus(args, data_file: Path, manifest_file: Path | None = None) -> None:
     """`python -m harness.training data`: the prompts (checked disjoint from every evaluation set on
     this machine), the target's answers (journalled: an interrupted run resumes) and a manifest with
     the recipe and the corpus's checksum (`drafts/<model>/corpus.json`, committed; the corpus is not)."""
-    import hashlib
-
-    from harness.training.loop import ROOT, _machine
-
-    from harness.results import read_jsonl
-
     prompts_file = getattr(args, "prompts_file", None)
     prompts = read_jsonl(prompts_file) if prompts_file else training_prompts(args.prompts, args.seed)
     files = question_files(args.questions)
@@ -440,8 +326,8 @@ def corpus(args, data_file: Path, manifest_file: Path | None = None) -> None:
                                   for m in ("greedy", "sample")},
         "dtype": str(dtype).removeprefix("torch."), "machine": _machine(device),
         "hours_this_run": round((time.perf_counter() - started) / 3600, 2),
-        "disjoint_from": [str(f) for f in files] + ["needle filler (harness/datasets.py)"],
-        "sources": {"templates": "harness/training/distill.py (this suite, Apache-2.0)",
+        "disjoint_from": [str(f) for f in files] + ["needle filler (harness/running/datasets.py)"],
+        "sources": {"templates": "harness/training/prompts.yaml (this suite, Apache-2.0)",
                     "passages": "the Python language reference shipped as pydoc_data.topics (PSF License)",
                     "code": "first lines of standard-library docstrings (PSF License)"},
     }

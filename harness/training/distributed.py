@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,6 @@ class RecipeModule(torch.nn.Module):
 def wrap(module: RecipeModule, ctx: Context) -> torch.nn.Module:
     if not ctx.distributed:
         return module
-    from torch.nn.parallel import DistributedDataParallel
 
     device = next(iter(module.parameters())).device
     return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,

@@ -9,13 +9,16 @@ the vocabulary it drafts from against the target's own argmax."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from .examples import Example, offset_mask, pad_batch
+from methods.models.loading import truncated_copy
 
 
 class DraftLMRecipe:
@@ -23,10 +26,6 @@ class DraftLMRecipe:
     on_gpu = True  # batch_loss places each batch where the recipe is (`distributed.place`)
 
     def __init__(self, target, layers: int, vocabulary=None):
-        import copy
-
-        from methods.models.loading import truncated_copy
-
         # truncated_copy shares the target's tensors: copy them before training the layers
         self.model = copy.deepcopy(truncated_copy(target, layers)).float().train()
         self.model.requires_grad_(False)
@@ -83,8 +82,6 @@ class DraftLMRecipe:
         return (per_example / counts.clamp_min(1)).sum(), stats
 
     def save(self, out: Path) -> None:
-        from safetensors.torch import save_file
-
         state = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in self.model.state_dict().items()
                  if k.startswith(("model.layers.", "model.norm."))}
         save_file(state, str(out / "model.safetensors"))

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from .examples import Example, offset_mask, pad_batch, target_top
+from methods.models.heads.eagle import EagleHead, head_config
+from methods.models.heads.random_init import eagle_config
 
 
 class EagleRecipe:
@@ -28,9 +30,6 @@ class EagleRecipe:
 
     def __init__(self, target, seed: int, cls_weight: float = 0.1, feature_scale: torch.Tensor | None = None,
                  vocabulary=None):
-        from methods.models.heads.eagle import EagleHead, head_config
-        from methods.models.heads.random_init import eagle_config
-
         self.target = target
         self.cls_weight = cls_weight
         # the regression is measured per feature dimension in units of its spread: a few

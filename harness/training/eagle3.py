@@ -43,11 +43,12 @@ from pathlib import Path
 import torch
 
 from .examples import Example, _attach_from, attach_states, offset_mask, pad_batch
+from methods.engine.runner import layer_inputs
+from methods.models.heads.eagle3 import Eagle3Head, eagle3_head_config, feature_layers
+from methods.models.heads.random_init import eagle3_config
 
 
 def _feature_rows(layers: tuple[int, ...]):
-    from methods.engine.runner import layer_inputs
-
     def compute(target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with layer_inputs(target.model, layers) as captured:
             last = target.model(input_ids=ids).last_hidden_state.float()
@@ -82,9 +83,6 @@ class Eagle3Recipe:
     kind = "eagle3"
 
     def __init__(self, target, seed: int, vocabulary, steps: int = 7, decay: float = 0.8):
-        from methods.models.heads.eagle3 import Eagle3Head, eagle3_head_config, feature_layers
-        from methods.models.heads.random_init import eagle3_config
-
         if steps < 1:
             raise ValueError(f"training-time test steps must be >= 1, got {steps}")
         self.target, self.steps, self.decay = target, steps, decay
@@ -126,6 +124,7 @@ class Eagle3Recipe:
     def _project(self, embeds, hidden, positions):
         """q [B, heads, n, d], k and v [B, heads, n, d] (kv heads repeated) of the midlayer's attention;
         embeds and hidden [B, n, H], positions [n] or [B, n]."""
+        # lazy: transformers' Llama code, slow to import: not for --help
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         layer = self.head.midlayer

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from . import distributed
 
@@ -113,8 +114,6 @@ def attach_states(target, examples: list[Example], compute, fields: dict[str, in
     example gets one attribute per `fields` entry (name -> its D columns, in order) and `top` (the
     target's argmax, from the last hidden state). `kind` names what `compute` computes: a cache of
     another kind, or of other examples, is recomputed. In RAM as float32 without a `cache`."""
-    from tqdm import tqdm
-
     ctx = distributed.context()
     if cache is not None and _attach_from(cache, examples, kind, fields):
         return

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from .examples import Example, answer_mask
+from methods.models.heads.hydra import HydraHeads
 
 
 class HydraRecipe:
@@ -38,8 +39,6 @@ class HydraRecipe:
 
     def __init__(self, target, heads: int = 4, layers: int = 4, arch: str = "prefix-mlp", grounded: bool = True,
                  vocabulary=None, dropout: float = 0.2):
-        from methods.models.heads.hydra import HydraHeads
-
         lm_head = target.get_output_embeddings()
         hidden = lm_head.in_features
         self.ids = vocabulary.ids if vocabulary is not None else None

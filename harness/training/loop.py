@@ -16,14 +16,24 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from . import distributed
 from .examples import Example
+from methods.engine.hardware import cpu_isa, cpu_model
+from methods.models.loading import load_model, load_tokenizer
+from methods.models.specs import ModelSpec, model_config
 
 ROOT = Path(__file__).resolve().parents[2]
-# conversations per forward on a CPU (a GPU takes its whole share of the step): on one core of the
-# 2-core EPYC, EAGLE and Medusa over the 8,192-token vocabulary ran 1.0-1.3x faster at 4 than at 1, 2 or 8
+# conversations per forward on a CPU (a GPU takes its whole share of the step); why 4: docs/drafts.md
 CPU_MICRO_BATCH = 4
+
+
+def load_target(model_name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    """The target a recipe distils from: (its model config, the model, its tokenizer)."""
+    cfg = model_config(model_name)
+    spec = ModelSpec.from_mapping(cfg)
+    return cfg, load_model(spec, dtype, torch.device(device)), load_tokenizer(spec)
 
 
 def evaluate(recipe, examples: list[Example], micro_batch: int = 8) -> dict[str, float]:
@@ -64,8 +74,6 @@ def train(recipe, train_set: list[Example], val_set: list[Example], epochs: floa
     the end; `resume=True` continues from it (the log keeps its first `step` lines). `stop_after`:
     stop after that many steps of the run (an interrupted run, for tests). device: where the recipe
     trains (default: under torchrun with CUDA this rank's GPU, else where its parameters are)."""
-    from tqdm import tqdm
-
     device = torch.device(device) if device is not None else distributed.default_device(recipe)
     if device != recipe.parameters()[0].device:
         distributed.place(recipe, device)
@@ -222,8 +230,6 @@ def _corpus_summary(data_file: Path, model: str) -> str:
 
 
 def _machine(device: torch.device | str = "cpu") -> str:
-    from methods.engine.hardware import cpu_isa, cpu_model
-
     if torch.device(device).type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda}), torch {torch.__version__}"
     return f"{cpu_model()} {cpu_isa()} ({torch.get_num_threads()} threads), torch {torch.__version__}"

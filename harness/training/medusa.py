@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .examples import Example, target_top
+from methods.models.heads.medusa import MedusaHeads
 
 
 class MedusaRecipe:
@@ -24,8 +25,6 @@ class MedusaRecipe:
     on_gpu = True  # batch_loss places each batch where the recipe is (`distributed.place`)
 
     def __init__(self, target, heads: int, vocabulary=None):
-        from methods.models.heads.medusa import MedusaHeads
-
         lm_head = target.get_output_embeddings()
         self.lm_head = lm_head
         self.heads = MedusaHeads(heads, 1, lm_head.in_features, lm_head.out_features).float()

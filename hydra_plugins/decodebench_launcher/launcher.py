@@ -10,7 +10,7 @@
 - Job states without accounting: submitit polls `sacct` with a back-off to 10 minutes and, where
   accounting is off, warns on every call and learns of a finished job only from its result file.
   Here each job gets a `QueueWatcher`: `sacct` while it works, else `scontrol show job`
-  (harness/cluster.py), every `poll_s` seconds, with one log line when it switches.
+  (harness/cluster/slurm.py), every `poll_s` seconds, with one log line when it switches.
 - One status line per job, printed whenever it changes: pending, running (node, questions done,
   how many measured on a busy machine), done (speedup, its interval, τ and their caveats: n, busy
   questions, near-ties and mismatches, a speedup above τ), failed (the last line of its error and
@@ -32,12 +32,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import submitit
 from hydra.core.config_store import ConfigStore
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, filter_overrides
+from omegaconf import OmegaConf
+from submitit.slurm.slurm import SlurmInfoWatcher
+
+from harness.cluster.slurm import job_states
+from harness.running.busy import is_busy
+from harness.running.metrics import speedup_status
+from harness.running.results import read_jsonl
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
-from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
 TERMINAL = ("done", "failed")
@@ -65,9 +72,6 @@ ConfigStore.instance().store(group="hydra/launcher", name="decodebench_local", n
 
 def queue_watcher(delay_s: float):
     """A submitit SlurmInfoWatcher that reads sacct while it works and scontrol when it does not."""
-    from harness.cluster import job_states
-    from submitit.slurm.slurm import SlurmInfoWatcher
-
     class QueueWatcher(SlurmInfoWatcher):
         def __init__(self) -> None:
             super().__init__(delay_s=delay_s)
@@ -128,15 +132,11 @@ class _SweepLauncher(BaseSubmititLauncher):
         signal can arrive more than once (proctrack/linuxproc signals every process of the step)
         and submitit's handler is not re-entrant (a second call fails on the first's temporary
         pickle), so once checkpointing starts, further ones are ignored: the job is exiting."""
-        import submitit
-
         signal.signal(getattr(signal, "SIG" + submitit.JobEnvironment.USR_SIG), signal.SIG_IGN)
         return super().checkpoint(*args, **kwargs)
 
     def executor(self):
         """submitit's executor with this launcher's parameters, set up as upstream's `launch` does."""
-        import submitit
-
         init_keys = {"submitit_folder", "max_num_timeout"}
         init = {"folder": self.params["submitit_folder"]}
         if "max_num_timeout" in self.params:
@@ -227,7 +227,7 @@ class SweepStatus:
             print(f"[sweep] #{num} {self.names[num]}: {line}", flush=True)
 
     def records(self) -> dict[int, dict]:
-        """The job.json of each job (harness/run.py writes it at start and end)."""
+        """The job.json of each job (harness/running/run.py writes it at start and end)."""
         found = {}
         for path in self.sweep_dir.glob("*/job.json"):
             try:
@@ -260,8 +260,6 @@ def describe(job, record: dict | None) -> tuple[str, str]:
     job_name = f"{slurm['array_job_id']}_{slurm['task_id']}" if slurm.get("array_job_id") else slurm.get("job_id")
     where = f" on {slurm['node']}, job {job_name}" if slurm.get("node") else ""
     if status == "ok":
-        from harness.metrics import speedup_status
-
         numbers = speedup_status(record.get("speedup"), record.get("speedup_ci95"), record.get("tau"), record.get("caveats"))
         return "done", f"done{where}: {numbers} ({record.get('results')})"
     if status == "failed":
@@ -280,8 +278,6 @@ def questions_done(record: dict) -> str:
     total = record.get("questions")
     if not record.get("results") or total is None:
         return "loading"
-    from harness.machine import is_busy
-    from harness.results import read_jsonl  # half-written lines are skipped
 
     rows = {name: read_jsonl(Path(record["results"]) / "answers" / f"{name}.jsonl") for name in {record.get("method"), "ar"}}
     done = {row.get("question_id") for row in rows[record.get("method")]}

@@ -39,8 +39,8 @@ class BufferedLayer(DynamicLayer):
     min_capacity = 256
 
     # the filled part of the buffers, a view made when read: changing `length` makes none (the
-    # native layer writes and reads the buffers directly; two views per layer and step cost ~1 ms
-    # a step on a 30-layer model)
+    # native layer writes and reads the buffers directly; what the views cost a step:
+    # docs/performance-history.md, "shared key lists and lazy cache views")
     keys = FilledView()
     values = FilledView()
 

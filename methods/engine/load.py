@@ -1,5 +1,5 @@
 """How busy the machine was over an interval: the readings behind every busy flag, for answers
-(`harness.machine`) and for the hardware profile's measurements (`hardware`).
+(`harness.running.busy`) and for the hardware profile's measurements (`hardware`).
 
 Over the interval: the load averages at both ends, the CPU time other processes used (in cores:
 the machine's busy time from `/proc/stat` minus this process's own and its children's) and the

@@ -32,6 +32,7 @@ import logging
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -136,8 +137,6 @@ def panel_width() -> int:
 def fma_peak(seconds: float = 0.2) -> float:
     """The CPU's fp32 FMA peak on every thread torch uses, flops per second: registers only, no
     memory (`make perf` computes each verification size's arithmetic floor from it); best of 5."""
-    import time
-
     lib, lanes, steps, best = _library(), panel_width(), 1 << 16, 0.0
     while True:  # size a run to ~`seconds`
         start = time.perf_counter()

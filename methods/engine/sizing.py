@@ -16,6 +16,11 @@ the method's description (and so into every results folder).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from .hardware import forward_latency
+
 VERIFY_BUDGET = 1.3  # a tree may cost at most this many one-token forwards to verify
 DEFAULT_ALPHA = 0.6  # per-position acceptance assumed for a draft without a model card
 
@@ -61,8 +66,6 @@ def tree_budget(curve: dict[int, float], budget: float = VERIFY_BUDGET, largest:
 
 def draft_cost(draft_runner, target_curve: dict[int, float], prefix: int = 256, repeats: int = 5) -> float:
     """One draft forward of one token (its projection included), in units of the target's t(1)."""
-    from .hardware import forward_latency
-
     seconds = forward_latency(draft_runner, (1,), prefix, repeats)[1]
     return seconds / target_curve[min(target_curve)]
 
@@ -70,9 +73,6 @@ def draft_cost(draft_runner, target_curve: dict[int, float], prefix: int = 256, 
 def held_out_acceptance(draft_folder: str | None, default: float = DEFAULT_ALPHA) -> float:
     """A draft's first-position acceptance estimate: its model card's held-out teacher-forced
     agreement (`training.json`, the suite's recipes write it), else `default`."""
-    import json
-    from pathlib import Path
-
     file = Path(draft_folder or "") / "training.json"
     if draft_folder and file.is_file():
         return float(json.loads(file.read_text()).get("held_out_acceptance", {}).get("acc_1", default))

@@ -17,12 +17,15 @@ half a minute and ending in a stack trace from the Hub client.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import logging
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file, load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, AutoConfig
 
 from ..engine.hardware import auto_dtype
 from ..engine.storage import cache_root
@@ -108,8 +111,6 @@ def dequantized_gguf_dir(spec: ModelSpec) -> Path:
     marker = target / "source.json"
     if marker.is_file():
         return target
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("dequantizing %s into %s (once)", source, target)
     target.mkdir(parents=True, exist_ok=True)
@@ -142,15 +143,11 @@ def local_folder(spec: ModelSpec) -> ModelSpec:
 
 
 def load_tokenizer(spec: ModelSpec):
-    from transformers import AutoTokenizer
-
     return _from_pretrained(AutoTokenizer, local_folder(spec), "tokenizer")
 
 
 def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device):
     """A causal LM in eval mode on `device`, weights in `dtype`."""
-    from transformers import AutoModelForCausalLM
-
     model = _from_pretrained(AutoModelForCausalLM, local_folder(spec), "model", dtype=dtype)
     return model.to(device).eval().requires_grad_(False)
 
@@ -158,8 +155,6 @@ def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device):
 def truncated_copy(model, num_layers: int):
     """A draft made from the target itself: its first `num_layers` decoder layers, its final norm
     and its lm_head (weights shared, not copied). Same tokenizer by construction."""
-    import copy
-
     total = model.config.num_hidden_layers
     if not 1 <= num_layers < total:
         raise ValueError(f"draft num_layers={num_layers} must be in 1..{total - 1} for this target")
@@ -205,9 +200,6 @@ SHARED_KEY = "decodebench_shared_with_target"
 def _load_sharing_target(folder: Path, target_model):
     """A draft LM saved without the tensors it shares with its target (the suite's own drafts,
     `harness/training/`): config.json lists them under `decodebench_shared_with_target`."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(str(folder))
     shared = set(getattr(config, SHARED_KEY))
     if config.vocab_size != target_model.config.vocab_size or config.hidden_size != target_model.config.hidden_size:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from omegaconf import OmegaConf
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -55,8 +57,6 @@ class ModelSpec:
 
 def model_config(name: str):
     """The model config `conf/model/<name>.yaml` (what `model=<name>` selects), as an OmegaConf node."""
-    from omegaconf import OmegaConf
-
     folder = PROJECT_ROOT / "conf" / "model"
     if not (folder / f"{name}.yaml").is_file():
         raise ValueError(f"unknown model {name!r}; valid: {', '.join(sorted(p.stem for p in folder.glob('*.yaml')))}")

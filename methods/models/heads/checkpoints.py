@@ -6,6 +6,9 @@ import json
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from ..specs import ModelSpec, ModelUnavailableError, hub_reachable, unavailable_error
 
@@ -17,7 +20,6 @@ def checkpoint_folder(spec: ModelSpec, weight_files: tuple[str, ...]) -> Path:
         return path
     if str(spec.path).startswith(("/", ".", "~")):
         raise ModelUnavailableError(f"head folder {spec.path!r} does not exist (set {spec.override_hint})")
-    from huggingface_hub import snapshot_download
 
     patterns = ["config.json", *weight_files]
     try:
@@ -38,8 +40,6 @@ def read_state_dict(folder: Path, weight_files: tuple[str, ...]) -> tuple[dict[s
         if not file.is_file():
             continue
         if name.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
             return load_file(str(file)), name
         return torch.load(file, map_location="cpu", weights_only=True), name
     raise ModelUnavailableError(f"{folder} holds none of {', '.join(weight_files)}")
@@ -62,8 +62,6 @@ def read_prefixed(folder: Path, prefix: str) -> dict[str, torch.Tensor] | None:
     state = {}
     for name in files:
         if name.endswith(".safetensors"):
-            from safetensors import safe_open
-
             with safe_open(str(folder / name), framework="pt") as f:
                 state.update({k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)})
         else:
@@ -88,17 +86,3 @@ def place_like_target(head: torch.nn.Module, target_model, shared_embedding=None
 def read_config(folder: Path) -> dict:
     file = folder / "config.json"
     return json.loads(file.read_text()) if file.is_file() else {}
-
-
-def head_spec(params: dict, context, kind: str) -> ModelSpec:
-    """Where a method's draft head comes from: `method.head` when given, else the model config's
-    `drafts.<kind>`. `{path: ...}` is a Hub id or folder in the released format;
-    `{random_init: seed}` writes randomly initialized weights in that format once (cached) and
-    loads them through the same loader: exact decoding, near-zero acceptance."""
-    spec = dict(params.get("head") or context.draft_spec(kind, params.get("name", kind)))
-    if spec.get("random_init") is not None:
-        from .random_init import random_head_folder
-
-        folder = random_head_folder(kind, context.target_model, int(spec["random_init"]))
-        return ModelSpec(path=str(folder), override_hint="method.head.path")
-    return ModelSpec.from_mapping(spec, override_hint="method.head.path")

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import LlamaConfig, Qwen2Config
 
+from ...engine.fused import RopeTable, fused_layer, unsupported_layers
 from ..specs import ModelSpec
 from .checkpoints import checkpoint_folder, place_like_target, read_config, read_state_dict
 
@@ -26,11 +28,11 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 def _layer_classes(qkv_bias: bool):
     """Llama layers, or Qwen2 layers when q/k/v carry biases (EAGLE heads for Qwen2)."""
     if qkv_bias:
-        from transformers import Qwen2Config
+        # lazy: transformers' model code, slow to import: not to check a config
         from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 
         return Qwen2Config, Qwen2DecoderLayer, Qwen2RotaryEmbedding
-    from transformers import LlamaConfig
+    # lazy: transformers' model code, slow to import: not to check a config
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     return LlamaConfig, LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -70,8 +72,6 @@ class EagleHead(nn.Module):
     def fused(self):
         """(layer, rope table) on the engine's fused forward (`engine/fused.py`) for drafting, or
         None where its layer type is not supported; training keeps `forward`."""
-        from ...engine.fused import RopeTable, fused_layer, unsupported_layers
-
         if unsupported_layers(self.config, self.rotary_emb):
             return None
         layer = fused_layer(self.layers[0], self.config)

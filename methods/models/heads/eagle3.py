@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...engine.fused import RopeTable, fused_layer, rms_norm, unsupported_layers
+from ...engine.linear import native_active
 from ...engine.vocab import DraftVocabulary
 from ..specs import ModelSpec
 from .checkpoints import checkpoint_folder, place_like_target, read_config, read_state_dict
@@ -48,6 +50,7 @@ class Eagle3Layer(nn.Module):
 
     def __init__(self, config):
         super().__init__()
+        # lazy: transformers' model code, slow to import: not to check a config
         from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
         hidden, eps = config.hidden_size, config.rms_norm_eps
@@ -72,6 +75,7 @@ class Eagle3Layer(nn.Module):
 class Eagle3Head(nn.Module):
     def __init__(self, config, target_hidden_size: int, draft_vocab_size: int, layers: tuple[int, ...]):
         super().__init__()
+        # lazy: transformers' model code, slow to import: not to check a config
         from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
         hidden = config.hidden_size
@@ -90,8 +94,6 @@ class Eagle3Head(nn.Module):
         """(layer, rope table) on the engine's fused forward (`engine/fused.py`) for drafting: the
         midlayer as a fused layer whose q, k, v read `layer_inputs`' second part; None where its
         layer type is not supported; training keeps `forward`."""
-        from ...engine.fused import RopeTable, fused_layer, unsupported_layers
-
         if unsupported_layers(self.config, self.rotary_emb):
             return None
         layer = fused_layer(self.midlayer, self.config)
@@ -100,9 +102,6 @@ class Eagle3Head(nn.Module):
     def layer_inputs(self, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [n], hidden [n, H] -> the fused layer's residual stream g [n, H] and what its
         q, k, v read, [input_layernorm(embed(tokens)); hidden_norm(g)] [n, 2·H]."""
-        from ...engine.fused import rms_norm
-        from ...engine.linear import native_active
-
         hidden = hidden.to(self.fc.weight.dtype)
         embeds = self.embed_tokens(tokens)
         glue = native_active(hidden)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import LlamaConfig
 
 from ..specs import ModelSpec
 from .checkpoints import checkpoint_folder, read_config, read_state_dict
@@ -62,8 +63,6 @@ class ResBlock(nn.Module):
 
 
 def _llama_config(target_config):
-    from transformers import LlamaConfig
-
     fields = {k: v for k, v in target_config.to_dict().items()
               if k not in ("architectures", "model_type", "transformers_version", "layer_types", "auto_map")}
     fields["num_hidden_layers"] = 1
@@ -79,6 +78,7 @@ class PrefixLayer(nn.Module):
 
     def __init__(self, target_config):
         super().__init__()
+        # lazy: transformers' model code, slow to import: not to check a config
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
         config = _llama_config(target_config)

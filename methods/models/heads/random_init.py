@@ -9,14 +9,13 @@ from pathlib import Path
 import torch
 
 from ...engine.storage import cache_root
+from .eagle3 import feature_layers
 
 
 def random_head_folder(kind: str, target_model, seed: int) -> Path:
     embed = target_model.get_input_embeddings()
     hidden, vocab = embed.embedding_dim, embed.num_embeddings
     if kind == "eagle3":
-        from .eagle3 import feature_layers
-
         feature_layers(target_model.config.num_hidden_layers)  # the target can feed an EAGLE-3 head
     folder = cache_root() / "heads" / f"{kind}-random-h{hidden}-v{vocab}-seed{seed}"
     if (folder / "config.json").is_file():

@@ -1,6 +1,6 @@
 """SLURM from inside a job: which job and node this process runs as, and who else runs there.
 
-`slurm_job()` is recorded with every answer (through `harness.machine.machine_state`), so that an
+`slurm_job()` is recorded with every answer (through `harness.running.busy.state`), so that an
 answer timed beside other jobs on the same node says so.
 """
 

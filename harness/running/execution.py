@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -116,8 +117,6 @@ def _command(folder: str, argv: list[str]) -> list[str]:
 
 
 def _limits():
-    import resource
-
     for limit, value in ((resource.RLIMIT_AS, MEMORY_BYTES), (resource.RLIMIT_CPU, TIMEOUT_SECONDS + 1),
                          (resource.RLIMIT_NPROC, MAX_PROCESSES), (resource.RLIMIT_FSIZE, MAX_FILE_BYTES),
                          (resource.RLIMIT_CORE, 0)):

@@ -1,7 +1,6 @@
 """`make report`: tables from one explicit set of runs, recomputed from their answer records.
 
-    python -m harness.report [RUNS ...] [--out DIR] [--select GLOB]
-    python -m harness.report --jobs results/.multirun/<sweep>      # status of a sweep's jobs
+    python -m harness.reporting.report [RUNS ...] [--out DIR] [--select GLOB]
 
 RUNS are results folders, folders holding them, or sweep folders (each job's results folder is
 read); by default every run under `results/` except the committed reference run
@@ -32,11 +31,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import published
-from harness.metrics import (  # MIN_INTERVAL_N: below it, a cell shows no interval
+from harness.cluster.jobs import job_status
+from harness.reporting import published
+from harness.running.metrics import (  # MIN_INTERVAL_N: below it, a cell shows no interval
     MIN_INTERVAL_N, busy_questions, caveat_note, caveats, compare_outputs, decoder_stats, decomposition,
-    describe_fidelity, speedup_stats, speedup_status)
-from harness.results import read_answers
+    describe_fidelity, speedup_stats)
+from harness.running.results import read_answers
 
 SKIP_DIRS = {".multirun", "perf", "report"}
 REFERENCE = "reference"  # results/reference/: the committed run, read only when named
@@ -430,36 +430,6 @@ def run_set_name(paths: list[Path]) -> str:
     return slugify("+".join(names))[:80] or "all"
 
 
-def job_status(sweep_dir: Path) -> list[dict]:
-    jobs = [json.loads(p.read_text()) for p in sorted(Path(sweep_dir).glob("*/job.json"))]
-    return sorted(jobs, key=lambda j: j.get("job", 0))
-
-
-def print_jobs(sweep_dir: Path) -> int:
-    """One line per job: ok (speedup, τ and their caveats, `harness.metrics.speedup_status`; results
-    folder), failed or interrupted (the error), or running: started but no end recorded (still running, or killed from outside: cancelled, out of
-    memory, node lost; its log in the sweep's .submitit folder tells). With the SLURM job and node."""
-    jobs = job_status(sweep_dir)
-    counts = {status: sum(j["status"] == status for j in jobs) for status in ("ok", "running", "interrupted", "failed")}
-    print(f"{len(jobs)} jobs in {sweep_dir}: " + ", ".join(f"{n} {status}" for status, n in counts.items() if n))
-    for job in jobs:
-        overrides = " ".join(job["overrides"])
-        slurm = job.get("slurm") or {}
-        array = f"{slurm.get('array_job_id')}_{slurm.get('task_id')}, " if slurm.get("array_job_id") else ""
-        where = f"  [SLURM job {array}id {slurm['job_id']} on {slurm['node']}]" if slurm else ""
-        if job["status"] == "ok":
-            numbers = speedup_status(job.get("speedup"), job.get("speedup_ci95"), job.get("tau"), job.get("caveats"))
-            print(f"  #{job['job']} ok          {overrides}  {numbers}  {job['results']}{where}")
-            if job.get("fidelity_failure"):
-                print(f"     {job['fidelity_failure']}")
-        elif job["status"] == "running":
-            print(f"  #{job['job']} RUNNING     {overrides}  no end recorded: still running, or killed{where}")
-        else:
-            print(f"  #{job['job']} {job['status'].upper():<11} {overrides}  {job['error']}{where}")
-    failed_fidelity = sum(bool(j.get("fidelity_failure")) for j in jobs)
-    return 0 if counts["ok"] == len(jobs) and not failed_fidelity else 1
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="*", type=Path, default=[Path("results")],
@@ -467,10 +437,7 @@ def main(argv=None) -> int:
                              "without the committed reference run)")
     parser.add_argument("--out", type=Path, default=None, help="default: results/report/<run set>")
     parser.add_argument("--select", help="glob over <model>/<dataset>/<method>/<run> folders")
-    parser.add_argument("--jobs", type=Path, help="print the status of the jobs of a sweep folder instead")
     args = parser.parse_args(argv)
-    if args.jobs:
-        return print_jobs(args.jobs)
     out = args.out or Path("results") / "report" / run_set_name(args.runs)
     tables = report(args.runs, out, args.select)
     print((out / "report.md").read_text())

@@ -1,6 +1,6 @@
 """`make figures`: paper figures from one explicit set of runs (PNG and PDF, sized for a column).
 
-    python -m harness.figures [RUNS ...] [--out DIR] [--select GLOB]
+    python -m harness.reporting.figures [RUNS ...] [--out DIR] [--select GLOB]
 
 The runs are chosen as `make report` chooses them (by default every run under `results/` except
 the committed reference run) and fall into the same tables: one folder of figures per table
@@ -38,7 +38,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 from scipy.stats import binomtest  # noqa: E402
 
-from harness.report import (  # noqa: E402
+from harness.reporting.report import (  # noqa: E402
     MIN_INTERVAL_N, OVERALL, Table, build_tables, column_counts, find_runs, group_table, method_label, run_set_name)
 
 plt.rcParams.update({"font.size": 8, "axes.titlesize": 8, "legend.fontsize": 6.5, "figure.dpi": 150,

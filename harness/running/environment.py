@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 
 import torch
+import transformers
 
+from harness import REPO
 from methods.engine.hardware import cpu_isa, cpu_model
 
-REPO = Path(__file__).resolve().parents[1]
 DECODING_CODE = REPO / "methods"
 
 
@@ -66,8 +67,6 @@ def git_commit() -> dict:
 
 
 def environment(device: torch.device) -> dict:
-    import transformers
-
     env = {
         "python": sys.version.split()[0],
         "torch": torch.__version__,

@@ -13,15 +13,23 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from hydra import initialize_config_dir
+from hydra._internal.utils import get_args_parser
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ValueType
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
+from harness import REPO
+from harness.running.execution import require_sandbox
 from methods.base import check_method_params
 from methods.engine.fused import DECODER_MODES
 from methods.engine.hardware import SKINNY_GEMM_MODES
 from methods.engine.params import BOOL, Check, ConfigError, integer, null, number, one_of
 from methods.models.loading import DTYPES
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = REPO / "conf"
 
 TEXT = Check(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
 SCHEMA: dict[str, Check] = {
@@ -58,7 +66,6 @@ def validate(cfg: DictConfig) -> None:
     check_method_params(params.get("name"), params)
     quality = OmegaConf.to_container(cfg.dataset.quality, resolve=True) if cfg.dataset.get("quality") else {}
     if "humaneval_pass_at_1" in quality.values():  # runs generated code: only in a sandbox, or opted in
-        from harness.execution import require_sandbox
 
         require_sandbox()
 
@@ -68,13 +75,6 @@ def check_group_choices(argv: list[str]) -> None:
     know (`method=eagel`; each value of a sweep `method=sps,eagel`), naming the group's options as
     Hydra finds them (conf/<group>/*.yaml and the configs plugins register). Command lines with
     their own config folder (`--config-dir`, `--config-path`) are left to Hydra."""
-    from hydra import initialize_config_dir
-    from hydra._internal.utils import get_args_parser
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import ValueType
-    from hydra.errors import HydraException
-
     args, _ = get_args_parser().parse_known_args(argv)
     if args.config_dir or args.config_path:
         return

@@ -29,7 +29,17 @@ from typing import Callable, Sequence
 import torch
 from omegaconf import OmegaConf
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import REPO
+from harness.perf.workload import greedy_generate, spec_bench_prompts, timed_generations
+from harness.running.prompts import ChatTemplate
+from methods.ar import AutoregressiveDecoder
+from methods.engine.runner import ModelRunner
+from methods.engine.storage import cache_root
+from methods.models.loading import _gguf_source, load_draft_lm
+from methods.models.specs import ModelSpec
+from methods.pld import PromptLookupDecoder
+from methods.sps import SpeculativeSamplingDecoder
+
 INSTALL_HINT = "pip install -e '.[peers]'"
 CURVE_SIZES = (1, 2, 4, 8, 16)
 # llama.cpp's file types (include/llama.h `enum llama_ftype`) by torch dtype
@@ -125,8 +135,8 @@ def table_rows(result: dict, peers: dict) -> list[dict]:
 def import_llama_cpp():
     """The `llama_cpp` module, or PeerUnavailable with a one-line reason."""
     try:
-        import llama_cpp
-        from llama_cpp import llama_speculative  # noqa: F401
+        import llama_cpp  # lazy: llama_cpp, the optional [peers] extra
+        from llama_cpp import llama_speculative  # noqa: F401 (lazy: llama_cpp, the optional [peers] extra)
     except Exception as err:  # ImportError, or a broken build failing to load its shared library
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PeerUnavailable(f"llama_cpp not importable ({first}); install the extra: {INSTALL_HINT}") from None
@@ -141,7 +151,6 @@ def requantized_gguf(source: Path, dtype: torch.dtype, folder: Path | None = Non
         raise PeerUnavailable(f"no llama.cpp file type for {dtype}")
     suffix, ftype = FTYPES[dtype]
     if folder is None:
-        from methods.engine.storage import cache_root
         folder = cache_root() / "gguf"
     target = Path(folder) / f"{source.stem}-{source.stat().st_size}.{suffix}.gguf"
     if target.is_file():
@@ -149,7 +158,7 @@ def requantized_gguf(source: Path, dtype: torch.dtype, folder: Path | None = Non
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".partial")
     try:  # llama.cpp logs every tensor it converts; keep errors only (as Llama(verbose=False) does)
-        from llama_cpp import _logger
+        from llama_cpp import _logger  # lazy: llama_cpp, the optional [peers] extra
         _logger.set_verbose(False)
     except Exception:
         pass
@@ -166,7 +175,7 @@ def requantized_gguf(source: Path, dtype: torch.dtype, folder: Path | None = Non
 
 
 def llama_model(path: Path, n_ctx: int, logits_all: bool = False, draft_model=None, threads: int | None = None):
-    from llama_cpp import Llama
+    from llama_cpp import Llama  # lazy: llama_cpp, the optional [peers] extra
 
     threads = threads or torch.get_num_threads()
     return Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_gpu_layers=0,
@@ -219,14 +228,6 @@ def say(line: str) -> None:
 def run_peers(args, model, tokenizer, config, device, result: dict) -> dict:
     """Measure the peers; print the table; return {"peers": {...}} for perf's JSON. Never raises for
     a missing or failing peer: it is skipped with a one-line reason."""
-    from harness.perf import greedy_generate, spec_bench_prompts
-    from harness.prompts import ChatTemplate
-    from methods.ar import AutoregressiveDecoder
-    from methods.engine.runner import ModelRunner
-    from methods.models.loading import _gguf_source
-    from methods.models.specs import ModelSpec
-    from methods.pld import PromptLookupDecoder
-
     print("peers (harness/peers.py): our PLD, generate's PLD, llama.cpp", flush=True)
     dtype = next(model.parameters()).dtype
     template = ChatTemplate.for_model(config, tokenizer)
@@ -252,8 +253,8 @@ def run_peers(args, model, tokenizer, config, device, result: dict) -> dict:
     # llama.cpp: requantize, load, curve
     try:
         import_llama_cpp()
-        import llama_cpp
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        import llama_cpp  # lazy: llama_cpp, the optional [peers] extra
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # lazy: llama_cpp, the optional [peers] extra
 
         if device.type != "cpu":
             say(f"note: llama.cpp runs on the CPU here (the extra is a CPU build); ours on {device}")
@@ -301,7 +302,6 @@ def time_contenders(contenders: dict, prompts: list[list[int]], repeats: int, de
             failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             say(f"{ENGINES.get(name, name)} skipped: {failed[name]}")
             del contenders[name]
-    from harness.perf import timed_generations
 
     speeds, outputs = timed_generations(contenders, prompts, repeats, device)
     reference = outputs.get("ar_ours", {})
@@ -326,10 +326,6 @@ def first_differences(outputs: dict[str, dict[int, list[int]]], reference: dict[
 def check_sps(args, model, config, prompts, stop, reference: dict[int, list[int]]) -> dict:
     """Our SpS's tokens (untimed, once) against our AR's: the identity column of the SpS rows
     (`generate` assisted: identical when ours SpS is and perf found both SpS equal)."""
-    from methods.engine.runner import ModelRunner
-    from methods.models.loading import load_draft_lm
-    from methods.sps import SpeculativeSamplingDecoder
-
     try:
         draft_spec = ({"target_layers": args.draft_layers} if getattr(args, "draft_layers", None)
                       else OmegaConf.to_container(config.drafts.sps, resolve=True))

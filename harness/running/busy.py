@@ -10,6 +10,7 @@ trusted alone (the summary lists such questions; see docs/benchmarks.md, "Readin
 
 from __future__ import annotations
 
+from harness.cluster.slurm import slurm_job
 from methods.engine.load import BUSY_CORES, BUSY_STEAL, is_busy, snapshot
 from methods.engine import load
 
@@ -19,7 +20,6 @@ __all__ = ["BUSY_CORES", "BUSY_STEAL", "is_busy", "snapshot", "state"]
 def state(before: dict, after: dict) -> dict:
     """The machine state over the interval between two snapshots, as stored in answer records."""
     record = load.state(before, after)
-    from harness.cluster import slurm_job  # noqa: PLC0415 (SLURM is looked at only inside a job)
 
     job = slurm_job()
     if job:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from fastchat.conversation import conv_templates, get_conv_template
+
 from methods.engine.stopping import StopCondition
 
 
@@ -36,8 +38,6 @@ class ChatTemplate:
             if "{prompt}" not in spec:
                 raise ValueError(f"raw template needs a {{prompt}} placeholder: {spec!r}")
         elif spec.startswith("fschat:"):
-            from fastchat.conversation import conv_templates
-
             name = spec.split(":", 1)[1]
             if name not in conv_templates:
                 raise ValueError(f"unknown fschat template {name!r}; valid: {', '.join(sorted(conv_templates))}")
@@ -64,7 +64,6 @@ class ChatTemplate:
             if len(messages) != 1:
                 raise ValueError(f"template {self.spec!r} is single-turn; this question has {len(messages) // 2 + 1} turns")
             return list(self.tokenizer(self.spec[4:].replace("{prompt}", messages[0].content)).input_ids)
-        from fastchat.conversation import get_conv_template
 
         conv = get_conv_template(self.spec.split(":", 1)[1])
         if self.system_message is not None:

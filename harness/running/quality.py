@@ -5,7 +5,7 @@
 
 Scores are 0..1. Per-answer metrics are averaged over questions; BLEU is corpus-level (sacrebleu).
 ROUGE comes from `rouge-score`, BLEU from `sacrebleu`, fuzzy code similarity from `rapidfuzz`;
-HumanEval's pass@1 runs each program in a separate process (`harness.execution`).
+HumanEval's pass@1 runs each program in a separate process (`harness.running.execution`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,11 @@ import string
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
+
+import sacrebleu
+from rapidfuzz import fuzz
+
+from harness.running.execution import humaneval_passes
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -83,7 +88,7 @@ def rouge_l(answer: str, reference) -> float:
     """ROUGE-L F1 (rouge-score, stemmed), best over references."""
     global _ROUGE
     if _ROUGE is None:
-        from rouge_score import rouge_scorer
+        from rouge_score import rouge_scorer  # lazy: rouge_score (imports nltk): ROUGE categories only
 
         _ROUGE = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
     return max((_ROUGE.score(r, answer)["rougeL"].fmeasure for r in _references(reference)), default=0.0)
@@ -91,8 +96,6 @@ def rouge_l(answer: str, reference) -> float:
 
 def bleu_corpus(answers: list[str], references: list) -> float:
     """Corpus BLEU (sacrebleu, default 13a tokenization) / 100."""
-    import sacrebleu
-
     refs = [_references(r) for r in references]
     streams = max(len(r) for r in refs)
     ref_streams = [[r[i] if i < len(r) else r[0] for r in refs] for i in range(streams)]
@@ -100,8 +103,6 @@ def bleu_corpus(answers: list[str], references: list) -> float:
 
 
 def humaneval_pass_at_1(answer: str, reference) -> float:
-    from harness.execution import humaneval_passes
-
     return float(humaneval_passes(answer, reference))
 
 
@@ -139,8 +140,6 @@ def longbench_count(answer: str, reference) -> float:
 
 
 def longbench_code_sim(answer: str, reference) -> float:
-    from rapidfuzz import fuzz
-
     lines = [line for line in answer.lstrip("\n").split("\n") if not line.strip().startswith(("`", "#", "//"))]
     prediction = lines[0] if lines else ""
     return max((fuzz.ratio(prediction, r) / 100 for r in _references(reference)), default=0.0)

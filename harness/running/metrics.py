@@ -28,6 +28,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from harness.running.busy import BUSY_CORES, BUSY_STEAL, is_busy
+
 
 def question_speed(record: dict) -> tuple[int, float]:
     choice = record["choices"][0]
@@ -271,8 +273,6 @@ def busy_questions(*sides: list[dict]) -> dict:
     """The questions some side of which was measured beside other work (`harness.machine`), and the
     most CPU other processes used during any question; `recorded` counts the questions that
     carry a machine state at all (runs before it was recorded carry none)."""
-    from harness.machine import BUSY_CORES, BUSY_STEAL, is_busy
-
     states = list(_machine_states(*sides))
     return {"questions": sorted({qid for qid, state in states if is_busy(state)}, key=str),
             "recorded": len({qid for qid, _ in states}),

@@ -31,30 +31,29 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.datasets import load_questions
-from harness.environment import environment, hardware_name, hardware_slug
-from harness.prompts import ChatTemplate, Message
+from harness.perf import peers
+from harness.running.environment import environment, hardware_name, hardware_slug
+from harness.running.prompts import ChatTemplate
+from harness.perf.workload import greedy_generate, spec_bench_prompts, timed_generations
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
+from methods.eagle import EagleDrafter
+from methods.eagle3 import Eagle3Drafter
 from methods.engine import native
 from methods.engine.hardware import forward_latencies, forward_latency, read_bandwidth, weight_bytes
 from methods.engine.linear import gemms_skipped
 from methods.engine.runner import ModelRunner
-from methods.models.heads.checkpoints import head_spec
+from methods.models.heads.source import head_spec
 from methods.models.heads.eagle import load_eagle_head
+from methods.models.heads.eagle3 import load_eagle3_head
 from methods.models.loading import load_draft_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
 from methods.models.specs import ModelSpec, model_config
 from methods.sps import SpeculativeSamplingDecoder
 
 EMBEDDED = "smollm2-135m"
 SIZES = (1, 2, 4, 8, 16, 32, 64)
-
-
-def spec_bench_prompts(template: ChatTemplate, count: int) -> list[list[int]]:
-    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "dataset" / "spec_bench.yaml")
-    questions = load_questions(cfg, count)
-    return [template.prompt_ids([Message("user", q.turns[0])]) for q in questions]
 
 
 def timed(fn, device) -> float:
@@ -67,8 +66,6 @@ def timed(fn, device) -> float:
 
 def count_aten_calls(fn) -> int:
     """The aten operator calls `fn()` makes."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     class Count(TorchDispatchMode):
         calls = 0
 
@@ -122,10 +119,6 @@ def draft_level_costs(model, runner: ModelRunner, context: BuildContext, config,
     head's layer over `nodes` tree nodes at a 256-pair cache, then the projection; EAGLE with the
     full and the reduced vocabulary, EAGLE-3 over its own), and one token of the SpS draft LM
     (a 256-token prefix), with the draft LM's share of the target's weight bytes."""
-    from methods.eagle import EagleDrafter
-    from methods.eagle3 import Eagle3Drafter
-    from methods.models.heads.eagle3 import load_eagle3_head
-
     drafters, widths = {}, {}
     vocabulary = context.draft_vocabulary({})
     try:
@@ -214,7 +207,6 @@ def main(argv=None) -> dict:
 
     if not args.curve_only:
         result.update(compare_with_transformers(args, model, tokenizer, config, device))
-    from harness import peers  # peers (issue 19.3): our/generate's PLD, llama.cpp; one table
     result.update(peers.run_peers(args, model, tokenizer, config, device, result))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{hardware_slug(env)}-{dtype_name}.json"
@@ -276,36 +268,6 @@ def print_curves(result: dict) -> None:
             share = (f" (its weights: {level['draft_lm_weight_share']:.3f} of the target's)"
                      if name == "draft LM token" else "")
             print(f"  {name:<28} {1000 * s:6.2f} ms = {s / one:.3f} t(1){share}")
-
-
-def greedy_generate(model, device, max_new_tokens: int, eos: list[int]):
-    """`transformers` `generate`, greedy, as a function prompt ids (+ generate's kwargs) -> new tokens."""
-    def run(prompt, **kwargs):
-        ids = torch.tensor([prompt], device=device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos, pad_token_id=eos[0], **kwargs)
-        return out[0, len(prompt):].tolist()
-    return run
-
-
-def timed_generations(contenders: dict, prompts: list[list[int]], repeats: int, device) -> tuple[dict, dict]:
-    """Every contender (prompt -> new tokens) on every prompt, interleaved per prompt, `repeats`
-    times: ({name: [tokens/s per generation]}, {name: {prompt index: tokens}})."""
-    tokens_per_second = {name: [] for name in contenders}
-    outputs: dict[str, dict[int, list[int]]] = {name: {} for name in contenders}
-    rounds, began = max(1, repeats), time.perf_counter()
-    for round_ in range(rounds):
-        print(f"  round {round_ + 1}/{rounds}: {len(prompts)} prompts x {', '.join(contenders)} "
-              f"({time.perf_counter() - began:.0f} s so far)", flush=True)
-        for index, prompt in enumerate(prompts):
-            for name, run in contenders.items():
-                start = time.perf_counter()
-                tokens = run(prompt)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                tokens_per_second[name].append(len(tokens) / (time.perf_counter() - start))
-                outputs[name][index] = tokens
-    return tokens_per_second, outputs
 
 
 def compare_with_transformers(args, model, tokenizer, config, device) -> dict:

@@ -1,0 +1,127 @@
+"""Host reads per decoding step (issue 35): how often a method's step waits for a value computed by
+the target's device. On a GPU each read is a synchronization, the GPU idles while the host decides,
+and no step containing one can be a CUDA graph; on a CPU the same reads are merely counted.
+
+Counted: every aten `_local_scalar_dense` (`int(t)`, `float(t)`, `t.item()`, `bool(t)`), every
+`nonzero` (a data-dependent shape), every copy of a tensor to another device, and every
+`Tensor.tolist()` / `Tensor.numpy()` (which read memory without a dispatch). A read of a tensor the
+host built itself counts too: on a GPU engine such bookkeeping lives on the device as well.
+
+    python -m harness.host_reads [--methods ar,sps,...] [--questions 2] [--max-new-tokens 48]
+
+prints, per method, the host reads per decoding step of the embedded model (fp32, CPU, greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from contextlib import contextmanager
+
+import torch
+from omegaconf import OmegaConf
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from harness.perf.engine import EMBEDDED
+from harness.perf.workload import spec_bench_prompts
+from harness.running.prompts import ChatTemplate
+from methods.base import BuildContext, available_methods, get_method
+from methods.engine.runner import ModelRunner
+from methods.engine.stopping import StopCondition
+from methods.models.loading import load_model, load_tokenizer
+from methods.models.specs import ModelSpec, model_config
+
+_ATEN_READS = {"aten::_local_scalar_dense": "scalar", "aten::nonzero": "nonzero"}
+
+
+class HostReads(TorchDispatchMode):
+    """Counts host reads while active; `counts` by kind (scalar, nonzero, device copy, tolist, numpy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        if name in _ATEN_READS:
+            self.counts[_ATEN_READS[name]] += 1
+        elif name in ("aten::_to_copy", "aten::copy_"):
+            source = args[1] if name == "aten::copy_" else args[0]
+            target = args[0].device if name == "aten::copy_" else kwargs.get("device")
+            if isinstance(source, torch.Tensor) and target is not None and torch.device(target) != source.device:
+                self.counts["device copy"] += 1
+        return func(*args, **kwargs)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+@contextmanager
+def counting_host_reads():
+    """`with counting_host_reads() as reads: ...` then `reads.total`, `reads.counts`."""
+    reads = HostReads()
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+
+    def wrap(name):
+        def read(self, *args, **kwargs):
+            reads.counts[name] += 1
+            return originals[name](self, *args, **kwargs)
+        return read
+
+    for name in originals:
+        setattr(torch.Tensor, name, wrap(name))
+    try:
+        with reads:
+            yield reads
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def reads_per_step(decoder, prompts, stop) -> tuple[float, Counter, int]:
+    """Host reads per decoding step of `decoder` over `prompts` (the prefill's included in its run)."""
+    total, steps = Counter(), 0
+    for prompt in prompts:
+        with counting_host_reads() as reads:
+            out = decoder.generate(prompt, stop)
+        total.update(reads.counts)
+        steps += out.stats.steps
+    return sum(total.values()) / max(steps, 1), total, steps
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default=None, help="comma-separated; default: every lossless method")
+    parser.add_argument("--questions", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    args = parser.parse_args(argv)
+    methods = args.methods.split(",") if args.methods else [m for m in available_methods() if m != "lazyllm"]
+    unknown = sorted(set(methods) - set(available_methods()))
+    if unknown:  # one line and exit 2, as every bad value in the suite
+        print(f"error: unknown method(s) {', '.join(unknown)}; valid: {', '.join(available_methods())}", file=sys.stderr)
+        sys.exit(2)
+
+    config = model_config(EMBEDDED)
+    spec = ModelSpec.from_mapping(config)
+    tokenizer = load_tokenizer(spec)
+    model = load_model(spec, torch.float32, torch.device("cpu"))
+    prompts = spec_bench_prompts(ChatTemplate.for_model(config, tokenizer), args.questions)
+    stop = StopCondition(args.max_new_tokens, frozenset([tokenizer.eos_token_id]))
+    context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True))
+    result = {}
+    print(f"host reads per decoding step: {EMBEDDED}, fp32, CPU, greedy, {args.questions} Spec-Bench prompts x "
+          f"{args.max_new_tokens} new tokens")
+    for method in methods:
+        decoder = get_method(method)(ModelRunner(model), {"name": method}, context)
+        per_step, counts, steps = reads_per_step(decoder, prompts, stop)
+        result[method] = {"per_step": per_step, "steps": steps, "counts": dict(counts)}
+        kinds = ", ".join(f"{kind} {n / max(steps, 1):.1f}" for kind, n in counts.most_common())
+        print(f"  {method:<10} {per_step:7.1f}  ({steps} steps; {kinds})", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

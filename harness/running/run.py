@@ -1,0 +1,364 @@
+"""`python -m harness.run method=... model=... dataset=...`: run a method and the AR baseline on
+the same questions, with the same stopping rule, and write one results folder.
+
+Per question, AR and the method answer every turn (multi-turn questions continue from each
+decoder's own previous answer); both records are appended as soon as the question finishes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import time
+import traceback
+import uuid
+import zlib
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from harness import REPO
+from harness.cluster.slurm import slurm_job
+from harness.running import busy
+from harness.running.execution import SandboxUnavailable
+from harness.running.datasets import Question, load_questions, truncate_middle
+from harness.running.environment import drafts_digest, environment, hardware_key, hardware_name, hardware_slug
+from harness.running.metrics import fidelity_failure, format_summary, summarize
+from harness.running.quality import score_records
+from harness.running.prompts import ChatTemplate, Message
+from harness.running.results import RECORDS_FORMAT, FolderMismatch, RunFolder, compact_margins, settings_hash, write_json
+from harness.running.validate import validate, check_group_choices
+from methods.base import BuildContext, Decoder, get_method
+from methods.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
+from methods.models.specs import ModelSpec, ModelUnavailableError
+from methods.engine.hardware import auto_dtype, profiles_used
+from methods.engine.runner import ModelRunner
+from methods.engine.sampling import SamplingConfig
+
+log = logging.getLogger("harness")
+# Errors that a user's setting or missing file causes: one line and exit code 2, not a traceback
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, ModelUnavailableError, SandboxUnavailable, FolderMismatch)
+BASELINE = "ar"
+TEMPLATE_ALLOWANCE = 64  # tokens left for the chat template around a truncated prompt
+
+
+class Benchmark:
+    """The settings of one run (known before anything loads: its results folder is checked first),
+    then, after `load`, the target, its template and the decoders."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(int(cfg.threads))
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.dtype_reason = auto_dtype(self.device)[1] if cfg.dtype == "auto" else f"dtype={cfg.dtype} asked for"
+        self.sampling = SamplingConfig(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k))
+        self.max_new_tokens = int(cfg.max_new_tokens or cfg.dataset.max_new_tokens)
+        paired = cfg.baseline and cfg.method.name != BASELINE
+        self.names = [BASELINE, cfg.method.name] if paired else [cfg.method.name]
+
+    def load(self) -> None:
+        cfg = self.cfg
+        spec = ModelSpec.from_mapping(cfg.model)
+        log.info("loading %s (%s) as %s on %s", cfg.model.name, spec.describe(), self.dtype, self.device)
+        self.tokenizer = load_tokenizer(spec)
+        self.model = load_model(spec, self.dtype, self.device)
+        self.template = ChatTemplate.for_model(cfg.model, self.tokenizer)
+        context = BuildContext(self.model, cfg.model.name, OmegaConf.to_container(cfg.model, resolve=True))
+        params = OmegaConf.to_container(cfg.method, resolve=True)
+        skinny, forward = cfg.engine.skinny_gemm, cfg.engine.decoder
+        self.decoders: dict[str, Decoder] = {
+            name: get_method(name)(ModelRunner(self.model, skinny, forward), params if name == cfg.method.name else {}, context)
+            for name in self.names}
+
+    def engine_record(self) -> dict:
+        """How the engine ran: the dtype and why, the forward (fused or not, and why not), the linear
+        path and the kernels it chose, and the hardware profiles that chose kernels and sizes (each
+        file, when it was measured and whether the machine was quiet)."""
+        target = next(iter(self.decoders.values())).target
+        linear = target.linear
+        return {"dtype_reason": self.dtype_reason, "skinny_gemm": self.cfg.engine.skinny_gemm,
+                "decoder": "fused" if target.fused else f"transformers ({target.unfused_reason})",
+                "linear_kernels": linear.plan.to_dict()["kernels"] if linear.plan else None,
+                "profiles": profiles_used()}
+
+    def max_new_tokens_for(self, category: str) -> int:
+        """max_new_tokens when given, else the dataset's per-category setting, else its default."""
+        if self.cfg.max_new_tokens:
+            return int(self.cfg.max_new_tokens)
+        return int((self.cfg.dataset.get("max_new_tokens_by_category") or {}).get(category, self.max_new_tokens))
+
+    def user_turn(self, text: str, max_new_tokens: int) -> str:
+        """Datasets with `truncate: middle` (LongBench) keep an over-long prompt's first and last
+        halves, so that prompt, template and answer fit the model's context."""
+        if self.cfg.dataset.get("truncate") != "middle":
+            return text
+        context = getattr(self.model.config, "max_position_embeddings", None) or 4096
+        return truncate_middle(text, self.tokenizer, context - max_new_tokens - TEMPLATE_ALLOWANCE)
+
+    def answer(self, decoder: Decoder, question: Question, max_new_tokens: int | None = None,
+               progress: LiveCount | None = None) -> dict:
+        """All turns of one question; a Spec-Bench answer record with token ids and statistics."""
+        max_new_tokens = max_new_tokens or self.max_new_tokens_for(question.category)
+        messages: list[Message] = []
+        turns, steps, new_tokens, wall, accept_lengths, prompts, outputs, stats, margins = ([] for _ in range(9))
+        for turn_index, turn in enumerate(question.turns):
+            messages.append(Message("user", self.user_turn(turn, max_new_tokens)))
+            prompt = self.template.prompt_ids(messages)
+            stop = self.template.stop_condition(max_new_tokens)
+            if progress is not None:
+                progress.start(f"{decoder.name} turn {turn_index + 1}" if len(question.turns) > 1 else decoder.name,
+                               max_new_tokens)
+                stop = dataclasses.replace(stop, progress=progress)
+            seed = zlib.crc32(f"{self.cfg.seed}/{question.question_id}/{turn_index}".encode())
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            try:
+                out = decoder.generate(prompt, stop, self.sampling, generator)
+            except Exception as err:
+                raise RuntimeError(f"{decoder.name} failed on question {question.question_id} turn {turn_index}: {err}") from err
+            text = self.template.answer_text(out.tokens, stop)
+            messages.append(Message("assistant", text))
+            turn_stats = out.stats.to_dict()
+            del turn_stats["accepted_lengths"]  # per target forward; the record keeps Spec-Bench's per decoding step
+            margins.append(compact_margins(turn_stats.pop("logit_margins")))
+            accept_lengths.extend(out.stats.accept_lengths)
+            turns.append(text)
+            steps.append(out.stats.decoding_steps)
+            new_tokens.append(out.stats.new_tokens)
+            wall.append(out.stats.total_time)
+            prompts.append(prompt)
+            outputs.append(out.tokens)
+            stats.append(turn_stats)
+        return {
+            "question_id": question.question_id,
+            "category": question.category,
+            "answer_id": f"{decoder.name}-{question.question_id}",
+            "model_id": f"{self.cfg.model.name}-{decoder.name}",
+            "tstamp": time.time(),
+            "records_format": RECORDS_FORMAT,
+            "choices": [{
+                "index": 0, "turns": turns, "decoding_steps": steps, "new_tokens": new_tokens,
+                "wall_time": wall, "accept_lengths": accept_lengths,
+                "ttft": [s["ttft"] for s in stats], "prompt_ids": prompts, "output_ids": outputs,
+                "logit_margins": margins, "stats": stats,
+            }],
+        }
+
+    def warm_up(self, question: Question) -> None:
+        warm = Question(question.question_id, question.category, question.turns[:1])
+        for _ in range(int(self.cfg.warmup)):
+            for decoder in self.decoders.values():
+                self.answer(decoder, warm, max_new_tokens=min(32, self.max_new_tokens))
+
+
+SELECTION_KEYS = ("categories", "sample", "path", "prepare_hint")
+
+
+class LiveCount:
+    """The live token count of the question being answered, on the progress bar's line: shown once
+    a question has run for `after` seconds, refreshed at most every `every` seconds (the decoders
+    call it once per step, inside their timed loop, so it must cost next to nothing)."""
+
+    def __init__(self, bar, after: float = 3.0, every: float = 1.0):
+        self.bar, self.after, self.every = bar, after, every
+        self.label, self.limit, self.begin, self.shown = "", 0, 0.0, 0.0
+
+    def start(self, label: str, limit: int) -> None:
+        self.label, self.limit, self.begin = label, limit, time.monotonic()
+        self.shown = self.begin + self.after - self.every
+
+    def __call__(self, tokens: int) -> None:
+        now = time.monotonic()
+        if now - self.shown < self.every:
+            return
+        self.shown = now
+        self.bar.set_postfix_str(f"{self.label}: {tokens}/{self.limit} tokens, {tokens / (now - self.begin):.1f} tok/s")
+
+
+class LogProgress:
+    """The progress of a run whose stderr is not a terminal (a sweep job's log, `make bench > log`):
+    a line `sps on spec_bench: 3/13 questions, 2.1 min` after a question when `every` seconds have
+    passed since the last line (and after the last question), and the live count of a long question
+    (`LiveCount`) on such a line as often, instead of tqdm's one line of carriage returns that grows
+    for the whole run."""
+
+    def __init__(self, items: list, desc: str, every: float = 30.0, emit=None, clock=time.monotonic):
+        self.items, self.desc, self.every, self.clock = items, desc, every, clock
+        self.emit = emit or (lambda line: log.info("%s", line))
+        self.done, self.begin = 0, clock()
+        self.last = self.begin
+
+    def _line(self, extra: str = "") -> None:
+        self.last = self.clock()
+        self.emit(f"{self.desc}: {self.done}/{len(self.items)} questions, {(self.last - self.begin) / 60:.1f} min{extra}")
+
+    def __iter__(self):
+        for item in self.items:
+            yield item
+            self.done += 1
+            if self.clock() - self.last >= self.every or self.done == len(self.items):
+                self._line()
+
+    def set_postfix_str(self, text: str) -> None:
+        if self.clock() - self.last >= self.every:
+            self._line(f"; now {text}")
+
+
+def progress(items: list, desc: str):
+    """tqdm's bar on a terminal, else periodic log lines (`LogProgress`)."""
+    return tqdm(items, desc=desc, unit="q") if sys.stderr.isatty() else LogProgress(items, desc)
+
+
+def run(cfg: DictConfig, started=None) -> dict:
+    """`started(folder, questions)`, when given, is called once the results folder is known (sweep status)."""
+    validate(cfg)  # before anything loads: a bad value costs seconds, not a model load
+    bench = Benchmark(cfg)
+    questions = load_questions(cfg.dataset, cfg.limit)
+    env = environment(bench.device)
+    dtype_name = str(bench.dtype).replace("torch.", "")
+    method = cfg.method.name
+    settings = {
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "dataset": {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items() if k not in SELECTION_KEYS},
+        "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling), "seed": cfg.seed, "dtype": dtype_name,
+        "engine": OmegaConf.to_container(cfg.engine, resolve=True), "method": OmegaConf.to_container(cfg.method, resolve=True),
+        "questions": [q.question_id for q in questions], "baseline": cfg.baseline, "warmup": cfg.warmup,
+    }
+    drafts = drafts_digest(settings["model"], settings["method"])
+    if drafts:  # trained drafts' contents: retrained ones get their own folder (training-free methods' keys unchanged)
+        settings["drafts"] = drafts
+    slug = f"{hardware_slug(env)}-{dtype_name}"
+    root = Path(cfg.results_dir) / cfg.model.name / cfg.dataset.name
+    folder = RunFolder(root / method / (cfg.run_name or f"{slug}-{settings_hash(settings)}"), bench.names)
+    key = hardware_key(env)
+    folder.check(key, resume=bool(cfg.resume))  # a folder it may not resume refuses before the model loads
+    bench.load()
+    engine = bench.engine_record()
+    environment_record = {**env, "dtype": dtype_name, "engine": engine}
+    finished = folder.prepare(OmegaConf.to_yaml(cfg, resolve=True), environment_record, key, resume=bool(cfg.resume))
+    todo = [(i, q) for i, q in enumerate(questions) if q.question_id not in finished]
+    log.info("results in %s: %d questions, %d already finished", folder.path, len(questions), len(questions) - len(todo))
+    if started:
+        started(folder.path, len(questions))
+    ids = [q.question_id for q in questions]
+    session = uuid.uuid4().hex[:12]  # the answers of one process: a pair never spans two
+    try:
+        if todo:
+            log.info("warming up: %d untimed generation(s) per decoder", int(cfg.warmup))
+            bench.warm_up(todo[0][1])
+        bar = progress(todo, f"{method} on {cfg.dataset.name}")
+        live = LiveCount(bar)
+        for index, question in bar:
+            order = list(bench.decoders.items())
+            if index % 2:  # AR first on even questions, the method first on odd ones
+                order.reverse()
+            records = {}
+            for name, decoder in order:
+                before = busy.snapshot()
+                record = bench.answer(decoder, question, progress=live)
+                records[name] = {**record, "session": session, "machine": busy.state(before, busy.snapshot())}
+            folder.append({name: records[name] for name in bench.decoders})
+    except KeyboardInterrupt:
+        saved = len(folder.records(method, ids))
+        raise Interrupted(f"interrupted: {saved} of {len(ids)} questions saved in {folder.path}; "
+                          "run the same command again to resume") from None
+    paired = BASELINE in bench.decoders and method != BASELINE
+    meta = {
+        "model": cfg.model.name, "dataset": cfg.dataset.name, "dtype": dtype_name,
+        "device": str(bench.device), "hardware": hardware_name(env), "environment": env, "engine": engine,
+        "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling),
+        "categories": sorted({q.category for q in questions}), "question_ids": ids,
+        "lossless": bench.decoders[method].lossless,
+        "method_config": bench.decoders[method].describe(), "results": str(folder.path),
+        "baseline_results": str(folder.path) if paired else None,
+    }
+    records = {name: folder.records(name, ids) for name in bench.decoders}
+    summary = summarize(method, records[method], records[BASELINE] if paired else None, meta)
+    references = {q.question_id: q.reference for q in questions}
+    metric_by_category = OmegaConf.to_container(cfg.dataset.quality, resolve=True) if cfg.dataset.get("quality") else None
+    quality = {name: score_records(rows, references, metric_by_category) for name, rows in records.items()}
+    if any(quality.values()):
+        summary["quality"] = quality
+    folder.write_summary(summary)
+    print(format_summary(summary))
+    print(f"results: {folder.path}")
+    return summary
+
+
+class Interrupted(RuntimeError):
+    """Ctrl-C during a run: what is saved and how to resume, in one line."""
+
+
+@hydra.main(version_base="1.3", config_path=str(REPO / "conf"), config_name="config")
+def main(cfg: DictConfig) -> None:
+    """In a multirun (sweep), each job also leaves `job.json` in its Hydra job folder: its
+    overrides and status, with the results folder or the error and traceback, so that no failure
+    of a sweep is lost (`python -m harness.cluster.jobs <sweep dir>` lists them)."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        try:
+            summary = run(cfg)
+        except Interrupted as err:
+            print(err, file=sys.stderr)
+            sys.exit(130)
+        except USER_ERRORS as err:
+            if os.environ.get("DECODEBENCH_DEBUG"):
+                raise
+            print(f"error: {err} (DECODEBENCH_DEBUG=1 shows the traceback)", file=sys.stderr)
+            sys.exit(2)
+        failure = fidelity_failure(summary)
+        if failure:  # a lossless method's greedy fp32 output differs from AR's beyond a near-tie
+            print(failure, file=sys.stderr)
+            sys.exit(1)
+        return
+
+    job_file = Path(hydra_cfg.runtime.output_dir) / "job.json"
+    record = {"job": hydra_cfg.job.num, "job_id": hydra_cfg.job.get("id"), "overrides": list(hydra_cfg.overrides.task),
+              "method": cfg.method.name, "slurm": slurm_job(), "started": time.time()}
+    write_json(job_file, {**record, "status": "running"})
+
+    def started(folder: Path, questions: int) -> None:  # the sweep's status line counts its answers
+        record.update(results=str(folder), questions=questions)
+        write_json(job_file, {**record, "status": "running"})
+
+    try:
+        summary = run(cfg, started)
+    except BaseException as err:
+        # SystemExit: submitit requeues a preempted or timed-out job (it resumes its results folder)
+        status = "interrupted" if isinstance(err, (SystemExit, KeyboardInterrupt, Interrupted)) else "failed"
+        write_json(job_file, {**record, "status": status, "error": f"{type(err).__name__}: {err}",
+                              "traceback": traceback.format_exc()})
+        raise
+    write_json(job_file, {**record, **job_result(summary)})
+
+
+def job_result(summary: dict) -> dict:
+    """What a finished sweep job adds to its job.json: its numbers with their caveats, as the
+    sweep's status lines and `harness.cluster.jobs` print them (`harness.running.metrics.speedup_status`)."""
+    speedup = summary.get("speedup") or {}
+    return {"status": "ok", "results": summary["results"], "speedup": speedup.get("specbench"),
+            "speedup_ci95": speedup.get("specbench_ci95"), "tau": summary["decoder"]["tau"],
+            "caveats": summary["caveats"], "fidelity_failure": fidelity_failure(summary)}
+
+
+def entry(argv: list[str]) -> None:
+    """`python -m harness.run`: a config group's unknown choice (`method=eagel`) is one line and
+    exit code 2, checked before Hydra composes; then Hydra runs `main`."""
+    try:
+        check_group_choices(argv)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    main()
+
+
+if __name__ == "__main__":
+    entry(sys.argv[1:])
