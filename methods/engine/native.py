@@ -1,9 +1,9 @@
 """The engine's native CPU kernels: `native.c`, compiled for this machine class and called through
-ctypes (no torch headers, so it builds in about a second).
+ctypes (no torch headers, so it builds quickly, once per machine class).
 
 * `pack` and `linear`, the `native` kernel of the linear path: MKL's and oneDNN's fp32 GEMV for one
   row of a 135M model's weights stream them at well under the machine's read bandwidth, and their
-  GEMM for 2-16 rows computes slower than the weights stream (docs/performance.md). This one reads
+  GEMM for 2-16 rows computes slower than the weights stream (docs/performance-history.md). This one reads
   a copy of each weight packed once into panels of 16 outputs (AVX-512) or 8 (AVX2) and computes
   8 rows x 48 outputs (AVX-512) or 4 rows x 24 outputs (AVX2) per step from registers. Whether it wins is measured like every other kernel
   (`linear.measure_plan`), per weight shape and row count.
@@ -11,7 +11,7 @@ ctypes (no torch headers, so it builds in about a second).
   torch computes, in one call each instead of four to ten.
 * `NativeLayer`: a whole decoder layer in one call (`decodebench_layer_f32`), where every
   projection of the layer is planned on the native kernel: for a 135M model the ~30 torch
-  operations and five kernel calls of a layer cost a third of a one-token forward. Each row is computed on its own, attention
+  operations and five kernel calls of a layer are one call instead. Each row is computed on its own, attention
   included (the keys a row sees, compacted in position order), so a token verified in a tree gets
   the bits it gets decoded alone.
 
