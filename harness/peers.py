@@ -207,9 +207,11 @@ def llama_curve(llama, sizes=CURVE_SIZES, prefix: int = 256, rounds: int = 7) ->
 # ------------------------------------------------------------------------------------------------ run
 
 def pld_params() -> dict:
+    """PLD's settings as `make bench METHOD=pld` runs it (conf/method/pld.yaml, checked)."""
+    from methods.pld import PLDSettings
+
     cfg = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "method" / "pld.yaml"), resolve=True)
-    return {"max_ngram": int(cfg.get("max_ngram", 3)), "num_draft": int(cfg.get("num_draft", 10)),
-            "branches": int(cfg.get("branches", 1))}
+    return PLDSettings.from_params(cfg).to_dict()
 
 
 def say(line: str) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 
 from .engine.acceptance import Acceptance, greedy_accept, sample_accept
-from .engine.params import Check, ConfigError, check_params
+from .engine.params import ConfigError, Settings
 from .engine.runner import ForwardOutput, ModelRunner
 from .engine.sampling import SamplingConfig, logits_to_probs, sample
 from .engine.stopping import StopCondition
@@ -209,31 +209,37 @@ class BuildContext:
         return vocabulary
 
 
-# A factory builds a decoder: factory(target: ModelRunner, params: dict, context: BuildContext)
+# A factory builds a decoder: factory(target: ModelRunner, settings: <the method's Settings>, context: BuildContext)
 DecoderFactory = Callable[..., Decoder]
 _REGISTRY: dict[str, DecoderFactory] = {}
-_PARAMS: dict[str, dict[str, Check]] = {}
+_SETTINGS: dict[str, type[Settings]] = {}
 
 
-def register(name: str, params: dict[str, Check] | None = None) -> Callable[[DecoderFactory], DecoderFactory]:
-    """Register a method's factory by name, with the schema of its settings (`engine/params.py`):
-    the harness checks a run's `method.*` keys against it before loading any model."""
+def register(name: str, settings: type[Settings] = Settings) -> Callable[[DecoderFactory], DecoderFactory]:
+    """Register a method's factory by name, with the class of its settings (`engine/params.py`): the
+    harness checks a run's `method.*` keys against it before loading any model, and the factory gets
+    the checked settings, defaults filled in."""
     def wrap(factory: DecoderFactory) -> DecoderFactory:
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} registered twice")
         _REGISTRY[name] = factory
-        _PARAMS[name] = dict(params or {})
+        _SETTINGS[name] = settings
         return factory
 
     return wrap
 
 
-def check_method_params(name: str, params: dict) -> None:
-    """Raise ConfigError naming the key, the bad value and the valid ones (unknown method included)."""
+def method_settings(name: str) -> type[Settings]:
+    """The settings class a method registered with (ConfigError for an unknown method)."""
     methods = available_methods()
     if name not in _REGISTRY:
         raise ConfigError("method", name, ", ".join(methods))
-    check_params("method", params, _PARAMS[name])
+    return _SETTINGS[name]
+
+
+def check_method_params(name: str, params: dict) -> None:
+    """Raise ConfigError naming the key, the bad value and the valid ones (unknown method included)."""
+    method_settings(name).from_params(params)
 
 
 def available_methods() -> list[str]:
@@ -250,15 +256,15 @@ def available_methods() -> list[str]:
 
 
 def get_method(name: str) -> DecoderFactory:
-    """The method's factory; its settings are checked against the method's schema first."""
+    """The method's factory over a config's `method.*` keys: they are checked and turned into the
+    method's settings first."""
     methods = available_methods()
     if name not in _REGISTRY:
         raise KeyError(f"unknown method {name!r}; valid methods: {', '.join(methods)}")
-    factory = _REGISTRY[name]
+    factory, settings = _REGISTRY[name], _SETTINGS[name]
 
     def build(target, params: dict | None = None, context: BuildContext | None = None) -> Decoder:
-        check_params("method", params or {}, _PARAMS[name])
-        return factory(target, params or {}, context)
+        return factory(target, settings.from_params(params or {}), context)
 
     return build
 

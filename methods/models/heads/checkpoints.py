@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from ...engine.params import mapping, null, setting
 from ..specs import ModelSpec, ModelUnavailableError, hub_reachable, unavailable_error
 
 
@@ -88,6 +89,12 @@ def place_like_target(head: torch.nn.Module, target_model, shared_embedding=None
 def read_config(folder: Path) -> dict:
     file = folder / "config.json"
     return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def head_setting(kind: str):
+    """`method.head` of a method with draft heads of `kind` (the model config's `drafts.<kind>`)."""
+    return setting(None, null() | mapping(),
+                   f"null = the model's drafts.{kind}; or {{path: <hub id or folder>}} (released format) or {{random_init: <seed>}}")
 
 
 def head_spec(params: dict, context, kind: str) -> ModelSpec:
