@@ -242,16 +242,27 @@ def check_method_params(name: str, params: dict) -> None:
     method_settings(name).from_params(params)
 
 
+ENTRY_POINTS = "decodebench.methods"  # the entry-point group of methods from other packages
+
+
 def available_methods() -> list[str]:
     """Every registered method: each module beside this one is a method file that registers itself
-    on import (subpackages are the shared machinery: `engine/`, `models/`)."""
+    on import (subpackages are the shared machinery: `engine/`, `models/`), and so is each module an
+    installed distribution names in the entry-point group `decodebench.methods`."""
     import importlib
     import pkgutil
+    from importlib.metadata import entry_points
     from pathlib import Path
 
     for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if not module.ispkg and module.name != "base" and not module.name.startswith("_"):
             importlib.import_module(f"{__package__}.{module.name}")
+    for entry in entry_points(group=ENTRY_POINTS):
+        try:
+            entry.load()
+        except Exception as err:
+            raise ImportError(f"the {ENTRY_POINTS} entry point {entry.name} = {entry.value} "
+                              f"(from {entry.dist.name if entry.dist else 'an installed package'}) fails to import: {err}") from err
     return sorted(_REGISTRY)
 
 
