@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
@@ -56,20 +57,13 @@ class PeerUnavailable(Exception):
 def format_table(rows: Sequence[dict]) -> str:
     """Rows (dicts with `engine` and any of the COLUMNS keys; None or absent = not measured, `note` =
     why) as one aligned text table. Pure: no I/O."""
-    header = ["engine"] + [title for title, _, _ in COLUMNS]
-    body = []
-    for row in rows:
-        cells = [str(row["engine"])]
-        for _, key, fmt in COLUMNS:
-            value = row.get(key)
-            cells.append("-" if value is None else fmt.format(value))
-        body.append(cells)
-    widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))).rstrip()
-             for line in [header] + body]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    frame = pd.DataFrame({"engine": [str(row["engine"]) for row in rows],
+                          **{title: ["-" if row.get(key) is None else fmt.format(row[key]) for row in rows]
+                             for title, key, fmt in COLUMNS}})
+    table = frame.to_markdown(index=False, tablefmt="simple", disable_numparse=True,
+                              colalign=("left", *["right"] * len(COLUMNS)))
     notes = [f"  {row['engine']}: {row['note']}" for row in rows if row.get("note")]
-    return "\n".join(lines + notes)
+    return "\n".join([table, *notes])
 
 
 def curve_columns(curve: dict | None, roofline: float | None) -> dict:
