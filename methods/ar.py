@@ -10,10 +10,18 @@ as Spec-Bench's baseline records `model.generate` (docs/benchmarks.md, "τ").
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .base import DraftVerifyDecoder, register
+from .engine.params import Settings
 from .engine.tree import Tree
+
+
+@dataclass(frozen=True)
+class ARSettings(Settings):
+    """Autoregressive decoding: one target forward per token. The baseline of every speedup."""
 
 
 class AutoregressiveDecoder(DraftVerifyDecoder):
@@ -24,6 +32,6 @@ class AutoregressiveDecoder(DraftVerifyDecoder):
         return Tree(torch.tensor([root]), [-1])
 
 
-@register("ar")
-def build(target, params=None, context=None) -> AutoregressiveDecoder:
+@register("ar", settings=ARSettings)
+def build(target, settings: ARSettings, context) -> AutoregressiveDecoder:
     return AutoregressiveDecoder(target)

@@ -15,6 +15,7 @@ state); AR is the method that proposes nothing.
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import entry_points
 import pkgutil
 import time
 from abc import ABC, abstractmethod
@@ -26,7 +27,7 @@ import torch
 
 from .engine.acceptance import Acceptance, greedy_accept, sample_accept
 from .engine.hardware import latency_curve
-from .engine.params import Check, ConfigError, check_params
+from .engine.params import ConfigError, Settings
 from .engine.runner import ForwardOutput, ModelRunner
 from .engine.sampling import SamplingConfig, logits_to_probs, sample
 from .engine.sizing import VERIFY_BUDGET, relative, tree_budget
@@ -208,52 +209,68 @@ class BuildContext:
         return vocabulary
 
 
-# A factory builds a decoder: factory(target: ModelRunner, params: dict, context: BuildContext)
+# A factory builds a decoder: factory(target: ModelRunner, settings: <the method's Settings>, context: BuildContext)
 DecoderFactory = Callable[..., Decoder]
 _REGISTRY: dict[str, DecoderFactory] = {}
-_PARAMS: dict[str, dict[str, Check]] = {}
+_SETTINGS: dict[str, type[Settings]] = {}
 
 
-def register(name: str, params: dict[str, Check] | None = None) -> Callable[[DecoderFactory], DecoderFactory]:
-    """Register a method's factory by name, with the schema of its settings (`engine/params.py`):
-    the harness checks a run's `method.*` keys against it before loading any model."""
+def register(name: str, settings: type[Settings] = Settings) -> Callable[[DecoderFactory], DecoderFactory]:
+    """Register a method's factory by name, with the class of its settings (`engine/params.py`): the
+    harness checks a run's `method.*` keys against it before loading any model, and the factory gets
+    the checked settings, defaults filled in."""
     def wrap(factory: DecoderFactory) -> DecoderFactory:
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} registered twice")
         _REGISTRY[name] = factory
-        _PARAMS[name] = dict(params or {})
+        _SETTINGS[name] = settings
         return factory
 
     return wrap
 
 
-def check_method_params(name: str, params: dict) -> None:
-    """Raise ConfigError naming the key, the bad value and the valid ones (unknown method included)."""
+def method_settings(name: str) -> type[Settings]:
+    """The settings class a method registered with (ConfigError for an unknown method)."""
     methods = available_methods()
     if name not in _REGISTRY:
         raise ConfigError("method", name, ", ".join(methods))
-    check_params("method", params, _PARAMS[name])
+    return _SETTINGS[name]
+
+
+def check_method_params(name: str, params: dict) -> None:
+    """Raise ConfigError naming the key, the bad value and the valid ones (unknown method included)."""
+    method_settings(name).from_params(params)
+
+
+ENTRY_POINTS = "decodebench.methods"  # the entry-point group of methods from other packages
 
 
 def available_methods() -> list[str]:
     """Every registered method: each module beside this one is a method file that registers itself
-    on import (subpackages are the shared machinery: `engine/`, `models/`)."""
+    on import (subpackages are the shared machinery: `engine/`, `models/`), and so is each module an
+    installed distribution names in the entry-point group `decodebench.methods`."""
     for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if not module.ispkg and module.name != "base" and not module.name.startswith("_"):
             importlib.import_module(f"{__package__}.{module.name}")
+    for entry in entry_points(group=ENTRY_POINTS):
+        try:
+            entry.load()
+        except Exception as err:
+            raise ImportError(f"the {ENTRY_POINTS} entry point {entry.name} = {entry.value} "
+                              f"(from {entry.dist.name if entry.dist else 'an installed package'}) fails to import: {err}") from err
     return sorted(_REGISTRY)
 
 
 def get_method(name: str) -> DecoderFactory:
-    """The method's factory; its settings are checked against the method's schema first."""
+    """The method's factory over a config's `method.*` keys: they are checked and turned into the
+    method's settings first."""
     methods = available_methods()
     if name not in _REGISTRY:
         raise KeyError(f"unknown method {name!r}; valid methods: {', '.join(methods)}")
-    factory = _REGISTRY[name]
+    factory, settings = _REGISTRY[name], _SETTINGS[name]
 
     def build(target, params: dict | None = None, context: BuildContext | None = None) -> Decoder:
-        check_params("method", params or {}, _PARAMS[name])
-        return factory(target, params or {}, context)
+        return factory(target, settings.from_params(params or {}), context)
 
     return build
 

@@ -35,6 +35,7 @@ Both preserve the target distribution. Greedy decoding (temperature 0) is the sa
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -42,13 +43,13 @@ import torch
 from .base import BuildContext, DraftVerifyDecoder, register
 from .models.heads.eagle import EagleHead, load_eagle_head
 from .engine.kv_cache import TreeKVCache
-from .models.heads.source import head_spec
+from .models.heads.source import head_setting, head_spec
 from .engine.hardware import forward_latency, latency_curve
 from .engine.sizing import verify_cost
-from .engine.params import integer, mapping, null, one_of, paths
+from .engine.params import Settings, integer, one_of, paths, setting
 from .engine.sampling import logits_to_probs
 from .engine.static_trees import NAMED_TREES, StaticTree
-from .engine.vocab import DRAFT_VOCAB
+from .engine.vocab import draft_vocab_setting
 from .engine.tree import Tree, ancestors_of, attention_mask, level_mask
 
 
@@ -146,10 +147,39 @@ class _EagleBase(DraftVerifyDecoder):
 SAMPLING_RULES = ("eagle1", "eagle2")
 
 
+@dataclass(frozen=True)
+class EagleSettings(Settings):
+    """EAGLE (EAGLE-1): the EAGLE head drafts a static tree from the target's features."""
+
+    tree: str | list = setting("auto", one_of("auto", *NAMED_TREES) | paths(), "auto = EAGLE's own 25-node tree cut to what this machine verifies nearly free; eagle_mc_sim_7b_63 (upstream's, whole); or a list of paths")
+    draft_vocab: int | str = draft_vocab_setting()
+    head: dict | None = head_setting("eagle")
+    sampling_rule: str = setting("eagle1", one_of(*SAMPLING_RULES), "temperature > 0 only: eagle1 = EAGLE-1's (children sampled from the head without replacement, multi-candidate verification with the head's q); eagle2 = top-k children, EAGLE-2's rule (accept x with probability p(x)). Greedy: the same")
+
+
+@dataclass(frozen=True)
+class DynamicTreeSettings(Settings):
+    """EAGLE-2's dynamic tree (EAGLE-3 drafts the same tree)."""
+
+    total_tokens: int | str = setting("adaptive", one_of("adaptive", "auto") | integer(2), "adaptive = sized per step from the machine's latency curve and the path probabilities; 60 (upstream's 7B default), or auto (EAGLE-2's -1: times target forwards at 40..60)")
+    depth: int = setting(5, integer(0), "expansion steps (up to depth + 1 draft tokens per path)")
+    top_k: int = setting(10, integer(1), "children kept per expanded node")
+
+
+@dataclass(frozen=True)
+class Eagle2Settings(DynamicTreeSettings):
+    """EAGLE-2: the EAGLE head drafts a dynamic tree (expand the top-k frontier by cumulative
+    log-probability, then keep the best total_tokens - 1 nodes)."""
+
+    draft_vocab: int | str = draft_vocab_setting()
+    head: dict | None = head_setting("eagle")
+
+
 class EagleDecoder(_EagleBase):
     name = "eagle"
 
-    def __init__(self, target, head: EagleHead, tree: StaticTree, vocabulary=None, sampling_rule: str = "eagle1"):
+    def __init__(self, target, head: EagleHead, tree: StaticTree, vocabulary=None,
+                 sampling_rule: str = EagleSettings.sampling_rule):
         if sampling_rule not in SAMPLING_RULES:
             raise ValueError(f"eagle sampling_rule={sampling_rule!r}; valid: {', '.join(SAMPLING_RULES)}")
         super().__init__(target, head, vocabulary)
@@ -237,8 +267,8 @@ class EagleDecoder(_EagleBase):
 class Eagle2Decoder(_EagleBase):
     name = "eagle2"
 
-    def __init__(self, target, head: EagleHead, total_tokens: int = 60, depth: int = 5, top_k: int = 10,
-                 vocabulary=None):
+    def __init__(self, target, head: EagleHead, total_tokens: int = 60, depth: int = Eagle2Settings.depth,
+                 top_k: int = Eagle2Settings.top_k, vocabulary=None):
         super().__init__(target, head, vocabulary)
         if total_tokens < 2 or depth < 0 or top_k < 1:
             raise ValueError(f"eagle2 needs total_tokens >= 2, depth >= 0, top_k >= 1; got {total_tokens}, {depth}, {top_k}")
@@ -352,28 +382,23 @@ class Eagle2Decoder(_EagleBase):
         return best
 
 
-@register("eagle", params={"tree": one_of("auto", *NAMED_TREES) | paths(), "head": null() | mapping(),
-                           "draft_vocab": DRAFT_VOCAB, "sampling_rule": one_of(*SAMPLING_RULES)})
-def build_eagle(target, params: dict, context: BuildContext) -> EagleDecoder:
+@register("eagle", settings=EagleSettings)
+def build_eagle(target, settings: EagleSettings, context: BuildContext) -> EagleDecoder:
+    params = {"name": "eagle", **settings.to_dict()}
     head = load_eagle_head(head_spec(params, context, "eagle"), context.target_model)
     # auto: EAGLE's own tree, cut to what one verification may hold on this machine
     tree, sizing = context.static_tree(params, target, "eagle_mc_sim_7b_63")
     decoder = EagleDecoder(target, head, tree, vocabulary=context.draft_vocabulary(params),
-                           sampling_rule=params.get("sampling_rule", "eagle1"))
+                           sampling_rule=settings.sampling_rule)
     decoder.sizing = sizing
     return decoder
 
 
-# EAGLE-2's dynamic tree settings (EAGLE-3 drafts the same tree)
-DYNAMIC_TREE = {"total_tokens": one_of("adaptive", "auto") | integer(2), "depth": integer(0), "top_k": integer(1),
-                "head": null() | mapping()}
-
-
-def build_dynamic(decoder_class, target, head, params: dict, context: BuildContext, depth: int, **extra) -> Eagle2Decoder:
+def build_dynamic(decoder_class, target, head, settings: DynamicTreeSettings, context: BuildContext, **extra) -> Eagle2Decoder:
     """An EAGLE-2-tree decoder with `method.total_tokens` (a number, `auto` or `adaptive`), `depth`, `top_k`."""
-    total = params.get("total_tokens", "adaptive")
+    total = settings.total_tokens
     decoder = decoder_class(target, head, total_tokens=60 if isinstance(total, str) else int(total),
-                            depth=int(params.get("depth", depth)), top_k=int(params.get("top_k", 10)), **extra)
+                            depth=settings.depth, top_k=settings.top_k, **extra)
     if total == "auto":
         decoder.auto_total_tokens()
     elif total == "adaptive":
@@ -381,8 +406,8 @@ def build_dynamic(decoder_class, target, head, params: dict, context: BuildConte
     return decoder
 
 
-@register("eagle2", params={**DYNAMIC_TREE, "draft_vocab": DRAFT_VOCAB})
-def build_eagle2(target, params: dict, context: BuildContext) -> Eagle2Decoder:
+@register("eagle2", settings=Eagle2Settings)
+def build_eagle2(target, settings: Eagle2Settings, context: BuildContext) -> Eagle2Decoder:
+    params = {"name": "eagle2", **settings.to_dict()}
     head = load_eagle_head(head_spec(params, context, "eagle"), context.target_model)
-    return build_dynamic(Eagle2Decoder, target, head, params, context, depth=5,
-                         vocabulary=context.draft_vocabulary(params))
+    return build_dynamic(Eagle2Decoder, target, head, settings, context, vocabulary=context.draft_vocabulary(params))

@@ -13,11 +13,14 @@ greedy output exact and sampling lossless (EAGLE-2's rule, as `eagle2`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .base import BuildContext, register
-from .eagle import DYNAMIC_TREE, Eagle2Decoder, EagleDrafter, build_dynamic
-from .models.heads.source import head_spec
+from .eagle import DynamicTreeSettings, Eagle2Decoder, EagleDrafter, build_dynamic
+from .engine.params import integer, setting
+from .models.heads.source import head_setting, head_spec
 from .models.heads.eagle3 import Eagle3Head, load_eagle3_head
 
 
@@ -38,10 +41,20 @@ class Eagle3Drafter(EagleDrafter):
         super().follow(tokens, fused)
 
 
+@dataclass(frozen=True)
+class Eagle3Settings(DynamicTreeSettings):
+    """EAGLE-3: the EAGLE-3 head (fc over the inputs of the target's layers 2, L//2 and L-3, one decoder
+    layer, its own lm_head over a reduced draft vocabulary mapped by d2t) drafts EAGLE-2's dynamic tree."""
+
+    depth: int = setting(7, integer(0), "expansion steps (up to depth + 1 draft tokens per path); upstream's EAGLE-3 default")
+    head: dict | None = head_setting("eagle3")
+
+
 class Eagle3Decoder(Eagle2Decoder):
     name = "eagle3"
 
-    def __init__(self, target, head: Eagle3Head, total_tokens: int = 60, depth: int = 7, top_k: int = 10):
+    def __init__(self, target, head: Eagle3Head, total_tokens: int = 60, depth: int = Eagle3Settings.depth,
+                 top_k: int = Eagle3Settings.top_k):
         super().__init__(target, head, total_tokens=total_tokens, depth=depth, top_k=top_k)
         target.capture_inputs(head.layers)
 
@@ -58,7 +71,7 @@ class Eagle3Decoder(Eagle2Decoder):
                 "draft_vocab": self.drafter.head.lm_head.out_features}
 
 
-@register("eagle3", params=DYNAMIC_TREE)
-def build_eagle3(target, params: dict, context: BuildContext) -> Eagle3Decoder:
-    head = load_eagle3_head(head_spec(params, context, "eagle3"), context.target_model)
-    return build_dynamic(Eagle3Decoder, target, head, params, context, depth=7)
+@register("eagle3", settings=Eagle3Settings)
+def build_eagle3(target, settings: Eagle3Settings, context: BuildContext) -> Eagle3Decoder:
+    head = load_eagle3_head(head_spec({"name": "eagle3", **settings.to_dict()}, context, "eagle3"), context.target_model)
+    return build_dynamic(Eagle3Decoder, target, head, settings, context)

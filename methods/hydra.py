@@ -21,17 +21,19 @@ LOSSY, marked so in results).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .base import BuildContext, DraftVerifyDecoder, register
 from .engine.acceptance import typical_accept
 from .engine.kv_cache import TreeKVCache
-from .engine.params import mapping, null, number, one_of, paths
+from .engine.params import Settings, number, one_of, paths, setting
 from .engine.sampling import logits_to_probs
 from .engine.static_trees import NAMED_TREES, StaticTree
 from .engine.tree import Tree, attention_mask
-from .engine.vocab import DRAFT_VOCAB
-from .models.heads.source import head_spec
+from .engine.vocab import draft_vocab_setting
+from .models.heads.source import head_setting, head_spec
 from .models.heads.hydra import HydraHeads, load_hydra_heads
 from .models.specs import PROJECT_ROOT, ModelUnavailableError
 
@@ -39,11 +41,25 @@ from .models.specs import PROJECT_ROOT, ModelUnavailableError
 ACCEPTANCE = ("exact", "typical")
 
 
+@dataclass(frozen=True)
+class HydraSettings(Settings):
+    """Hydra / Hydra++ (zankner/Hydra): Medusa-style heads on the target's last hidden state, each grounded on
+    the tokens drafted before it on its path; the static tree is drafted level by level, verified in one forward."""
+
+    tree: str | list = setting("auto", one_of("auto", *NAMED_TREES) | paths(), "auto = Hydra's mc_sim_7b_63 (upstream's default; listed by estimated acceptance) cut to what this machine verifies nearly free; hydra_mc_sim_7b_63 (whole); or a list of paths")
+    draft_vocab: int | str = draft_vocab_setting(" (heads saved with their own reduced projection, `draft_ids`, use theirs)")
+    head: dict | None = head_setting("hydra")
+    acceptance: str = setting("exact", one_of(*ACCEPTANCE), "exact (greedy / lossless sampling) | typical (upstream's sampling rule, Medusa's; LOSSY: marked in results)")
+    typical_epsilon: float = setting(0.09, number(0, 1), "typical acceptance's epsilon (upstream's)")
+    typical_delta: float = setting(0.3, number(0), "typical acceptance's delta (upstream's)")
+
+
 class HydraDecoder(DraftVerifyDecoder):
     name = "hydra"
 
     def __init__(self, target, heads: HydraHeads, tree: StaticTree, hidden_state_offset: int = 0, vocabulary=None,
-                 acceptance: str = "exact", typical_epsilon: float = 0.09, typical_delta: float = 0.3):
+                 acceptance: str = HydraSettings.acceptance, typical_epsilon: float = HydraSettings.typical_epsilon,
+                 typical_delta: float = HydraSettings.typical_delta):
         super().__init__(target)
         if acceptance not in ACCEPTANCE:
             raise ValueError(f"unknown hydra acceptance {acceptance!r}; valid: {', '.join(ACCEPTANCE)}")
@@ -183,18 +199,16 @@ def _missing_embedded_heads(spec, context: BuildContext) -> None:
             f"method.head.path=<a Hydra checkpoint folder or Hub id>")
 
 
-@register("hydra", params={"tree": one_of("auto", *NAMED_TREES) | paths(), "head": null() | mapping(),
-                           "draft_vocab": DRAFT_VOCAB, "acceptance": one_of(*ACCEPTANCE),
-                           "typical_epsilon": number(0, 1), "typical_delta": number(0)})
-def build(target, params: dict, context: BuildContext) -> HydraDecoder:
+@register("hydra", settings=HydraSettings)
+def build(target, settings: HydraSettings, context: BuildContext) -> HydraDecoder:
+    params = {"name": "hydra", **settings.to_dict()}
     spec = head_spec(params, context, "hydra")
     _missing_embedded_heads(spec, context)
     heads, config = load_hydra_heads(spec, context.target_model)
     # auto: upstream's default tree (hydra_choices.mc_sim_7b_63), cut to this machine's verify budget
     tree, sizing = context.static_tree(params, target, "hydra_mc_sim_7b_63", max_depth=heads.num_heads)
     decoder = HydraDecoder(target, heads, tree, hidden_state_offset=int(config.get("hidden_state_offset", 0) or 0),
-                           vocabulary=context.draft_vocabulary(params), acceptance=params.get("acceptance", "exact"),
-                           typical_epsilon=float(params.get("typical_epsilon", 0.09)),
-                           typical_delta=float(params.get("typical_delta", 0.3)))
+                           vocabulary=context.draft_vocabulary(params), acceptance=settings.acceptance,
+                           typical_epsilon=float(settings.typical_epsilon), typical_delta=float(settings.typical_delta))
     decoder.sizing = sizing
     return decoder

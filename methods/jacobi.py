@@ -14,10 +14,12 @@ is recorded per block.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .base import BuildContext, DraftVerifyDecoder, register
-from .engine.params import integer, null, one_of
+from .engine.params import Settings, integer, null, one_of, setting
 from .engine.sampling import SamplingConfig
 from .engine.tree import Tree
 
@@ -26,10 +28,20 @@ from .engine.tree import Tree
 INITIAL_GUESSES = ("sequence", "prompt", "repeat", "pad")
 
 
+@dataclass(frozen=True)
+class JacobiSettings(Settings):
+    """Jacobi decoding (greedy fixed-point iteration over blocks); with a CLLM model this is CLLM decoding."""
+
+    block_size: int | str | None = setting(None, null() | one_of("auto") | integer(2), "n tokens per block; null = the model's jacobi_block_size (CLLMs), else auto: the longest block this machine verifies nearly free (hardware profile)")
+    initial_guess: str = setting("sequence", one_of(*INITIAL_GUESSES), "sequence (random tokens of prompt + output so far, as upstream CLLM scripts) | prompt (of the prompt only) | repeat (the last token) | pad")
+    seed: int = setting(0, integer(), "for the random initial guesses")
+
+
 class JacobiDecoder(DraftVerifyDecoder):
     name = "jacobi"
 
-    def __init__(self, target, block_size: int = 16, initial_guess: str = "sequence", pad_token: int = 0, seed: int = 0):
+    def __init__(self, target, block_size: int = 16, initial_guess: str = JacobiSettings.initial_guess, pad_token: int = 0,
+                 seed: int = JacobiSettings.seed):
         super().__init__(target)
         if block_size < 2:
             raise ValueError(f"jacobi block_size must be >= 2, got {block_size}")
@@ -84,16 +96,15 @@ class JacobiDecoder(DraftVerifyDecoder):
             self.guess += [self.pad_token] * (self.remaining - len(self.guess))
 
 
-@register("jacobi", params={"block_size": null() | one_of("auto") | integer(2),
-                            "initial_guess": one_of(*INITIAL_GUESSES), "seed": integer()})
-def build(target, params: dict, context: BuildContext) -> JacobiDecoder:
+@register("jacobi", settings=JacobiSettings)
+def build(target, settings: JacobiSettings, context: BuildContext) -> JacobiDecoder:
     # a CLLM's own block size wins over `auto` (it was trained for it); else the machine's verify budget
-    block, sizing = params.get("block_size") or context.model_config.get("jacobi_block_size") or "auto", None
+    block, sizing = settings.block_size or context.model_config.get("jacobi_block_size") or "auto", None
     if block == "auto":
         block, sizing = context.tree_budget(target, "block_size")
         sizing["chosen"] = block
     pad = getattr(context.target_model.config, "pad_token_id", None) or 0
-    decoder = JacobiDecoder(target, block_size=int(block), initial_guess=params.get("initial_guess", "sequence"),
-                            pad_token=int(pad), seed=int(params.get("seed", 0)))
+    decoder = JacobiDecoder(target, block_size=int(block), initial_guess=settings.initial_guess,
+                            pad_token=int(pad), seed=settings.seed)
     decoder.sizing = sizing
     return decoder

@@ -21,17 +21,27 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from .ar import AutoregressiveDecoder
 from .base import BuildContext, register
-from .engine.params import Check
+from .engine.params import Check, Settings, setting
 from .engine.runner import ForwardOutput, ModelRunner
 from .engine.sampling import SamplingConfig
 
-DEFAULT_SCHEDULE = ((0.25, 0.70), (0.50, 0.50), (0.75, 0.35))
+
+@dataclass(frozen=True)
+class LazyLLMSettings(Settings):
+    """LazyLLM: progressive prompt-token pruning in prefill (LOSSY), composed with AR decoding."""
+
+    schedule: list = setting(((0.25, 0.70), (0.50, 0.50), (0.75, 0.35)), Check(
+        lambda v: len(v) > 0 and all(len(p) == 2 and 0 <= p[0] and 0 < p[1] <= 1 for p in v),
+        "a list of [layer, keep] pairs: layer an index or a fraction of the depth, keep in (0, 1]"),
+        "[layer, keep]: after `layer` (an index, or a fraction of the depth when < 1), keep the `keep` fraction of "
+        "the prompt tokens that the current token attends to most; the paper's documented default")
 
 
 def resolve_schedule(schedule, num_layers: int) -> dict[int, float]:
@@ -54,7 +64,7 @@ def resolve_schedule(schedule, num_layers: int) -> dict[int, float]:
 class LazyRunner(ModelRunner):
     """The target with LazyLLM's pruned prefill, Aux Cache and revival."""
 
-    def __init__(self, model, schedule=DEFAULT_SCHEDULE):
+    def __init__(self, model, schedule=LazyLLMSettings.schedule):
         super().__init__(model)
         self.layers = self.decoder.layers
         self.schedule = resolve_schedule(schedule, len(self.layers))
@@ -187,7 +197,7 @@ class LazyLLMDecoder(AutoregressiveDecoder):
     name = "lazyllm"
     lossless = False
 
-    def __init__(self, model, schedule=DEFAULT_SCHEDULE):
+    def __init__(self, model, schedule=LazyLLMSettings.schedule):
         super().__init__(LazyRunner(model, schedule))
 
     def describe(self):
@@ -202,9 +212,6 @@ class LazyLLMDecoder(AutoregressiveDecoder):
         return out
 
 
-@register("lazyllm", params={"schedule": Check(
-    lambda v: len(v) > 0 and all(len(p) == 2 and 0 <= p[0] and 0 < p[1] <= 1 for p in v),
-    "a list of [layer, keep] pairs: layer an index or a fraction of the depth, keep in (0, 1]")})
-def build(target, params: dict, context: BuildContext) -> LazyLLMDecoder:
-    schedule = params.get("schedule") or DEFAULT_SCHEDULE
-    return LazyLLMDecoder(context.target_model, [tuple(entry) for entry in schedule])
+@register("lazyllm", settings=LazyLLMSettings)
+def build(target, settings: LazyLLMSettings, context: BuildContext) -> LazyLLMDecoder:
+    return LazyLLMDecoder(context.target_model, [tuple(entry) for entry in settings.schedule])

@@ -33,21 +33,40 @@ WIN=15 GUESS=15 for llama-2-7b-chat; `applications/chatbot.py` "A100"). Spec-Ben
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .base import BuildContext, DraftVerifyDecoder, register
-from .engine.params import BOOL, integer, one_of
+from .engine.params import BOOL, Settings, integer, one_of, setting
 from .engine.runner import ForwardOutput
 from .engine.sampling import SamplingConfig
 from .engine.tree import ExtraRows, Tree
 from .pld import trie
 
 
+AUTO = one_of("auto")
+
+
+@dataclass(frozen=True)
+class LookaheadSettings(Settings):
+    """Lookahead decoding: one forward per step holds the lookahead branch (a window of W columns x
+    N-1 levels of Jacobi guesses, whose trajectories feed an n-gram pool) and the verification
+    branch (up to G pool n-grams starting with the last token), with the paper's combined mask."""
+
+    level: int = setting(5, integer(3), "N (n-gram size); upstream's 7B setting (applications/run_mtbench.sh: LEVEL=5 WIN=15 GUESS=15)")
+    window: int | str = setting(15, AUTO | integer(1), "W; auto = W and G sharing this machine's verify budget, (N-1)(W+G) rows")
+    guess: int | str = setting(15, AUTO | integer(0), "G, n-grams kept (LRU) per first token and verified per step; 0 = window only; auto as above")
+    pool_from_prompt: bool = setting(False, BOOL, "upstream's POOL_FROM_PROMPT: seed the pool with the prompt's n-grams")
+    seed: int = setting(0, integer(), "for the window's initial random prompt tokens")
+
+
 class LookaheadDecoder(DraftVerifyDecoder):
     name = "lookahead"
 
-    def __init__(self, target, window: int = 15, level: int = 5, guess: int = 15, pool_from_prompt: bool = False,
-                 seed: int = 0):
+    def __init__(self, target, window: int = LookaheadSettings.window, level: int = LookaheadSettings.level,
+                 guess: int = LookaheadSettings.guess, pool_from_prompt: bool = LookaheadSettings.pool_from_prompt,
+                 seed: int = LookaheadSettings.seed):
         super().__init__(target)
         if level < 3 or window < 1 or guess < 0:
             raise ValueError(f"lookahead needs level >= 3, window >= 1, guess >= 0; got {level}, {window}, {guess}")
@@ -181,14 +200,9 @@ class LookaheadDecoder(DraftVerifyDecoder):
             self.levels[-1] = newest
 
 
-AUTO = one_of("auto")
-
-
-@register("lookahead", params={"window": AUTO | integer(1), "level": integer(3), "guess": AUTO | integer(0),
-                               "pool_from_prompt": BOOL, "seed": integer()})
-def build(target, params: dict, context: BuildContext) -> LookaheadDecoder:
-    level = int(params.get("level", 5))
-    window, guess, sizing = params.get("window", 15), params.get("guess", 15), None
+@register("lookahead", settings=LookaheadSettings)
+def build(target, settings: LookaheadSettings, context: BuildContext) -> LookaheadDecoder:
+    level, window, guess, sizing = settings.level, settings.window, settings.guess, None
     if "auto" in (window, guess):
         # auto: the window and the n-grams share this machine's verify budget, (N-1)(W + G) rows
         budget, sizing = context.tree_budget(target, "window/guess")
@@ -197,7 +211,6 @@ def build(target, params: dict, context: BuildContext) -> LookaheadDecoder:
         guess = share if guess == "auto" else guess
         sizing["chosen"] = {"window": window, "guess": guess, "level": level}
     decoder = LookaheadDecoder(target, window=int(window), level=level, guess=int(guess),
-                               pool_from_prompt=bool(params.get("pool_from_prompt", False)),
-                               seed=int(params.get("seed", 0)))
+                               pool_from_prompt=settings.pool_from_prompt, seed=settings.seed)
     decoder.sizing = sizing
     return decoder

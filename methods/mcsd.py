@@ -10,6 +10,7 @@ children. Both caches keep only the accepted path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -17,15 +18,26 @@ import torch
 from .base import BuildContext, DraftVerifyDecoder, register
 from .models.draft_lm import DraftLM
 from .models.loading import load_draft_lm
-from .engine.params import BOOL, int_list, integer, mapping, null, one_of
+from .engine.params import BOOL, Settings, int_list, integer, mapping, null, one_of, setting
 from .engine.tree import Tree
-from .engine.vocab import DRAFT_VOCAB
+from .engine.vocab import draft_vocab_setting
+
+
+@dataclass(frozen=True)
+class MCSDSettings(Settings):
+    """MCSD: a draft LM proposes a multi-candidate tree (k_config children per depth), verified in one
+    target forward with multi-candidate speculative sampling."""
+
+    k_config: list | int | str = setting("auto", one_of("auto") | int_list(1) | integer(1), "children per node at each depth, e.g. [4, 2, 1]; auto = the largest tree this machine verifies nearly free")
+    draft_vocab: int | str = draft_vocab_setting()
+    replacement: bool = setting(False, BOOL, "false = sample candidates without replacement (and verify accordingly)")
+    draft: dict | None = setting(None, null() | mapping(), "null = the model's drafts.sps; or {path: ...} / {target_layers: k}")
 
 
 class MultiCandidateDecoder(DraftVerifyDecoder):
     name = "mcsd"
 
-    def __init__(self, target, draft_model, k_config: Sequence[int] = (4, 2, 1), replacement: bool = False,
+    def __init__(self, target, draft_model, k_config: Sequence[int] = (4, 2, 1), replacement: bool = MCSDSettings.replacement,
                  vocabulary=None):
         super().__init__(target)
         k_config = tuple(int(k) for k in k_config)
@@ -77,11 +89,10 @@ def tree_nodes(k_config) -> int:
     return nodes
 
 
-@register("mcsd", params={"k_config": one_of("auto") | int_list(1) | integer(1), "replacement": BOOL,
-                          "draft": null() | mapping(), "draft_vocab": DRAFT_VOCAB})
-def build(target, params: dict, context: BuildContext) -> MultiCandidateDecoder:
-    spec = params.get("draft") or context.draft_spec("sps", "mcsd")
-    choice, sizing = params.get("k_config", "auto"), None
+@register("mcsd", settings=MCSDSettings)
+def build(target, settings: MCSDSettings, context: BuildContext) -> MultiCandidateDecoder:
+    spec = settings.draft or context.draft_spec("sps", "mcsd")
+    choice, sizing = settings.k_config, None
     if choice == "auto":
         budget, sizing = context.tree_budget(target, "k_config")
         fitting = [k for k in AUTO_K_CONFIGS if tree_nodes(k) + 1 <= budget] or AUTO_K_CONFIGS[:1]
@@ -89,7 +100,7 @@ def build(target, params: dict, context: BuildContext) -> MultiCandidateDecoder:
         sizing["chosen"] = list(choice)
     draft = load_draft_lm(spec, context.target_model)
     decoder = MultiCandidateDecoder(target, draft, k_config=parse_k_config(choice),
-                                    replacement=bool(params.get("replacement", False)),
-                                    vocabulary=context.draft_vocabulary(params, draft.get_output_embeddings().out_features))
+                                    replacement=settings.replacement,
+                                    vocabulary=context.draft_vocabulary(settings.to_dict(), draft.get_output_embeddings().out_features))
     decoder.sizing = sizing
     return decoder

@@ -9,26 +9,41 @@ results then mark the run lossy.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .engine.acceptance import typical_accept
 from .base import BuildContext, DraftVerifyDecoder, register
 from .models.heads.medusa import MedusaHeads, load_medusa_heads
-from .models.heads.source import head_spec
+from .models.heads.source import head_setting, head_spec
 from .engine.sampling import logits_to_probs
-from .engine.params import mapping, null, number, one_of, paths
+from .engine.params import Settings, number, one_of, paths, setting
 from .engine.static_trees import NAMED_TREES, StaticTree
-from .engine.vocab import DRAFT_VOCAB
+from .engine.vocab import draft_vocab_setting
 from .engine.tree import Tree
 
 ACCEPTANCE = ("exact", "typical")
 
 
+@dataclass(frozen=True)
+class MedusaSettings(Settings):
+    """Medusa: heads on the target's last hidden state propose a static tree, verified in one forward."""
+
+    tree: str | list = setting("auto", one_of("auto", *NAMED_TREES) | paths(), "auto = Medusa's mc_sim_7b_63 (listed by estimated acceptance) cut to what this machine verifies nearly free; medusa_mc_sim_7b_63 (whole); or a list of paths, e.g. [[0], [1], [0, 0]]")
+    draft_vocab: int | str = draft_vocab_setting()
+    acceptance: str = setting("exact", one_of(*ACCEPTANCE), "exact (greedy / lossless sampling) | typical (Medusa's, LOSSY: marked in results)")
+    typical_epsilon: float = setting(0.09, number(0, 1), "typical acceptance's epsilon (Medusa's)")
+    typical_delta: float = setting(0.3, number(0), "typical acceptance's delta (Medusa's)")
+    head: dict | None = head_setting("medusa")
+
+
 class MedusaDecoder(DraftVerifyDecoder):
     name = "medusa"
 
-    def __init__(self, target, heads: MedusaHeads, tree: StaticTree, acceptance: str = "exact",
-                 typical_epsilon: float = 0.09, typical_delta: float = 0.3, vocabulary=None):
+    def __init__(self, target, heads: MedusaHeads, tree: StaticTree, acceptance: str = MedusaSettings.acceptance,
+                 typical_epsilon: float = MedusaSettings.typical_epsilon, typical_delta: float = MedusaSettings.typical_delta,
+                 vocabulary=None):
         super().__init__(target)
         self.vocabulary = vocabulary
         target.cover(heads, *([vocabulary.head(heads[0][-1].weight)] if vocabulary else []))
@@ -69,17 +84,14 @@ class MedusaDecoder(DraftVerifyDecoder):
         return super()._accept(tree, logits)
 
 
-@register("medusa", params={
-    "tree": one_of("auto", *NAMED_TREES) | paths(), "acceptance": one_of(*ACCEPTANCE),
-    "typical_epsilon": number(0, 1), "typical_delta": number(0), "head": null() | mapping(), "draft_vocab": DRAFT_VOCAB})
-def build(target, params: dict, context: BuildContext) -> MedusaDecoder:
+@register("medusa", settings=MedusaSettings)
+def build(target, settings: MedusaSettings, context: BuildContext) -> MedusaDecoder:
+    params = {"name": "medusa", **settings.to_dict()}
     heads = load_medusa_heads(head_spec(params, context, "medusa"), context.target_model)
     # auto: Medusa's tree (listed by estimated acceptance) cut to the machine's verify budget
     tree, sizing = context.static_tree(params, target, "medusa_mc_sim_7b_63", max_depth=len(heads))
-    decoder = MedusaDecoder(target, heads, tree,
-                            acceptance=params.get("acceptance", "exact"),
-                            typical_epsilon=float(params.get("typical_epsilon", 0.09)),
-                            typical_delta=float(params.get("typical_delta", 0.3)),
+    decoder = MedusaDecoder(target, heads, tree, acceptance=settings.acceptance,
+                            typical_epsilon=float(settings.typical_epsilon), typical_delta=float(settings.typical_delta),
                             vocabulary=context.draft_vocabulary(params))
     decoder.sizing = sizing
     return decoder

@@ -12,19 +12,30 @@ matches (left to right, longest n-gram first) until b distinct continuations are
 into a trie rooted at the last token. Verification is the engine's: greedy match, or rejection
 sampling with the draft as a point mass (lossless at any temperature).
 
-Defaults: `num_draft: 10` (`prompt_lookup_num_tokens=10` in the transformers docs and
-`draft_num_candidate_tokens=10` in Spec-Bench's `evaluation/inference_pld.py`), `max_ngram: 3`
-(Spec-Bench's `draft_matching_window_size=3`; `transformers`' own default is 2).
+Settings and their defaults: `PLDSettings` below.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from .base import DraftVerifyDecoder, register
-from .engine.params import integer
+from .engine.params import Settings, integer, setting
 from .engine.sampling import SamplingConfig
 from .engine.tree import Tree
+
+
+@dataclass(frozen=True)
+class PLDSettings(Settings):
+    """Prompt lookup decoding (PLD): the draft is copied from the text itself. The last n-gram of
+    prompt + output (n = max_ngram .. 1) is found earlier in the text (leftmost occurrence first, as
+    transformers' PromptLookupCandidateGenerator); the up to num_draft tokens after it are the draft."""
+
+    max_ngram: int = setting(3, integer(1), "longest n-gram looked up; Spec-Bench's draft_matching_window_size (transformers' own default is 2)")
+    num_draft: int = setting(10, integer(1), "tokens per draft; transformers' prompt_lookup_num_tokens in its docs, Spec-Bench's draft_num_candidate_tokens")
+    branches: int = setting(1, integer(1), "upstream proposes one match (a chain); b > 1 adds the next matches as branches of a trie")
 
 
 def lookup_continuations(sequence: torch.Tensor, max_ngram: int, num_draft: int, eos: frozenset[int] = frozenset(),
@@ -76,10 +87,9 @@ def trie(root: int, continuations: list[list[int]]) -> Tree:
 class PromptLookupDecoder(DraftVerifyDecoder):
     name = "pld"
 
-    def __init__(self, target, max_ngram: int = 3, num_draft: int = 10, branches: int = 1):
+    def __init__(self, target, max_ngram: int = PLDSettings.max_ngram, num_draft: int = PLDSettings.num_draft,
+                 branches: int = PLDSettings.branches):
         super().__init__(target)
-        if max_ngram < 1 or num_draft < 1 or branches < 1:
-            raise ValueError(f"pld needs max_ngram, num_draft, branches >= 1; got {max_ngram}, {num_draft}, {branches}")
         self.max_ngram, self.num_draft, self.branches = max_ngram, num_draft, branches
 
     def describe(self):
@@ -102,7 +112,6 @@ class PromptLookupDecoder(DraftVerifyDecoder):
         return trie(root, found)
 
 
-@register("pld", params={"max_ngram": integer(1), "num_draft": integer(1), "branches": integer(1)})
-def build(target, params: dict, context) -> PromptLookupDecoder:
-    return PromptLookupDecoder(target, max_ngram=int(params.get("max_ngram", 3)),
-                               num_draft=int(params.get("num_draft", 10)), branches=int(params.get("branches", 1)))
+@register("pld", settings=PLDSettings)
+def build(target, settings: PLDSettings, context) -> PromptLookupDecoder:
+    return PromptLookupDecoder(target, **settings.to_dict())

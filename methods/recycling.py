@@ -22,10 +22,12 @@ machine verifies nearly free (engine/sizing.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .base import BuildContext, DraftVerifyDecoder, register
-from .engine.params import BOOL, integer, one_of, paths
+from .engine.params import BOOL, Settings, integer, one_of, paths, setting
 from .engine.sampling import SamplingConfig
 from .engine.static_trees import StaticTree
 from .engine.tree import Tree
@@ -48,10 +50,22 @@ TEMPLATE_2_2_2 = [
 TEMPLATES = {"2.2.2": TEMPLATE_2_2_2}
 
 
+@dataclass(frozen=True)
+class RecyclingSettings(Settings):
+    """Token Recycling: an adjacency matrix keeps each token's top-k successors from the target's own
+    logits (every forwarded token, refreshed after every forward); drafts are read off it by BFS
+    over upstream's static tree template. The matrix PERSISTS ACROSS PROMPTS, as upstream's."""
+
+    tree: str | list = setting("2.2.2", one_of("auto", *TEMPLATES) | paths(), "upstream's template (80 nodes, depth 6); auto = its first nodes up to this machine's verify budget; or a list of paths, e.g. [[0], [1], [0, 0]]")
+    top_k: int = setting(8, integer(1), "successors kept per token (upstream's --output-id-topk 8)")
+    persist: bool = setting(True, BOOL, "false = a fresh (zero) matrix for every prompt")
+
+
 class TokenRecyclingDecoder(DraftVerifyDecoder):
     name = "recycling"
 
-    def __init__(self, target, tree: StaticTree, top_k: int = 8, persist: bool = True):
+    def __init__(self, target, tree: StaticTree, top_k: int = RecyclingSettings.top_k,
+                 persist: bool = RecyclingSettings.persist):
         super().__init__(target)
         if tree.top_k() > top_k:
             raise ValueError(f"tree template uses successor rank {tree.top_k() - 1}; the matrix keeps top_k={top_k}")
@@ -107,17 +121,15 @@ class TokenRecyclingDecoder(DraftVerifyDecoder):
         self._recycle(tree.tokens, verified.logits)
 
 
-@register("recycling", params={"tree": one_of("auto", *TEMPLATES) | paths(), "top_k": integer(1),
-                               "persist": BOOL})
-def build(target, params: dict, context: BuildContext) -> TokenRecyclingDecoder:
-    choice, sizing = params.get("tree", "2.2.2"), None
+@register("recycling", settings=RecyclingSettings)
+def build(target, settings: RecyclingSettings, context: BuildContext) -> TokenRecyclingDecoder:
+    choice, sizing = settings.tree, None
     if choice == "auto":  # upstream's template cut, in its own order, to this machine's verify budget
         budget, sizing = context.tree_budget(target, "tree")
         tree = StaticTree.build(TEMPLATE_2_2_2, nodes=budget - 1)
         sizing["chosen"] = f"2.2.2, first {len(tree) - 1} nodes"
     else:
         tree = StaticTree.build(TEMPLATES[choice] if isinstance(choice, str) else choice)
-    decoder = TokenRecyclingDecoder(target, tree, top_k=int(params.get("top_k", 8)),
-                                    persist=bool(params.get("persist", True)))
+    decoder = TokenRecyclingDecoder(target, tree, top_k=settings.top_k, persist=settings.persist)
     decoder.sizing = sizing
     return decoder

@@ -19,10 +19,12 @@ by 1 (to at least 1) otherwise.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .base import BuildContext, Decoder, register
-from .engine.params import integer, mapping, null, one_of
+from .engine.params import Settings, integer, mapping, null, one_of, setting
 from .engine.sizing import chain_length, draft_cost, held_out_acceptance, relative
-from .engine.vocab import DRAFT_VOCAB
+from .engine.vocab import draft_vocab_setting
 from .models.specs import ModelSpec
 from .models.loading import load_draft_lm
 from .mcsd import MultiCandidateDecoder
@@ -30,6 +32,16 @@ from .mcsd import MultiCandidateDecoder
 
 PRIOR_TESTS = 20  # weight of the model card's acceptance in the running estimate, in tested positions
 HEURISTIC_START = 5  # transformers 4.37.1's num_assistant_tokens default (Spec-Bench's SpS)
+
+
+@dataclass(frozen=True)
+class SpSSettings(Settings):
+    """SpS: a draft LM proposes a chain of `gamma` tokens; the target verifies them in one forward
+    (speculative sampling with the residual distribution; greedy acceptance at temperature 0)."""
+
+    gamma: int | str = setting("auto", one_of("auto", "heuristic") | integer(1), "draft length; auto = the most expected tokens per second on this machine (hardware profile); heuristic = Spec-Bench's (transformers 4.37.1 assisted generation: 5, +2 / -1); or N")
+    draft_vocab: int | str = draft_vocab_setting()
+    draft: dict | None = setting(None, null() | mapping(), "null = the model's own drafts.sps; or {path: <hub id or folder>} / {target_layers: k}")
 
 
 class SpeculativeSamplingDecoder(MultiCandidateDecoder):
@@ -90,13 +102,13 @@ class SpeculativeSamplingDecoder(MultiCandidateDecoder):
         return described
 
 
-@register("sps", params={"gamma": one_of("auto", "heuristic") | integer(1), "draft": null() | mapping(), "draft_vocab": DRAFT_VOCAB})
-def build(target, params: dict, context: BuildContext) -> SpeculativeSamplingDecoder:
-    gamma = params.get("gamma", "auto")
-    spec = params.get("draft") or context.draft_spec("sps", "sps")
+@register("sps", settings=SpSSettings)
+def build(target, settings: SpSSettings, context: BuildContext) -> SpeculativeSamplingDecoder:
+    gamma = settings.gamma
+    spec = settings.draft or context.draft_spec("sps", "sps")
     draft = load_draft_lm(spec, context.target_model)
     decoder = SpeculativeSamplingDecoder(target, draft, gamma=1 if gamma == "auto" else gamma,
-                                         vocabulary=context.draft_vocabulary(params, draft.get_output_embeddings().out_features))
+                                         vocabulary=context.draft_vocabulary(settings.to_dict(), draft.get_output_embeddings().out_features))
     if gamma == "auto":  # the chain length with the most expected tokens per second on this machine
         curve = context.latency_curve(target)
         decoder.size_automatically(curve, draft_cost(decoder.draft.runner, curve),

@@ -4,14 +4,17 @@ statistics). Done here from a test file, as docs/architecture.md tells a newcome
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
+from omegaconf import OmegaConf
 
 from harness.running.results import read_jsonl
 from harness.running.run import run
-from methods.base import DraftVerifyDecoder, available_methods, register
-from methods.engine.params import integer
+from methods.base import DraftVerifyDecoder, available_methods, check_method_params, register
+from methods.engine.params import ConfigError, Settings, integer, setting
 from methods.engine.tree import Tree
 from tests.test_harness import config, tiny_overrides
 
@@ -30,9 +33,24 @@ class RepeatDecoder(DraftVerifyDecoder):
         return Tree(torch.tensor([root] * (count + 1)), list(range(-1, count)))
 
 
-@register("toy-repeat", params={"length": integer(1)})
-def build(target, params, context) -> RepeatDecoder:
-    return RepeatDecoder(target, int(params.get("length", 3)))
+@dataclass(frozen=True)
+class RepeatSettings(Settings):
+    """A toy drafter: the last token, repeated."""
+
+    length: int = setting(3, integer(1), "tokens guessed per step")
+
+
+@register("toy-repeat", settings=RepeatSettings)
+def build(target, settings: RepeatSettings, context) -> RepeatDecoder:
+    return RepeatDecoder(target, settings.length)
+
+
+def test_the_settings_class_gives_the_check_and_the_yaml():
+    with pytest.raises(ConfigError, match=r"^method.length=0: valid: an integer >= 1$"):
+        check_method_params("toy-repeat", {"name": "toy-repeat", "length": 0})
+    text = RepeatSettings.yaml("toy-repeat")  # what conf/method/toy-repeat.yaml would hold
+    assert text.startswith("# A toy drafter: the last token, repeated.\n") and "# tokens guessed per step" in text
+    assert OmegaConf.to_container(OmegaConf.create(text)) == {"name": "toy-repeat", "length": 3}
 
 
 def test_a_method_registered_from_a_test_file_runs_through_the_harness(tiny_chat_model_dir, spec_bench_file, tmp_path):

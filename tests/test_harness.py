@@ -11,7 +11,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from harness.running.datasets import Question, select
-from harness.running.metrics import bootstrap_median_interval, format_summary, summarize
+from harness.running.metrics import bootstrap_median_interval, format_summary, speedup_stats, summarize
 from harness.running.results import RunFolder, read_jsonl
 from harness.running.run import run
 from methods.base import available_methods, get_method
@@ -439,6 +439,45 @@ def test_bootstrap_interval_brackets_the_median():
     values = [1.0 + 0.01 * i for i in range(50)]
     low, high = bootstrap_median_interval(values)
     assert low < 1.245 < high and high - low < 0.2
+    assert bootstrap_median_interval([]) == (None, None) and bootstrap_median_interval([1.5]) == (1.5, 1.5)
+
+
+def hand_written_bootstrap(statistic, pairs, reps=2000, seed=0):
+    """The suite's bootstrap before scipy's (harness/metrics.py until issue 38): resample the
+    questions with `random.choices`, sort, read the 2.5% and 97.5% order statistics."""
+    import random
+
+    rng = random.Random(seed)
+    boot = sorted(statistic(rng.choices(pairs, k=len(pairs))) for _ in range(reps))
+    return boot[int(0.025 * reps)], boot[min(reps - 1, int(0.975 * reps))]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_scipy_bootstrap_gives_the_hand_written_intervals_within_the_noise(seed):
+    """Both speedup intervals (Spec-Bench's ratio of means, the median ratio) from scipy.stats.bootstrap
+    agree with the hand-written bootstrap they replace, to well within the spread of either's endpoints
+    over resampling seeds."""
+    import random
+    import statistics
+
+    gen = random.Random(100 + seed)
+    pairs = [(gen.lognormvariate(3.0, 0.3), gen.lognormvariate(2.5, 0.2)) for _ in range(gen.choice([8, 13, 40]))]
+    records = [answered(q, 100, 100 / m, 10) for q, (m, _) in enumerate(pairs)]  # m tokens/s
+    baseline = [answered(q, 100, 100 / b, 10) for q, (_, b) in enumerate(pairs)]
+    speed = speedup_stats(records, baseline)
+    old = {"specbench_ci95": hand_written_bootstrap(
+               lambda s: statistics.fmean(m for m, _ in s) / statistics.fmean(b for _, b in s), pairs),
+           "median_ratio_ci95": hand_written_bootstrap(lambda s: statistics.median(m / b for m, b in s), pairs)}
+    for key, (old_low, old_high) in old.items():
+        low, high = speed[key]
+        # the seed-to-seed spread of the hand-written endpoints is the bootstrap's noise
+        spread = [hand_written_bootstrap(lambda s: statistics.fmean(m for m, _ in s) / statistics.fmean(b for _, b in s)
+                                         if key == "specbench_ci95" else statistics.median(m / b for m, b in s), pairs,
+                                         seed=other) for other in range(1, 6)]
+        noise = max(max(x[0] for x in spread) - min(x[0] for x in spread), max(x[1] for x in spread) - min(x[1] for x in spread))
+        width = old_high - old_low
+        assert abs(low - old_low) <= max(2 * noise, 0.05 * width) and abs(high - old_high) <= max(2 * noise, 0.05 * width), \
+            (key, (low, high), (old_low, old_high), noise)
 
 
 @pytest.mark.parametrize("method, extra", [

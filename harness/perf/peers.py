@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
@@ -37,7 +38,7 @@ from methods.engine.runner import ModelRunner
 from methods.engine.storage import cache_root
 from methods.models.loading import _gguf_source, load_draft_lm
 from methods.models.specs import ModelSpec
-from methods.pld import PromptLookupDecoder
+from methods.pld import PLDSettings, PromptLookupDecoder
 from methods.sps import SpeculativeSamplingDecoder
 
 INSTALL_HINT = "pip install -e '.[peers]'"
@@ -66,20 +67,13 @@ class PeerUnavailable(Exception):
 def format_table(rows: Sequence[dict]) -> str:
     """Rows (dicts with `engine` and any of the COLUMNS keys; None or absent = not measured, `note` =
     why) as one aligned text table. Pure: no I/O."""
-    header = ["engine"] + [title for title, _, _ in COLUMNS]
-    body = []
-    for row in rows:
-        cells = [str(row["engine"])]
-        for _, key, fmt in COLUMNS:
-            value = row.get(key)
-            cells.append("-" if value is None else fmt.format(value))
-        body.append(cells)
-    widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))).rstrip()
-             for line in [header] + body]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    frame = pd.DataFrame({"engine": [str(row["engine"]) for row in rows],
+                          **{title: ["-" if row.get(key) is None else fmt.format(row[key]) for row in rows]
+                             for title, key, fmt in COLUMNS}})
+    table = frame.to_markdown(index=False, tablefmt="simple", disable_numparse=True,
+                              colalign=("left", *["right"] * len(COLUMNS)))
     notes = [f"  {row['engine']}: {row['note']}" for row in rows if row.get("note")]
-    return "\n".join(lines + notes)
+    return "\n".join([table, *notes])
 
 
 def curve_columns(curve: dict | None, roofline: float | None) -> dict:
@@ -216,9 +210,9 @@ def llama_curve(llama, sizes=CURVE_SIZES, prefix: int = 256, rounds: int = 7) ->
 # ------------------------------------------------------------------------------------------------ run
 
 def pld_params() -> dict:
+    """PLD's settings as `make bench METHOD=pld` runs it (conf/method/pld.yaml, checked)."""
     cfg = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "method" / "pld.yaml"), resolve=True)
-    return {"max_ngram": int(cfg.get("max_ngram", 3)), "num_draft": int(cfg.get("num_draft", 10)),
-            "branches": int(cfg.get("branches", 1))}
+    return PLDSettings.from_params(cfg).to_dict()
 
 
 def say(line: str) -> None:

@@ -22,7 +22,6 @@ a speedup above τ, a wide interval; in the CSV per cell, also as numbers).
 from __future__ import annotations
 
 import argparse
-import csv
 import fnmatch
 import hashlib
 import json
@@ -30,6 +29,8 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pandas as pd
 
 from harness.cluster.jobs import job_status
 from harness.reporting import published
@@ -275,6 +276,24 @@ def caveat_fields(cell: dict) -> dict:
             "above_tau": c["above_tau"], "interval_wide": c["interval_wide"], "caveats": caveat_note(c)}
 
 
+def markdown_table(frame: pd.DataFrame, title: str) -> str:
+    """A title line and the frame as a Markdown (pipe) table, its cells as written."""
+    return f"{title}\n\n{frame.to_markdown(index=False, tablefmt='pipe', disable_numparse=True)}\n"
+
+
+def latex_table(frame: pd.DataFrame, caption: str, column_format: str) -> str:
+    """The frame as a booktabs LaTeX table: the first and last columns (labels and notes) and the
+    header escaped, the values as written (they may hold LaTeX: `$\\times$`)."""
+    escape = lambda text: "".join(LATEX_SPECIAL.get(char, char) for char in str(text))  # noqa: E731
+    styled = frame.style.hide(axis="index").format(escape="latex", subset=[frame.columns[0], frame.columns[-1]])
+    tex = styled.format_index(escape="latex", axis=1).to_latex(
+        column_format=column_format, position="t", position_float="centering", hrules=True, caption=escape(caption))
+    return tex.replace("τ", r"$\tau$").replace("α", r"$\alpha$")
+
+
+LATEX_SPECIAL = {"_": r"\_", "%": r"\%", "&": r"\&", "#": r"\#", "$": r"\$", "{": r"\{", "}": r"\}"}
+
+
 def write_tables(table: Table, columns: list[str], cells_by_label: dict, out: Path) -> list[Path]:
     """Each metric's table as Markdown, CSV and LaTeX; every row ends with its caveats (n, busy
     questions, outputs that differ from AR's, a speedup above τ, a wide interval)."""
@@ -286,30 +305,20 @@ def write_tables(table: Table, columns: list[str], cells_by_label: dict, out: Pa
     for metric in TABLES:
         header = ["method", *(f"{c} (n={counts.get(c, 0)})" for c in columns), CAVEATS]
         notes = {label: caveat_note(cells[OVERALL]["caveats"]) for label, cells in cells_by_label.items()}
-        body = [[label, *(format_value(metric, cells.get(c)) for c in columns), notes[label]]
-                for label, cells in cells_by_label.items()]
-        md = [f"**{TITLES[metric]}** — {caption}", "", "| " + " | ".join(header) + " |",
-              "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in body]
-        (folder / f"{metric}.md").write_text("\n".join(md) + "\n")
-        with open(folder / f"{metric}.csv", "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow([*SETTING_NAMES, "method", "column", metric, "ci_low", "ci_high", "questions", *CAVEAT_FIELDS])
-            for label, cells in cells_by_label.items():
-                for column in columns:
-                    cell = cells.get(column)
-                    if cell:
-                        low, high = cell["speedup_ci95"] if metric == "speedup" else (None, None)
-                        writer.writerow([*table.settings.values(), label, column, cell[metric], low, high, cell["questions"],
-                                         *caveat_fields(cell).values()])
-        esc = lambda text: str(text).replace("_", r"\_").replace("%", r"\%").replace("&", r"\&")  # noqa: E731
-        tex = [r"\begin{table}[t]", r"\centering", r"\small",
-               r"\begin{tabular}{l" + "c" * len(columns) + "p{5cm}}", r"\toprule",
-               " & ".join(esc(h) for h in header) + r" \\", r"\midrule"]
-        tex += [" & ".join([esc(label), *(format_value(metric, cells.get(c), latex=True) for c in columns),
-                            esc(notes[label])]) + r" \\"
-                for label, cells in cells_by_label.items()]
-        tex += [r"\bottomrule", r"\end{tabular}", rf"\caption{{{esc(TITLES[metric])}. {esc(caption)}.}}", r"\end{table}"]
-        (folder / f"{metric}.tex").write_text("\n".join(tex).replace("τ", r"$\tau$").replace("α", r"$\alpha$") + "\n")
+        for ext, latex in (("md", False), ("tex", True)):
+            shown = pd.DataFrame([[label, *(format_value(metric, cells.get(c), latex) for c in columns), notes[label]]
+                                  for label, cells in cells_by_label.items()], columns=header)
+            text = (markdown_table(shown, f"**{TITLES[metric]}** — {caption}") if not latex else
+                    latex_table(shown, f"{TITLES[metric]}. {caption}.", "l" + "c" * len(columns) + "p{5cm}"))
+            (folder / f"{metric}.{ext}").write_text(text)
+        values = pd.DataFrame([[*table.settings.values(), label, column, cell[metric],
+                                *(cell["speedup_ci95"] if metric == "speedup" else (None, None)), cell["questions"],
+                                *caveat_fields(cell).values()]
+                               for label, cells in cells_by_label.items() for column in columns
+                               if (cell := cells.get(column))],
+                              columns=[*SETTING_NAMES, "method", "column", metric, "ci_low", "ci_high", "questions",
+                                       *CAVEAT_FIELDS], dtype=object)
+        values.to_csv(folder / f"{metric}.csv", index=False)
         written += [folder / f"{metric}.{ext}" for ext in ("md", "csv", "tex")]
     return written
 
@@ -364,18 +373,16 @@ def write_breakdown(table: Table, folder: Path) -> list[Path]:
     differing token), how many were measured on a busy machine (and the most cores others used),
     and the time fractions."""
     lines = breakdown_rows(table.rows, table.settings)
-    header = ["method", "questions", "speedup", "τ", "verify / draft / other per step", "predicted", "tok/s (AR)",
-              "differ from AR", "busy", *[f"{p} %" for p in PHASES]]
-    md = [f"**Per method: speed, fidelity, time breakdown (% of wall time)** — {table.caption()}. Per step: the cost "
-          "of a decoding step's verify, draft and other work in units of AR's mean decoding step; predicted = the tokens a "
-          "decoding step adds after the prefill's / their sum (decoding only; the measured speedup also pays the "
-          "prefill). Differ from AR: near-tie = both top-2 logit gaps at the first differing token within the "
-          "dtype's rounding, mismatch = beyond it (docs/benchmarks.md, fidelity). Busy: questions measured beside "
-          "other work (docs/benchmarks.md, reading the busy flag). tok/s: all tokens / all wall time (the speedup, "
-          "Spec-Bench's, divides the mean per-question tokens/s: one slow question moves the two apart). Above τ: a "
-          "decoding step costs at least one AR step, so a speedup above τ comes from a slower AR measurement or a "
-          "cheaper prefill.", "",
-          "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    title = (f"**Per method: speed, fidelity, time breakdown (% of wall time)** — {table.caption()}. Per step: the cost "
+             "of a decoding step's verify, draft and other work in units of AR's mean decoding step; predicted = the tokens a "
+             "decoding step adds after the prefill's / their sum (decoding only; the measured speedup also pays the "
+             "prefill). Differ from AR: near-tie = both top-2 logit gaps at the first differing token within the "
+             "dtype's rounding, mismatch = beyond it (docs/benchmarks.md, fidelity). Busy: questions measured beside "
+             "other work (docs/benchmarks.md, reading the busy flag). tok/s: all tokens / all wall time (the speedup, "
+             "Spec-Bench's, divides the mean per-question tokens/s: one slow question moves the two apart). Above τ: a "
+             "decoding step costs at least one AR step, so a speedup above τ comes from a slower AR measurement or a "
+             "cheaper prefill.")
+    shown = []
     for r in lines:
         differ = f"{r['differ_from_ar']}/{r['questions']}"
         if r["differ_from_ar"]:  # 5/13 differ: 5 near-ties (max gap 0.25), 0 mismatches
@@ -386,17 +393,14 @@ def write_breakdown(table: Table, folder: Path) -> list[Path]:
         interval += (" **above τ, busy: not to be trusted**" if r["busy"] else " (above τ)") if r["above_tau"] else ""
         busy = "not recorded" if r["busy"] is None else f"{r['busy']}/{r['questions']}"
         busy += f" (others up to {r['max_other_cores']:.1f} cores)" if r["busy"] else ""
-        md.append("| " + " | ".join([
-            r["method"], str(r["questions"]), f"{r['speedup']:.2f}×{interval}",
-            f"{r['tau']:.2f}", _per_step(r), "–" if r["predicted"] is None else f"{r['predicted']:.2f}×",
-            f"{r['tokens_per_second']:.1f} ({r['ar_tokens_per_second']:.1f})", differ,
-            busy, *[f"{100 * r[p]:.0f}" for p in PHASES]]) + " |")
-    (folder / "breakdown.md").write_text("\n".join(md) + "\n")
-    with open(folder / "breakdown.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*SETTING_NAMES, *lines[0]])
-        writer.writeheader()
-        for r in lines:
-            writer.writerow(table.settings | r)
+        shown.append({
+            "method": r["method"], "questions": str(r["questions"]), "speedup": f"{r['speedup']:.2f}×{interval}",
+            "τ": f"{r['tau']:.2f}", "verify / draft / other per step": _per_step(r),
+            "predicted": "–" if r["predicted"] is None else f"{r['predicted']:.2f}×",
+            "tok/s (AR)": f"{r['tokens_per_second']:.1f} ({r['ar_tokens_per_second']:.1f})", "differ from AR": differ,
+            "busy": busy, **{f"{p} %": f"{100 * r[p]:.0f}" for p in PHASES}})
+    (folder / "breakdown.md").write_text(markdown_table(pd.DataFrame(shown), title))
+    pd.DataFrame([table.settings | r for r in lines], dtype=object).to_csv(folder / "breakdown.csv", index=False)
     return [folder / "breakdown.md", folder / "breakdown.csv"]
 
 

@@ -3,7 +3,8 @@
 * speedup, Spec-Bench form: mean_i(tokens_i / wall_i) of the method over the same of AR, where
   tokens and wall time of a question are summed over its turns; both sides count tokens the
   same way (our own token ids, no re-tokenization).
-* speedup, per question: the median of the per-question ratios, with a bootstrap 95% interval.
+* speedup, per question: the median of the per-question ratios. Both speedups carry a 95% interval:
+  the percentile bootstrap over questions (`scipy.stats.bootstrap`, paired, 2000 resamples, seed 0).
 * τ (Spec-Bench's mean accepted tokens): new tokens / decoding steps over all questions, which
   is the mean of the records' accept lengths (defined once: docs/benchmarks.md, "τ").
 * α: accepted draft tokens / proposed draft tokens; per draft position d: steps where a depth-d
@@ -23,10 +24,12 @@
 
 from __future__ import annotations
 
-import random
 import statistics
 from collections import defaultdict
 from pathlib import Path
+
+import numpy as np
+import scipy.stats
 
 from harness.running.busy import BUSY_CORES, BUSY_STEAL, is_busy
 
@@ -36,14 +39,30 @@ def question_speed(record: dict) -> tuple[int, float]:
     return sum(choice["new_tokens"]), sum(choice["wall_time"])
 
 
-def bootstrap_median_interval(values: list[float], reps: int = 2000, seed: int = 0, level: float = 0.95):
-    if not values:
+def bootstrap_interval(statistic, samples: tuple[list[float], ...], reps: int = 2000, seed: int = 0,
+                       level: float = 0.95) -> tuple[float | None, float | None]:
+    """The percentile bootstrap interval (`scipy.stats.bootstrap`) of `statistic(*samples, axis)` over
+    questions: the samples are paired (one value each per question) and resampled together. One
+    question is its own interval; none, no interval."""
+    if not samples[0]:
         return None, None
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(reps))
-    low = medians[int((1 - level) / 2 * reps)]
-    high = medians[min(reps - 1, int((1 + level) / 2 * reps))]
-    return low, high
+    arrays = tuple(np.asarray(sample, dtype=float) for sample in samples)
+    if len(arrays[0]) < 2:
+        value = float(statistic(*arrays, axis=-1))
+        return value, value
+    interval = scipy.stats.bootstrap(arrays, statistic, n_resamples=reps, paired=True, vectorized=True,
+                                     confidence_level=level, method="percentile",
+                                     rng=np.random.default_rng(seed)).confidence_interval
+    return float(interval.low), float(interval.high)
+
+
+def bootstrap_median_interval(values: list[float], reps: int = 2000, seed: int = 0, level: float = 0.95):
+    return bootstrap_interval(np.median, (values,), reps, seed, level)
+
+
+def ratio_of_means(method: np.ndarray, baseline: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Spec-Bench's speedup: the mean of the method's tokens/s over the mean of AR's."""
+    return np.mean(method, axis=axis) / np.mean(baseline, axis=axis)
 
 
 def decoder_stats(records: list[dict]) -> dict:
@@ -239,23 +258,20 @@ def speedup_stats(records: list[dict], baseline: list[dict], reps: int = 2000, s
         return {"specbench": None, "specbench_ci95": [None, None], "median_ratio": None,
                 "median_ratio_ci95": [None, None], "by_category": {}, "questions": 0}
 
-    def ratio_of_means(sample):
-        base = statistics.fmean(b for _, _, b in sample)
-        return statistics.fmean(m for _, m, _ in sample) / base if base else float("nan")
+    def speedup(sample) -> float:
+        return float(ratio_of_means([m for _, m, _ in sample], [b for _, _, b in sample]))
 
-    rng = random.Random(seed)
-    boot = sorted(ratio_of_means(rng.choices(pairs, k=len(pairs))) for _ in range(reps))
     ratios = [m / b for _, m, b in pairs if b > 0]
-    low, high = bootstrap_median_interval(ratios, reps, seed)
     by_category = defaultdict(list)
     for pair in pairs:
         by_category[pair[0]].append(pair)
     return {
-        "specbench": ratio_of_means(pairs),
-        "specbench_ci95": [boot[int(0.025 * reps)], boot[min(reps - 1, int(0.975 * reps))]],
+        "specbench": speedup(pairs),
+        "specbench_ci95": list(bootstrap_interval(ratio_of_means, ([m for _, m, _ in pairs], [b for _, _, b in pairs]),
+                                                  reps, seed)),
         "median_ratio": statistics.median(ratios) if ratios else None,
-        "median_ratio_ci95": [low, high],
-        "by_category": {c: ratio_of_means(p) for c, p in sorted(by_category.items())},
+        "median_ratio_ci95": list(bootstrap_median_interval(ratios, reps, seed)),
+        "by_category": {c: speedup(p) for c, p in sorted(by_category.items())},
         "per_question_range": [min(ratios), max(ratios)] if ratios else [None, None],
         "questions": len(pairs),
     }

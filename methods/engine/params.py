@@ -1,14 +1,21 @@
-"""Checks of configuration values, declared once beside what they configure, run before anything loads.
+"""Checks of configuration values, and the typed settings of a method, declared once beside what they
+configure and run before anything loads.
 
-A check is a callable `check(value) -> bool` with a `valid` text naming what it accepts; a method
-registers a schema `{key: check}` with its factory (`register(name, params=...)`), and the harness
-checks the composed config against the schemas before it loads a model, so that a bad value stops
-the run in seconds with one line: the key, the bad value and what is valid.
+A check is a callable `check(value) -> bool` with a `valid` text naming what it accepts. A method
+declares its settings as one frozen dataclass (a `Settings` subclass beside its drafter), each field
+a `setting(default, check, doc)`: its name, type, valid values, default and one line saying what it
+does. Everything else follows from that class: the check of a run's `method.*` keys before a model
+loads (one line: the key, the bad value and what is valid), the values the method's factory gets,
+`conf/method/<name>.yaml` and the settings table of docs/methods.md (both written by
+`python scripts/method_configs.py`, and checked equal by tests/test_settings.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+import json
+import re
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Callable
 
 
@@ -89,3 +96,72 @@ def check_params(prefix: str, params: dict, schema: dict[str, Check], ignore=("n
             raise ConfigError(f"{prefix}.{key}", value, f"one of the keys {', '.join(sorted(schema))}")
         if not schema[key](value):
             raise ConfigError(f"{prefix}.{key}", value, schema[key].valid)
+
+
+# ------------------------------------------------------------------------------------------
+# A method's settings
+
+
+def setting(default: Any, check: Check, doc: str) -> Any:
+    """One setting of a method: its default, the values it accepts and one line saying what it does.
+    A list default is written as a tuple (dataclass defaults are immutable)."""
+    return field(default=default, metadata={"check": check, "doc": doc})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A method without settings (subclasses: one `setting(...)` field per key; the docstring is the
+    comment at the top of the method's YAML)."""
+
+    @classmethod
+    def schema(cls) -> dict[str, Check]:
+        return {f.name: f.metadata["check"] for f in fields(cls)}
+
+    @classmethod
+    def from_params(cls, params: dict, prefix: str = "method") -> "Settings":
+        """The settings of a config's `method.*` keys (the `name` key aside); ConfigError for an unknown
+        key or a bad value, the defaults for the keys not given."""
+        check_params(prefix, params, cls.schema())
+        return cls(**{key: value for key, value in params.items() if key != "name"})
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        return {f.name: _plain(f.default) for f in fields(cls) if f.default is not MISSING}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: _plain(value) for key, value in asdict(self).items()}
+
+    @classmethod
+    def yaml(cls, name: str) -> str:
+        """conf/method/<name>.yaml: the class's docstring as the header, then every setting with its
+        default and its line of documentation."""
+        header = [f"# {line}".rstrip() for line in inspect.cleandoc(cls.__doc__ or "").splitlines()]
+        lines = [f"name: {name}"] + [f"{f.name}: {yaml_value(_plain(f.default))}" for f in fields(cls)]
+        width = max(len(line) for line in lines) + 2
+        docs = [""] + [f.metadata["doc"] for f in fields(cls)]
+        body = [f"{line:<{width}}# {doc}" if doc else line for line, doc in zip(lines, docs)]
+        return "\n".join(header + body) + "\n"
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists, as YAML and OmegaConf hold them."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def yaml_value(value: Any) -> str:
+    """A value as YAML (and OmegaConf) reads it back: a word as it is, anything else as JSON, which
+    is YAML (null, true, 3, 0.09, [[0.25, 0.7]], "2.2.2")."""
+    if isinstance(value, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", value) and value.lower() not in YAML_WORDS:
+        return value
+    return json.dumps(value)
+
+
+YAML_WORDS = {"null", "true", "false", "yes", "no", "on", "off", "y", "n", "nan", "inf"}
+
+
+def settings_table(settings: type[Settings]) -> list[dict[str, str]]:
+    """One row per setting: its name, default, valid values and line of documentation."""
+    return [{"setting": f.name, "default": yaml_value(_plain(f.default)), "valid": f.metadata["check"].valid,
+             "what it does": f.metadata["doc"]} for f in fields(settings)]

@@ -22,9 +22,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .params import integer, one_of
+from .params import integer, one_of, setting
 
-DRAFT_VOCAB = one_of("auto", "full") | integer(1)  # method.draft_vocab
+
+def draft_vocab_setting(note: str = ""):
+    """`method.draft_vocab` of the methods whose drafts project onto the vocabulary."""
+    return setting("auto", one_of("auto", "full") | integer(1),
+                   "auto = the model's draft_vocabulary (FR-Spec subset) if it names one; full; or a token count" + note)
 
 
 class DraftVocabulary:

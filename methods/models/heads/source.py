@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+from ...engine.params import mapping, null, setting
 from ..specs import ModelSpec
 from .random_init import random_head_folder
+
+
+def head_setting(kind: str):
+    """`method.head` of a method with draft heads of `kind` (the model config's `drafts.<kind>`)."""
+    return setting(None, null() | mapping(),
+                   f"null = the model's drafts.{kind}; or {{path: <hub id or folder>}} (released format) or {{random_init: <seed>}}")
 
 
 def head_spec(params: dict, context, kind: str) -> ModelSpec:

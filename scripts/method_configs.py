@@ -1,0 +1,71 @@
+"""Writes what follows from the methods' settings classes: `conf/method/<name>.yaml` of every method
+of the suite and the settings table of docs/methods.md.
+
+    python scripts/method_configs.py            # write them
+    python scripts/method_configs.py --check    # exit 1, naming the files, if any differs
+
+A method's settings are declared once, in its `Settings` class (`methods/engine/params.py`); these
+files are written from them, and tests/test_settings.py checks that they are up to date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from methods.base import _REGISTRY, available_methods, method_settings  # noqa: E402
+from methods.engine.params import settings_table  # noqa: E402
+
+DOCS = REPO / "docs" / "methods.md"
+BEGIN, END = "<!-- settings: written by scripts/method_configs.py -->", "<!-- end of settings -->"
+
+
+def suite_methods() -> list[str]:
+    """The methods of this repository (not those registered by tests or other packages)."""
+    return [name for name in available_methods() if _REGISTRY[name].__module__.startswith("methods.")]
+
+
+def settings_markdown() -> str:
+    import pandas as pd
+
+    rows = [{"method": f"`{name}`", **row} for name in suite_methods() for row in settings_table(method_settings(name))]
+    frame = pd.DataFrame(rows).map(lambda cell: cell.replace("|", "\\|"))
+    frame["setting"] = "`" + frame["setting"] + "`"
+    frame["default"] = "`" + frame["default"] + "`"
+    return frame.to_markdown(index=False, tablefmt="github")
+
+
+def expected_files() -> dict[Path, str]:
+    """Every written file and the text it should hold."""
+    files = {REPO / "conf" / "method" / f"{name}.yaml": method_settings(name).yaml(name) for name in suite_methods()}
+    docs = DOCS.read_text()
+    block = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
+    if not block.search(docs):
+        raise SystemExit(f"{DOCS}: no settings block ({BEGIN} ... {END})")
+    files[DOCS] = block.sub(lambda _: f"{BEGIN}\n{settings_markdown()}\n{END}", docs)
+    return files
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only check that the files are up to date")
+    args = parser.parse_args()
+    files = expected_files()
+    stale = [path for path, text in files.items() if not path.is_file() or path.read_text() != text]
+    if args.check:
+        if stale:
+            raise SystemExit("out of date (run python scripts/method_configs.py): "
+                             + ", ".join(str(p.relative_to(REPO)) for p in stale))
+        return
+    for path in stale:
+        path.write_text(files[path])
+        print(f"wrote {path.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
