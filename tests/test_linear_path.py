@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from methods.engine import hardware
-from methods.engine.linear import BUCKETS, KERNELS, LinearPath, LinearPlan, measure_plan, onednn_available, prepack, run_kernel, shape_key
+from methods.engine.linear import NATIVE_SLACK, choose, BUCKETS, KERNELS, LinearPath, LinearPlan, measure_plan, onednn_available, prepack, run_kernel, shape_key
 from methods.engine.runner import ModelRunner
 from tests.conftest import tiny_model
 
@@ -39,6 +39,17 @@ def test_measured_plan_names_a_kernel_per_shape_and_bucket():
     assert set(chosen) == set(BUCKETS) and set(chosen.values()) <= set(KERNELS)
     assert all(set(plan.seconds["48x64+b"][b]) >= {"f_linear", "w_xt"} for b in BUCKETS)
     assert LinearPlan.from_dict(plan.to_dict()).kernels == plan.kernels
+
+
+def test_the_native_kernel_is_kept_within_its_slack_of_the_fastest():
+    """A whole layer runs as one native call only where all four projections are native: the plan
+    keeps native within NATIVE_SLACK of the fastest, and takes the fastest beyond it; a stored plan
+    is decided again from its seconds."""
+    assert choose({"f_linear": 1.0, "w_xt": 1.1, "native": 1.2}) == "native"
+    assert choose({"f_linear": 1.0, "native": NATIVE_SLACK * 1.01}) == "f_linear"
+    assert choose({"f_linear": 1.0, "w_xt": 0.9}) == "w_xt"
+    stored = {"kernels": {"8x16": {"1": "f_linear"}}, "seconds": {"8x16": {"1": {"f_linear": 1.0, "native": 1.1}}}}
+    assert LinearPlan.from_dict(stored).kernels == {"8x16": {1: "native"}}
 
 
 def test_the_path_routes_inside_the_engine_only(monkeypatch):

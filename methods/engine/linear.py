@@ -43,6 +43,11 @@ from . import native
 KERNELS = ("f_linear", "w_xt", "onednn", "native")
 BUCKETS = (1, 2, 4, 8, 16, 32)
 ONEDNN_BATCH_HINT = 8
+# The native kernel is kept for a shape and bucket while it is within this factor of the fastest
+# kernel measured alone: a layer whose four projections are all native runs as one native call
+# (`fused.FusedLayer.native_layer`), which saves far more than the few percent a stock GEMV may win
+# per projection (docs/performance.md, "Choosing the kernel").
+NATIVE_SLACK = 1.25
 _ACTIVE: contextvars.ContextVar["LinearPath | None"] = contextvars.ContextVar("linear_path", default=None)
 _MEMO: contextvars.ContextVar["dict | None"] = contextvars.ContextVar("linear_memo", default=None)
 
@@ -118,8 +123,19 @@ class LinearPlan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "LinearPlan":
-        return cls({k: {int(b): v for b, v in d.items()} for k, d in data.get("kernels", {}).items()},
-                   {k: {int(b): v for b, v in d.items()} for k, d in data.get("seconds", {}).items()})
+        seconds = {k: {int(b): v for b, v in d.items()} for k, d in data.get("seconds", {}).items()}
+        kernels = {k: {int(b): v for b, v in d.items()} for k, d in data.get("kernels", {}).items()}
+        return cls({k: {b: choose(s) for b, s in seconds[k].items()} if k in seconds else d for k, d in kernels.items()},
+                   seconds)
+
+
+def choose(seconds: dict[str, float]) -> str:
+    """The kernel a plan takes given each one's median seconds: the fastest, or the native kernel
+    where it is within `NATIVE_SLACK` of the fastest (so that whole layers stay one native call)."""
+    fastest = min(seconds, key=seconds.get)
+    if "native" in seconds and seconds["native"] <= NATIVE_SLACK * seconds[fastest]:
+        return "native"
+    return fastest
 
 
 def linear_shapes(*models: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
@@ -159,7 +175,7 @@ def measure_plan(shapes: dict[str, tuple[torch.Tensor, torch.Tensor | None]], ke
                         torch.cuda.synchronize()
                     samples[bucket][kernel].append((time.perf_counter() - start) / copies)
         plan.seconds[key] = {b: {k: statistics.median(v) for k, v in s.items()} for b, s in samples.items()}
-        plan.kernels[key] = {b: min(s, key=s.get) for b, s in plan.seconds[key].items()}
+        plan.kernels[key] = {b: choose(s) for b, s in plan.seconds[key].items()}
         del weights, packed
     return plan
 
