@@ -25,7 +25,6 @@ name every setting); titles name the model, hardware, dtype, dataset, n and max_
 
 from __future__ import annotations
 
-import argparse
 import math
 import zlib
 from collections import defaultdict
@@ -39,7 +38,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormat
 from scipy.stats import binomtest  # noqa: E402
 
 from harness.reporting.report import (  # noqa: E402
-    MIN_INTERVAL_N, OVERALL, Table, build_tables, column_counts, find_runs, group_table, method_label, run_set_name)
+    MIN_INTERVAL_N, OVERALL, Table, build_tables, column_counts, find_runs, group_table, method_label, run_set_arguments, run_set_name)
 
 plt.rcParams.update({"font.size": 8, "axes.titlesize": 8, "legend.fontsize": 6.5, "figure.dpi": 150,
                      "axes.spines.top": False, "axes.spines.right": False})
@@ -367,13 +366,7 @@ def figures(paths, out: Path, select: str | None = None) -> list[Path]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="*", type=Path, default=[Path("results")],
-                        help="results folders, folders holding them or sweep folders (default: results/, "
-                             "without the committed reference run)")
-    parser.add_argument("--out", type=Path, default=None, help="default: plots/<run set>")
-    parser.add_argument("--select", help="glob over <model>/<dataset>/<method>/<run> folders")
-    args = parser.parse_args(argv)
+    args = run_set_arguments(__doc__, argv, "plots/<run set>")
     out = args.out or Path("plots") / run_set_name(args.runs)
     written = figures(args.runs, out, args.select)
     for path in written:

@@ -434,14 +434,19 @@ def run_set_name(paths: list[Path]) -> str:
     return slugify("+".join(names))[:80] or "all"
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_set_arguments(description: str, argv, out_default: str) -> argparse.Namespace:
+    """The command line of `report` and `figures`: run folders, --out, --select."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="*", type=Path, default=[Path("results")],
                         help="results folders, folders holding them or sweep folders (default: results/, "
                              "without the committed reference run)")
-    parser.add_argument("--out", type=Path, default=None, help="default: results/report/<run set>")
+    parser.add_argument("--out", type=Path, default=None, help=f"default: {out_default}")
     parser.add_argument("--select", help="glob over <model>/<dataset>/<method>/<run> folders")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = run_set_arguments(__doc__, argv, "results/report/<run set>")
     out = args.out or Path("results") / "report" / run_set_name(args.runs)
     tables = report(args.runs, out, args.select)
     print((out / "report.md").read_text())
