@@ -15,7 +15,7 @@ from harness.running.metrics import bootstrap_median_interval, format_summary, s
 from harness.running.results import RunFolder, read_jsonl
 from harness.running.run import run
 from methods.base import available_methods, get_method
-from methods.engine.hardware import auto_dtype
+from methods.engine.identity import auto_dtype
 from methods.models.loading import load_model, resolve_device, resolve_dtype
 from methods.models.specs import ModelSpec, ModelUnavailableError
 from tests.conftest import REPO

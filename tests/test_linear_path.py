@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from methods.engine import hardware
+from methods.engine import identity
 from methods.engine.linear import NATIVE_SLACK, choose, BUCKETS, KERNELS, LinearPath, LinearPlan, measure_plan, onednn_available, prepack, run_kernel, shape_key
 from methods.engine.runner import ModelRunner
 from tests.conftest import tiny_model
@@ -91,8 +91,8 @@ def test_off_switch_and_bad_mode():
 
 def test_auto_dtype_follows_the_cpu_and_says_why():
     cpu = torch.device("cpu")
-    assert hardware.auto_dtype(cpu, {"avx2", "fma"}) == (torch.float32, hardware.auto_dtype(cpu, {"avx2"})[1])
-    dtype, why = hardware.auto_dtype(cpu, {"avx2", "avx512f", "avx512_bf16"})
+    assert identity.auto_dtype(cpu, {"avx2", "fma"}) == (torch.float32, identity.auto_dtype(cpu, {"avx2"})[1])
+    dtype, why = identity.auto_dtype(cpu, {"avx2", "avx512f", "avx512_bf16"})
     assert dtype == torch.bfloat16 and "native bf16" in why
-    assert "emulated" in hardware.auto_dtype(cpu, {"avx2"})[1]
-    assert hardware.cpu_isa({"avx2", "avx512f"}) == "avx512" and hardware.cpu_isa({"amx_bf16"}) == "amx"
+    assert "emulated" in identity.auto_dtype(cpu, {"avx2"})[1]
+    assert identity.cpu_isa({"avx2", "avx512f"}) == "avx512" and identity.cpu_isa({"amx_bf16"}) == "amx"

@@ -126,8 +126,6 @@ def draft_level_costs(model, runner: ModelRunner, context: BuildContext, config,
         drafters["eagle, full vocabulary"] = EagleDrafter(head, runner.lm_head)
         if vocabulary is not None:
             drafters[f"eagle, {len(vocabulary)} tokens"] = EagleDrafter(head, runner.lm_head, vocabulary)
-        runner.cover(head, *drafters["eagle, full vocabulary"].linears,
-                     *([vocabulary.head(runner.lm_head.weight)] if vocabulary else []))
     except (ValueError, OSError) as err:
         print(f"  (no EAGLE head for this model: {err}; its level cost skipped)")
     try:
@@ -135,9 +133,11 @@ def draft_level_costs(model, runner: ModelRunner, context: BuildContext, config,
         name = f"eagle3, {head3.lm_head.out_features} tokens"
         drafters[name] = Eagle3Drafter(head3)
         widths[name] = len(head3.layers)
-        runner.cover(*[m for d in drafters.values() for m in (d.head, *d.linears)])
     except (ValueError, OSError) as err:
         print(f"  (no EAGLE-3 head for this model: {err}; its level cost skipped)")
+    # every head's linears on the engine's linear path, measured once for the shapes it lacks
+    runner.cover(*[m for d in drafters.values() for m in (d.head, *d.linears)],
+                 *([vocabulary.head(runner.lm_head.weight)] if vocabulary and drafters else []))
     hidden = model.config.hidden_size
     samples = {name: [] for name in drafters}
     with runner.linear.active():

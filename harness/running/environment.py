@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from harness import REPO
-from methods.engine.hardware import cpu_isa, cpu_model
+from methods.engine.identity import cpu_isa, cpu_model
 
 DECODING_CODE = REPO / "methods"
 

@@ -38,7 +38,8 @@ from harness.running.validate import validate, check_group_choices
 from methods.base import BuildContext, Decoder, get_method
 from methods.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from methods.models.specs import ModelSpec, ModelUnavailableError
-from methods.engine.hardware import auto_dtype, profiles_used
+from methods.engine.hardware import profiles_used
+from methods.engine.identity import auto_dtype
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 

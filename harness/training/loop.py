@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from . import distributed
 from .examples import Example
-from methods.engine.hardware import cpu_isa, cpu_model
+from methods.engine.identity import cpu_isa, cpu_model
 from methods.models.loading import load_model, load_tokenizer
 from methods.models.specs import ModelSpec, model_config
 
