@@ -11,7 +11,7 @@ MAX_NEW_TOKENS ?= 256
 TEMPERATURE ?= 0
 ARGS ?=
 
-.PHONY: setup bench sweep report figures headline perf perf-lazyllm train-drafts test
+.PHONY: setup bench sweep report figures headline perf perf-contention perf-lazyllm train-drafts test
 
 setup: $(VENV)/.installed
 
@@ -65,6 +65,11 @@ headline: setup
 
 perf: setup
 	$(PY) -m harness.perf $(ARGS)
+
+# AR's tokens/s under each OpenMP wait policy, quiet and with 2x / 5x as many runnable threads as
+# cores (spinning processes): what methods/engine/threads.py chooses from. Minutes; run it alone.
+perf-contention: setup
+	$(PY) -m harness.perf.contention $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -5,4 +5,6 @@ datasets, prompts, results folders, metrics), `reporting/` (tables, figures, the
 
 from pathlib import Path
 
+import methods  # noqa: F401  (first: it sets OpenMP's wait policy before torch loads; methods/engine/threads.py)
+
 REPO = Path(__file__).resolve().parents[1]  # the checkout: conf/, data/, drafts/, results/

@@ -2,3 +2,7 @@
 and the registry; every other module here is one method (its drafter only) and registers itself by
 name; `engine/` is the machinery they share (target forward + KV cache, trees, acceptance,
 sampling, stopping); `models/` loads targets, draft LMs and draft heads."""
+
+from .engine import threads as _threads
+
+_threads.configure()  # before anything imports torch: OpenMP reads its wait policy once

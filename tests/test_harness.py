@@ -15,9 +15,8 @@ from harness.running.metrics import bootstrap_median_interval, format_summary, s
 from harness.running.results import RunFolder, read_jsonl
 from harness.running.run import run
 from methods.base import available_methods, get_method
-from methods.engine.identity import auto_dtype
-from methods.models.loading import load_model, resolve_device, resolve_dtype
-from methods.models.specs import ModelSpec, ModelUnavailableError
+from methods.models.loading import choose_dtype, load_model, resolve_device
+from methods.models.specs import ModelSpec, ModelUnavailableError, model_config
 from tests.conftest import REPO
 
 CONF = str(REPO / "conf")
@@ -212,7 +211,7 @@ def test_code_digest_sees_an_edit_of_the_decoding_code(tmp_path):
 def test_default_config_runs_the_embedded_model(tmp_path, spec_bench_file):
     summary = run(config(f"results_dir={tmp_path}", f"dataset.path={spec_bench_file}", "limit=1", "max_new_tokens=6", "warmup=0",
                          "dataset.categories=[qa]", "method=ar"))
-    expected, reason = auto_dtype(resolve_device("auto"))  # the default device: CUDA where there is one
+    expected, reason = choose_dtype("auto", resolve_device("auto"), ModelSpec.from_mapping(model_config("smollm2-135m")), "smollm2-135m")
     assert summary["model"] == "smollm2-135m" and summary["dtype"] == str(expected).replace("torch.", "")
     assert summary["engine"]["dtype_reason"] == reason and summary["engine"]["skinny_gemm"] == "auto"
     record = read_jsonl(Path(summary["results"]) / "answers" / "ar.jsonl")[0]
@@ -254,7 +253,7 @@ def test_missing_draft_is_a_clear_error(tiny_model_dir, questions_file, tmp_path
 
 def test_bad_values_are_named():
     with pytest.raises(ValueError, match="unknown dtype 'fp8'.*float32"):
-        resolve_dtype("fp8", torch.device("cpu"))
+        choose_dtype("fp8", torch.device("cpu"))
     questions = [Question(i, c, ["x"]) for i, c in enumerate(["a", "b", "a"])]
     with pytest.raises(ValueError, match=r"unknown categories \['z'\]; valid: a, b"):
         select(questions, ["z"])

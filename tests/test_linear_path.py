@@ -82,6 +82,32 @@ def test_the_path_routes_inside_the_engine_only(monkeypatch):
     assert calls == ["w_xt"]
 
 
+def test_auto_dtype_on_a_native_bf16_cpu_is_decided_by_timing(monkeypatch, tiny_chat_model_dir):
+    """dtype=auto on an AVX512-BF16/AMX CPU times the target in fp32 and bf16 and takes bf16 only
+    where it is clearly faster at 1 and 4 tokens; a model too large for fp32 is bf16 untimed."""
+    from methods.models import loading
+    from methods.models.specs import ModelSpec
+
+    cpu, spec = torch.device("cpu"), ModelSpec(path=str(tiny_chat_model_dir))
+    monkeypatch.setattr(loading, "auto_dtype", lambda device: identity.auto_dtype(device, {"avx2", "avx512f", "avx512_bf16"}))
+    timed, bf16 = [], {}
+    def curve(runner, name, sizes):
+        timed.append((runner.dtype, name, tuple(sizes)))
+        return {1: 1.0, 4: 1.2} if runner.dtype == torch.float32 else bf16
+    monkeypatch.setattr(loading, "latency_curve", curve)
+    bf16.update({1: 0.9, 4: 0.7})  # faster, not clearly at one token
+    dtype, why = loading.choose_dtype("auto", cpu, spec, "tiny")
+    assert dtype == torch.float32 and "0.90x (1 token)" in why and "0.58x (4 tokens)" in why
+    assert timed == [(torch.float32, "tiny", (1, 4)), (torch.bfloat16, "tiny", (1, 4))]
+    bf16.update({1: 0.5, 4: 0.6})
+    assert loading.choose_dtype("auto", cpu, spec, "tiny")[0] == torch.bfloat16
+    assert loading.choose_dtype("auto", cpu, None)[0] == torch.bfloat16  # no model to time: the flags decide
+    assert loading.choose_dtype("float32", cpu, spec) == (torch.float32, "dtype=float32 asked for")
+    monkeypatch.setattr(loading, "_available_memory", lambda: 1000)
+    dtype, why = loading.choose_dtype("auto", cpu, spec, "tiny")
+    assert dtype == torch.bfloat16 and "more than half the memory" in why and len(timed) == 4
+
+
 def test_off_switch_and_bad_mode():
     model = tiny_model("llama", seed=3, vocab_size=32, hidden=32, layers=1)
     assert ModelRunner(model, skinny_gemm="off").linear.plan is None

@@ -48,7 +48,7 @@ from methods.engine.runner import ModelRunner
 from methods.models.heads.source import head_spec
 from methods.models.heads.eagle import load_eagle_head
 from methods.models.heads.eagle3 import load_eagle3_head
-from methods.models.loading import load_draft_lm, load_model, load_tokenizer, resolve_device, resolve_dtype
+from methods.models.loading import load_draft_lm, load_model, load_tokenizer, choose_dtype, resolve_device
 from methods.models.specs import ModelSpec, model_config
 from methods.sps import SpeculativeSamplingDecoder
 
@@ -174,15 +174,15 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
     config = model_config(EMBEDDED)
     spec = ModelSpec.from_mapping(config)
+    dtype, dtype_reason = choose_dtype(args.dtype, device, spec, EMBEDDED)
     tokenizer = load_tokenizer(spec)
     model = load_model(spec, dtype, device)
     env = environment(device)
     hardware = hardware_name(env)
     dtype_name = str(dtype).replace("torch.", "")
-    print(f"{hardware}, {dtype_name}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"{hardware}, {dtype_name} ({dtype_reason}), {torch.get_num_threads()} threads, torch {torch.__version__}")
 
     bandwidth = read_bandwidth() if device.type == "cpu" else read_bandwidth(2048, device=device)
     weights = weight_bytes(model)
@@ -197,7 +197,7 @@ def main(argv=None) -> dict:
     context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True))
     level = draft_level_costs(model, runners["auto"], context, config)
     result = {
-        "dtype": dtype_name, "device": str(device), "hardware": hardware, "environment": env,
+        "dtype": dtype_name, "dtype_reason": dtype_reason, "device": str(device), "hardware": hardware, "environment": env,
         "read_bandwidth_bytes_per_second": bandwidth, "weight_bytes": weights, "roofline_seconds": roofline,
         "fma_peak_flops_per_second": peak, "floor_seconds_by_tokens": floors,
         "forward_seconds_by_tokens": curves, "one_token_forward_breakdown": breakdown, "linear_kernels": runners["auto"].linear.describe(),

@@ -17,6 +17,7 @@ import torch
 import transformers
 
 from harness import REPO
+from methods.engine import threads
 from methods.engine.identity import cpu_isa, cpu_model
 
 DECODING_CODE = REPO / "methods"
@@ -77,6 +78,7 @@ def environment(device: torch.device) -> dict:
         "cpu_isa": cpu_isa() if device.type == "cpu" else None,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "omp_wait": threads.configure(),  # the policy and why (not in hardware_key: chosen by the load at start)
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "cuda": torch.version.cuda if device.type == "cuda" else None,

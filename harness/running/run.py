@@ -36,10 +36,9 @@ from harness.running.prompts import ChatTemplate, Message
 from harness.running.results import RECORDS_FORMAT, FolderMismatch, RunFolder, compact_margins, settings_hash, write_json
 from harness.running.validate import validate, check_group_choices
 from methods.base import BuildContext, Decoder, get_method
-from methods.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
+from methods.models.loading import load_model, load_tokenizer, choose_dtype, resolve_device
 from methods.models.specs import ModelSpec, ModelUnavailableError
 from methods.engine.hardware import profiles_used
-from methods.engine.identity import auto_dtype
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 
@@ -59,8 +58,7 @@ class Benchmark:
         if cfg.threads:
             torch.set_num_threads(int(cfg.threads))
         self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
-        self.dtype_reason = auto_dtype(self.device)[1] if cfg.dtype == "auto" else f"dtype={cfg.dtype} asked for"
+        self.dtype, self.dtype_reason = choose_dtype(cfg.dtype, self.device, ModelSpec.from_mapping(cfg.model), cfg.model.name)
         self.sampling = SamplingConfig(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k))
         self.max_new_tokens = int(cfg.max_new_tokens or cfg.dataset.max_new_tokens)
         paired = cfg.baseline and cfg.method.name != BASELINE

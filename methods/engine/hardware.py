@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 
 from . import load, native
-from .identity import auto_dtype, cpu_flags, cpu_isa, cpu_model, l3_bytes, machine, machine_key, native_bf16, profile_dir  # noqa: F401 (the facade callers import)
+from .identity import l3_bytes, machine, profile_dir
 from .linear import KERNELS, LinearPath, LinearPlan, linear_shapes, measure_plan
 from .tree import attention_mask
 
@@ -192,7 +192,6 @@ class ForwardTimer:
     back to the prefix after each. `timer(n)` -> seconds; `close()` empties the runner."""
 
     def __init__(self, runner, sizes: Sequence[int], prefix_length: int = 256):
-
         self.runner, self.prefix_length = runner, prefix_length
         runner.reset()
         runner.prefill([0] * prefix_length)

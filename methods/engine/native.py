@@ -129,6 +129,7 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and unavailable_reason() is None
 
 
+@functools.lru_cache(maxsize=None)
 def panel_width() -> int:
     """Outputs per packed panel: 16 in the AVX-512 build, 8 in the AVX2 one."""
     return _library().decodebench_panel_width()
