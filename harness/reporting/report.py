@@ -58,14 +58,15 @@ class Run:
         """What must agree for two runs to share a table (the questions are checked per row)."""
         env, s = self.summary.get("environment", {}), self.summary
         return (s["model"], s["dataset"], s.get("hardware"), s.get("dtype"), env.get("torch"), env.get("transformers"),
-                s.get("max_new_tokens"), sampling_name(s.get("sampling")))
+                s.get("max_new_tokens"), sampling_name(s.get("sampling")), env.get("decoding_code") or "unrecorded")
 
     @property
     def label(self) -> str:
         return method_label(self.summary["method"], self.summary.get("method_config") or {})
 
 
-SETTING_NAMES = ("model", "dataset", "hardware", "dtype", "torch", "transformers", "max_new_tokens", "sampling")
+# the engine (`decoding_code`, the digest of methods/) too: runs of two engines never share a row
+SETTING_NAMES = ("model", "dataset", "hardware", "dtype", "torch", "transformers", "max_new_tokens", "sampling", "engine")
 
 
 def sampling_name(sampling: dict | None) -> str:
@@ -159,7 +160,7 @@ class Table:
         s = self.settings
         return (f"{s['model']} on {s['hardware']}, {s['dtype']}; {s['dataset']}, n = {len(self.questions)} questions, "
                 f"max_new_tokens {s['max_new_tokens']}, {s['sampling']}; torch {s['torch']}, "
-                f"transformers {s['transformers']}; {len({r for row in self.rows.values() for r in row.runs})} run(s)")
+                f"transformers {s['transformers']}; engine {s['engine']}; {len({r for row in self.rows.values() for r in row.runs})} run(s)")
 
 
 def column_of(summary: dict, record: dict) -> str:
@@ -198,8 +199,8 @@ def build_tables(runs: list[Run]) -> list[Table]:
         names[slugify(f"{s['model']}-{s['dataset']}-n{len(table.questions)}-{s['max_new_tokens']}tok-{s['sampling']}-"
                       f"{s['dtype']}-{s['hardware']}")].append(table)
     for name, same in names.items():
-        for table in same:  # two question sets of one size: the questions' hash tells them apart
-            digest = hashlib.sha256(json.dumps(sorted(map(str, table.questions))).encode()).hexdigest()[:6]
+        for table in same:  # two question sets of one size, or two engines: their hash tells them apart
+            digest = hashlib.sha256(json.dumps([sorted(map(str, table.questions)), table.settings["engine"]]).encode()).hexdigest()[:6]
             table.slug = name if len(same) == 1 else f"{name}-{digest}"
     return tables
 
