@@ -25,7 +25,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-from .engine.acceptance import Acceptance, greedy_accept, sample_accept
+from .engine.acceptance import Acceptance, greedy_accept_logits, sample_accept
 from .engine.hardware import latency_curve
 from .engine.params import ConfigError, Settings
 from .engine.runner import ForwardOutput, ModelRunner
@@ -344,15 +344,21 @@ class DraftVerifyDecoder(Decoder):
         self.sampling, self.generator = sampling, generator
         self.target.reset()
         self.target.check_room(len(prompt) + stop.max_new_tokens)
+        self.target.reserve(len(prompt) + stop.max_new_tokens)
         stats = DecodeStats(prefill_step=self.prefill_step)
         clock = _Clock(self.target.device, stats.phase_time)
         begin = clock.last
 
         first = self.prefill(prompt)
-        token = self._choose(first.logits[-1])
+        if self.sampling.greedy:  # the token and its margin in one read, as every greedy step
+            chosen = greedy_accept_logits(Tree(torch.zeros(1, dtype=torch.long), [-1]), first.logits[-1:])
+            token, first_margins = chosen.next_token, chosen.margins
+        else:
+            token = self._choose(first.logits[-1])
+            first_margins = logit_margins(first.logits[-1:], [token])
         stats.ttft = clock.now() - begin
         margins = stats.logit_margins  # one per token of `tokens`, cut with it
-        margins.extend(logit_margins(first.logits[-1:], [token]))
+        margins.extend(first_margins)
         clock.lap("prefill")
         tokens = [token]
         stats.accepted_lengths.append(1)
@@ -368,9 +374,9 @@ class DraftVerifyDecoder(Decoder):
             verified = self.target.verify(tree)
             clock.lap("verify")
             acceptance = self._accept(tree, verified.logits[: len(tree)])  # extra rows are never accepted
-            emitted = tree.tokens[acceptance.path[1:]].tolist() + [acceptance.next_token]
+            emitted = acceptance.emitted or tree.tokens[acceptance.path[1:]].tolist() + [acceptance.next_token]
             # the row of each accepted node chose the token after it: its accepted child, or the next token
-            margins.extend(logit_margins(verified.logits[acceptance.path], emitted))
+            margins.extend(acceptance.margins or logit_margins(verified.logits[acceptance.path], emitted))
             clock.lap("accept")
             self.target.commit(prefix, acceptance.path)
             clock.lap("commit")
@@ -402,7 +408,7 @@ class DraftVerifyDecoder(Decoder):
 
     def _accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
         if self.sampling.greedy:
-            return greedy_accept(tree, logits.argmax(-1).tolist())
+            return greedy_accept_logits(tree, logits)
         return self.sample_accept(tree, logits_to_probs(logits, self.sampling), self.generator)
 
     # Swappable so that tests can show a broken acceptor is caught.

@@ -1,5 +1,6 @@
 """The host-read counter behind `python -m harness.host_reads` (issue 35's measure of a GPU step)."""
 
+import pytest
 import torch
 
 from harness.perf.host_reads import counting_host_reads, reads_per_step
@@ -27,3 +28,40 @@ def test_an_autoregressive_step_reads_its_token():
     per_step, counts, steps = reads_per_step(AutoregressiveDecoder(ModelRunner(model)), [[1, 2, 3]], StopCondition(12))
     assert steps == 12 and per_step >= 1  # the next token must come back to the host at least once a step
     assert sum(counts.values()) == round(per_step * steps)
+
+
+def test_device_greedy_acceptance_is_the_host_rule_with_its_margins():
+    """`greedy_accept_logits` (the shared loop's greedy rule, one read) takes the same path, next
+    token and margins as `greedy_accept` + `logit_margins`, including trees whose siblings repeat a
+    token (the first matching child wins) and near-ties."""
+    import random
+
+    from methods.base import logit_margins
+    from methods.engine.acceptance import greedy_accept, greedy_accept_logits
+    from methods.engine.tree import Tree
+
+    rng, vocab = random.Random(0), 5
+    for trial in range(300):
+        n = rng.randint(1, 12)
+        parents = [-1] + [rng.randrange(node) for node in range(1, n)]
+        tree = Tree(torch.tensor([rng.randrange(vocab) for _ in range(n)]), parents)
+        logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(trial))
+        if trial % 3 == 0:  # steer acceptance deep: each row's argmax is one of its children's tokens
+            for node in range(n):
+                if tree.children[node]:
+                    logits[node, tree.tokens[rng.choice(tree.children[node])]] += 10
+        expected = greedy_accept(tree, logits.argmax(-1).tolist())
+        emitted = tree.tokens[expected.path[1:]].tolist() + [expected.next_token]
+        with counting_host_reads() as reads:
+            got = greedy_accept_logits(tree, logits)
+        assert (got.path, got.next_token, got.emitted) == (expected.path, expected.next_token, emitted)
+        assert got.margins == pytest.approx(logit_margins(logits[expected.path], emitted), abs=0)
+        assert reads.total == 1
+
+
+def test_a_greedy_step_of_the_shared_loop_reads_the_host_once():
+    """Issue 35's budget for the shared loop: AR's accepted path, next token and margins come back
+    in one read a step, the prefill's first token and its margin too."""
+    model = tiny_model("llama", seed=3)
+    per_step, counts, steps = reads_per_step(AutoregressiveDecoder(ModelRunner(model)), [[5, 9, 3, 7, 11]], StopCondition(40))
+    assert steps == 40 and sum(counts.values()) == steps, counts

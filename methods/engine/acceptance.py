@@ -4,6 +4,8 @@ Written once for trees; a chain (SpS) and a root alone (AR) are special trees.
 
 * `greedy_accept`: the longest root-to-node path whose every token equals the target's argmax at
   its parent, plus the target's argmax after it (the bonus). Lossless for greedy decoding.
+  `greedy_accept_logits` is the same rule on the logits' device, with the accepted rows' logit
+  margins, read back in one transfer (what the shared loop runs: one host read per greedy step).
 * `sample_accept`: recursive rejection sampling over the children of the accepted node (SpS for a
   chain; SpecInfer / MCSD multi-candidate for trees). At a node with target distribution p and
   children x_1..x_k drawn from q, try the children in their drawn order: accept x with probability
@@ -31,6 +33,10 @@ from .tree import Tree
 class Acceptance:
     path: list[int]  # accepted node indices, from the root (always node 0)
     next_token: int  # the token the target adds after the path (bonus / correction)
+    # when the rule computed them already: the tokens emitted (accepted drafts, then next_token)
+    # and each path row's logit margin (chosen token's logit minus the best other's)
+    emitted: list[int] | None = None
+    margins: list[float] | None = None
 
     @property
     def accepted_drafts(self) -> int:
@@ -47,6 +53,32 @@ def greedy_accept(tree: Tree, target_argmax: list[int]) -> Acceptance:
         if child is None:
             return Acceptance(tree.path_to(node), choice)
         node = child
+
+
+def greedy_accept_logits(tree: Tree, logits: torch.Tensor) -> Acceptance:
+    """`greedy_accept(tree, logits.argmax(-1))`, computed where the logits [N, V] are: node i is on
+    the greedy path when every node from the root to it (itself included) matches its parent's
+    argmax and is the first child that does (the rule walks children in order); the accepted nodes
+    form one chain. Argmax, path and margins come back in ONE read (`tolist` of a [3, N] tensor)."""
+    n, device = len(tree), logits.device
+    argmax = logits.argmax(-1)
+    if logits.shape[-1] > 1:
+        top = logits.topk(2, dim=-1).values
+        margin = (top[:, 0] - top[:, 1]).double()  # a greedy row chose its argmax: its top-2 gap
+    else:
+        margin = torch.full((n,), float("inf"), dtype=torch.float64, device=device)
+    if n == 1:
+        on_path = torch.ones(1, dtype=torch.bool, device=device)
+    else:
+        parents = torch.tensor([0] + list(tree.parents[1:]), device=device)
+        match = tree.tokens.to(device) == argmax[parents]
+        match[0] = True
+        first = match & ~(tree.earlier_siblings.to(device) & match[None, :]).any(-1)
+        on_path = ~(tree.ancestors.to(device) & ~first[None, :]).any(-1)
+    accepted, chosen, margins = torch.stack([on_path.double(), argmax.double(), margin]).tolist()
+    path = [node for node in range(n) if accepted[node]]
+    emitted = [int(chosen[node]) for node in path]  # the row of each path node chose the token after it
+    return Acceptance(path, emitted[-1], emitted, [margins[node] for node in path])
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

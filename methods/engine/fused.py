@@ -191,23 +191,29 @@ class FusedLayer:
 
 class RopeTable:
     """cos and sign-folded sin per position, made by the model's own rotary module (so exactly what
-    it computes per forward), grown by doubling."""
+    it computes per forward): `reserve(n)` makes it n positions long once, else it grows by doubling."""
 
     def __init__(self, rotary, head_dim: int):
         self.rotary, self.head_dim = rotary, head_dim
         self._cos = self._sin = None  # [positions, head_dim]
 
-    def lookup(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, n] -> cos, sin [B, n, 1, d] in `like`'s dtype (broadcast over heads)."""
-        needed = int(positions.max()) + 1
-        if self._cos is None or self._cos.shape[0] < needed or self._cos.dtype != like.dtype:
-            size = max(needed, 256 if self._cos is None else 2 * self._cos.shape[0])
-            probe = torch.empty(1, dtype=like.dtype, device=like.device)
-            cos, sin = self.rotary(probe, torch.arange(size, device=like.device).view(1, -1))
+    def reserve(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """At least `size` positions in `dtype` (a table already that long is kept: same address)."""
+        if self._cos is None or self._cos.shape[0] < size or self._cos.dtype != dtype:
+            probe = torch.empty(1, dtype=dtype, device=device)
+            cos, sin = self.rotary(probe, torch.arange(size, device=device).view(1, -1))
             half = self.head_dim // 2
             # rotate_half(x) * sin == x.roll(half) * signed_sin
             self._cos = cos[0].contiguous()
             self._sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1).contiguous()
+
+    def lookup(self, positions: torch.Tensor, like: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, n] -> cos, sin [B, n, 1, d] in `like`'s dtype (broadcast over heads).
+        `bound`: positions are below it, known on the host (no read of `positions` back)."""
+        needed = bound if bound is not None else int(positions.max()) + 1
+        if self._cos is None or self._cos.shape[0] < needed or self._cos.dtype != like.dtype:
+            current = 0 if self._cos is None or self._cos.dtype != like.dtype else self._cos.shape[0]
+            self.reserve(max(needed, 256, 2 * current), like.dtype, like.device)
         return self._cos[positions].unsqueeze(2), self._sin[positions].unsqueeze(2)
 
 
@@ -246,9 +252,9 @@ class FusedDecoder:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,
-                capture: Sequence[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                capture: Sequence[int] = (), bound: int | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         x = self.embed(ids)
-        cos, sin = self.rope.lookup(positions, x)
+        cos, sin = self.rope.lookup(positions, x, bound)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in capture:

@@ -2,8 +2,11 @@
 
 `transformers.DynamicCache` grows by `torch.cat` on every forward (a full copy of every layer's
 keys and values per step) and can only drop a suffix. `TreeKVCache` keeps each layer's keys and
-values in a preallocated buffer that doubles when full, so an update writes in place, a rollback
-moves a length, and a commit gathers the accepted tree nodes into contiguous slots.
+values in a preallocated buffer, so an update writes in place, a rollback moves a length, and a
+commit gathers the accepted tree nodes into contiguous slots. Given a `capacity` (the shared loop
+gives prompt + max new tokens + `ROOM`, `ModelRunner.reserve`) every buffer is allocated once, at
+that size, and keeps its address for the whole answer (what a captured CUDA graph needs); a cache
+without one, or a forward past it, grows by doubling (new addresses), counted in `regrowths`.
 
 It is a `transformers.Cache`: models call `update` per layer and read the returned views.
 """
@@ -34,9 +37,14 @@ class FilledView:
 
 
 class BufferedLayer(DynamicLayer):
-    """One layer's keys/values in a growable buffer `[batch, kv_heads, capacity, head_dim]`."""
+    """One layer's keys/values in a buffer `[batch, kv_heads, capacity, head_dim]`: `capacity`
+    positions at once when its cache has one, else grown by doubling from `min_capacity`."""
 
     min_capacity = 256
+
+    def __init__(self, cache: "TreeKVCache | None" = None):
+        super().__init__()
+        self.owner = cache
 
     # the filled part of the buffers, a view made when read: changing `length` makes none (the
     # native layer writes and reads the buffers directly; what the views cost a step:
@@ -56,7 +64,13 @@ class BufferedLayer(DynamicLayer):
         capacity = 0 if self._keys is None else self._keys.shape[-2]
         if needed <= capacity:
             return
-        capacity = max(needed, 2 * capacity, self.min_capacity)
+        fixed = self.owner.capacity if self.owner is not None else None
+        if fixed is not None and self._keys is None and needed <= fixed:
+            capacity = fixed
+        else:
+            if self.owner is not None and self._keys is not None:
+                self.owner.regrowths += 1
+            capacity = max(needed, 2 * capacity, self.min_capacity, fixed or 0)
         keys = key_states.new_empty(*key_states.shape[:-2], capacity, key_states.shape[-1])
         values = value_states.new_empty(*value_states.shape[:-2], capacity, value_states.shape[-1])
         if self.length:
@@ -101,10 +115,13 @@ class BufferedLayer(DynamicLayer):
 
 
 class TreeKVCache(Cache):
-    """The cache of one sequence (batch 1) for any decoder of this suite."""
+    """The cache of one sequence (batch 1) for any decoder of this suite; `capacity`: positions
+    each layer's buffers hold from the start (None: grown as needed)."""
 
-    def __init__(self):
-        super().__init__(layer_class_to_replicate=BufferedLayer)
+    def __init__(self, capacity: int | None = None):
+        super().__init__(layer_class_to_replicate=lambda: BufferedLayer(self))
+        self.capacity = capacity
+        self.regrowths = 0  # buffers reallocated larger (new addresses) since the cache was made
 
     def reserve(self, index: int, added: int, batch: int, kv_heads: int, head_dim: int,
                 dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -112,7 +129,7 @@ class TreeKVCache(Cache):
         value buffers [batch, kv_heads, capacity, head_dim] and the first free position. The caller
         writes positions start .. start + added - 1 in place, then calls `advance`."""
         while len(self.layers) <= index:
-            self.layers.append(BufferedLayer())
+            self.layers.append(BufferedLayer(self))
         layer = self.layers[index]
         capacity = 0 if not layer.is_initialized or layer._keys is None else layer._keys.shape[-2]
         if capacity < layer.get_seq_length() + added:
@@ -137,18 +154,21 @@ class TreeKVCache(Cache):
     @torch.inference_mode()
     def commit(self, start: int, kept: Sequence[int] | torch.Tensor) -> None:
         """After a tree forward appended nodes at `start..`, keep only tree nodes `kept` (in order,
-        increasing), contiguous right after `start`, and drop the other nodes."""
-        if not isinstance(kept, torch.Tensor):
-            kept = torch.tensor(list(kept), dtype=torch.long)
+        increasing), contiguous right after `start`, and drop the other nodes. Given a list, the
+        checks run on the host and the gather index goes to the device once (no read back)."""
+        kept = kept.tolist() if isinstance(kept, torch.Tensor) else list(kept)
         current = self.get_seq_length()
-        if kept.numel() and int(kept[-1]) >= current - start:
-            raise ValueError(f"commit of node {int(kept[-1])} but only {current - start} nodes follow position {start}")
-        if kept.numel() == 0:
+        if kept and kept[-1] >= current - start:
+            raise ValueError(f"commit of node {kept[-1]} but only {current - start} nodes follow position {start}")
+        if not kept:
             self.rollback(start)
             return
-        is_prefix = bool((kept == torch.arange(kept.numel())).all())
+        if kept == list(range(len(kept))):  # the accepted nodes already sit right after `start`
+            for layer in self.layers:
+                layer.crop(start + len(kept) - layer.get_seq_length())
+            return
+        index = None
         for layer in self.layers:
-            if is_prefix:  # the accepted nodes already sit right after `start`
-                layer.crop(start + kept.numel() - layer.get_seq_length())
-            else:
-                layer.keep(start, kept.to(layer.device))
+            if layer.is_initialized:
+                index = torch.tensor(kept, device=layer.device) if index is None or index.device != layer.device else index
+                layer.keep(start, index)

@@ -28,6 +28,10 @@ from .hardware import linear_path
 from .kv_cache import TreeKVCache
 from .tree import Tree, attention_mask
 
+# positions reserved past prompt + max new tokens: room for a verification's rows (every default
+# tree, window and block of the suite fits; a larger one grows the cache, counted in its `regrowths`)
+ROOM = 256
+
 
 @dataclass
 class ForwardOutput:
@@ -112,6 +116,16 @@ class ModelRunner:
         self.cache = TreeKVCache()
         self.forward_passes = 0
 
+    def reserve(self, positions: int) -> None:
+        """Before an answer that commits at most `positions` positions (prompt + max new tokens), on
+        an empty runner: every KV buffer allocated once at positions + ROOM and the RoPE table as
+        long, so that nothing the forward reads or writes moves during the answer."""
+        if self.length:
+            raise RuntimeError("reserve on a non-empty cache; call reset() first")
+        self.cache = TreeKVCache(positions + ROOM)
+        if self.fused is not None:
+            self.fused.rope.reserve(positions + ROOM, self.dtype, self.device)
+
     def check_room(self, needed: int) -> None:
         if self.max_positions and needed > self.max_positions:
             raise ValueError(
@@ -127,14 +141,16 @@ class ModelRunner:
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         logits_for: slice | torch.Tensor | None = slice(None),
+        bound: int | None = None,
     ) -> ForwardOutput:
-        """Append `tokens` to the cache. Without `positions`/`mask`: a causal continuation."""
+        """Append `tokens` to the cache. Without `positions`/`mask`: a causal continuation.
+        `bound`: given `positions`, a host-side bound on them (none: they are read back once)."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(1, -1)
         start = self.length
         n = ids.shape[1]
         self.check_room(start + n)
         if positions is None:
-            positions = torch.arange(start, start + n, device=self.device)
+            positions, bound = torch.arange(start, start + n, device=self.device), start + n
         if mask is None and n > 1 and start > 0:
             # Causal continuation over a non-empty cache: state the mask rather than rely on the
             # model's own construction from cache lengths.
@@ -144,7 +160,7 @@ class ModelRunner:
             else nullcontext({})
         with self.linear.active(), capturing as captured:
             if fused:
-                hidden, captured = self.fused.forward(ids, positions.view(1, -1), mask, self.cache, self.feature_layers)
+                hidden, captured = self.fused.forward(ids, positions.view(1, -1), mask, self.cache, self.feature_layers, bound)
                 hidden = hidden[0]  # [n, H]
             else:
                 out = self.decoder(
@@ -176,9 +192,10 @@ class ModelRunner:
         `extra_rows` follow its nodes in the same forward (their logits after the nodes')."""
         start = self.length
         tokens, depths, visible = tree.forward_rows()
+        bound = start + max(depths) + 1
         depths = torch.tensor(depths, device=self.device)
         mask = None if len(tokens) == 1 else attention_mask(visible, start, self.dtype, self.device)
-        return self.forward(tokens, positions=start + depths, mask=mask)
+        return self.forward(tokens, positions=start + depths, mask=mask, bound=bound)
 
     def commit(self, start: int, path: Sequence[int]) -> None:
         """After `verify` at cache length `start`, keep the KV of tree nodes `path` only."""

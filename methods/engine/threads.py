@@ -16,7 +16,7 @@ AR on the embedded model, fp32, tokens/s, x its fair share = quiet / k):
 
 No one setting is good both ways, so `auto` (the default) looks before it chooses: it samples the
 machine for SAMPLE_SECONDS and keeps libgomp's spinning when nothing else runs, PASSIVE when
-other processes use at least `load.BUSY_CORES` cores. Work that starts later, mid-run, is not
+other processes use at least PASSIVE_CORES cores (or the hypervisor steals `load.BUSY_STEAL`). Work that starts later, mid-run, is not
 seen (the policy cannot change once torch has loaded); the busy flag marks those questions.
 DECODEBENCH_OMP_POLICY=auto|spin|passive|inherit overrides (`inherit`: what the environment says);
 an OMP_WAIT_POLICY or GOMP_SPINCOUNT already set is always kept.
@@ -32,7 +32,11 @@ from . import load
 
 CHOICES = ("auto", "spin", "passive", "inherit")
 KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-SAMPLE_SECONDS = 0.15
+SAMPLE_SECONDS = 0.2
+# other processes' CPU use, in cores, that makes `auto` choose PASSIVE: a process that runs all the
+# time (a core or most of one), not one that starts beside us (a Python start-up is ~0.3 cores of
+# a 0.2 s sample, and made `auto` choose PASSIVE at a 0.25 threshold, costing a third of AR's speed)
+PASSIVE_CORES = 0.75
 _CHOSEN: dict = {}
 
 
@@ -59,11 +63,12 @@ def configure() -> dict:
         before = load.snapshot()
         time.sleep(SAMPLE_SECONDS)
         record = load.state(before, load.snapshot())
-        others = record.get("other_cores")
-        if record["busy"]:
+        others = record.get("other_cores") or 0.0
+        if others >= PASSIVE_CORES or (record.get("steal") or 0.0) >= load.BUSY_STEAL:
             os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
             _CHOSEN.update(policy="OMP_WAIT_POLICY=PASSIVE",
-                           why=f"other processes used {others or 0:.2f} cores at start: spinning threads would stall every barrier")
+                           why=f"other processes used {others:.2f} cores at start (steal {100 * (record.get('steal') or 0):.0f}%): "
+                               "spinning threads would stall every barrier")
         else:
-            _CHOSEN.update(policy=described, why=f"quiet at start (other processes {others or 0:.2f} cores): spinning saves a wake-up per region")
+            _CHOSEN.update(policy=described, why=f"quiet at start (other processes {others:.2f} cores): spinning saves a wake-up per region")
     return dict(_CHOSEN)

@@ -78,6 +78,14 @@ class Tree:
         """[N, N] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
         return ancestor_matrix(self.parents)
 
+    @cached_property
+    def earlier_siblings(self) -> torch.Tensor:
+        """[N, N] bool: entry (i, j) is True when j < i and j has i's parent (greedy acceptance
+        takes the first matching child)."""
+        parents = torch.tensor(self.parents)
+        n = len(self.parents)
+        return (parents[:, None] == parents[None, :]) & torch.ones(n, n, dtype=torch.bool).tril(-1)
+
     def paths(self) -> list[list[int]]:
         """Root-to-leaf node paths."""
         result = []
