@@ -5,6 +5,7 @@ cache still grows, counted, and keeps its contents."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from methods.ar import AutoregressiveDecoder
@@ -12,6 +13,7 @@ from methods.engine import runner as runner_module
 from methods.engine.kv_cache import TreeKVCache
 from methods.engine.runner import ModelRunner
 from methods.engine.stopping import StopCondition
+from methods.engine.tree import Tree
 from methods.lookahead import LookaheadDecoder
 from methods.pld import PromptLookupDecoder
 from tests.conftest import tiny_model
@@ -69,3 +71,33 @@ def test_a_cache_past_its_capacity_grows_counted_and_keeps_its_contents():
     assert cache.regrowths == 1 and cache.layers[0]._keys.data_ptr() != first.data_ptr()
     assert torch.equal(cache.layers[0].keys, keys) and torch.equal(cache.layers[0].values, -keys)
     assert TreeKVCache().capacity is None
+
+
+def test_padded_verification_gives_the_same_tokens_and_logits():
+    """Verification padded to a size bucket (padding rows see only themselves, are never accepted
+    and their KV goes at the commit) decodes what the unpadded one does, tree methods included."""
+    model = tiny_model("llama", seed=5, vocab_size=32, hidden=32, layers=2)
+    stop = StopCondition(max_new_tokens=40)
+    for make in (AutoregressiveDecoder, PromptLookupDecoder, lambda r: LookaheadDecoder(r, window=3, level=3, guess=3)):
+        plain = ModelRunner(model)
+        expected = make(plain).generate(PROMPT, stop)
+        padded = ModelRunner(model)
+        padded.verify_buckets = (4, 16, 64)
+        rows = []
+        verify = padded.forward
+        padded.forward = lambda tokens, **kw: rows.append(len(tokens)) or verify(tokens, **kw)
+        got = make(padded).generate(PROMPT, stop)
+        assert got.tokens == expected.tokens and set(rows[1:]) <= {4, 16, 64}
+        assert got.stats.logit_margins == pytest.approx(expected.stats.logit_margins, abs=1e-4)
+
+    runner = ModelRunner(model)
+    runner.prefill(PROMPT)
+    tree = Tree(torch.tensor([3, 5, 7, 5]), [-1, 0, 0, 1])
+    plain = runner.verify(tree)
+    runner.rollback(len(PROMPT))
+    runner.verify_buckets = (8,)
+    padded = runner.verify(tree)
+    assert runner.length == len(PROMPT) + 8 and padded.logits.shape == plain.logits.shape
+    assert torch.allclose(padded.logits, plain.logits, atol=1e-5) and torch.allclose(padded.hidden, plain.hidden, atol=1e-5)
+    runner.commit(len(PROMPT), [0, 1, 3])
+    assert runner.length == len(PROMPT) + 3

@@ -83,6 +83,9 @@ class ModelRunner:
         self.forward_passes = 0  # target forwards since the last reset (the steps of τ)
         self.vocabulary = None  # a DraftVocabulary: a draft LM's logits over a subset only (vocab.py)
         self.feature_layers: tuple[int, ...] = ()  # decoder layers whose inputs forward() also returns
+        # row counts a verification is padded to (the smallest that holds it), so that its forward takes
+        # one of a few static shapes (a CUDA graph per bucket); None: every verification its own size
+        self.verify_buckets: tuple[int, ...] | None = None
 
     def restrict_vocabulary(self, vocabulary) -> None:
         """Project onto `vocabulary`'s tokens only (a draft LM's FR-Spec subset): -inf elsewhere."""
@@ -192,10 +195,27 @@ class ModelRunner:
         `extra_rows` follow its nodes in the same forward (their logits after the nodes')."""
         start = self.length
         tokens, depths, visible = tree.forward_rows()
+        rows = len(tokens)
+        padded = self._bucket(rows)
+        if padded > rows:  # padding rows: token 0 at the root's position, each seeing only itself
+            tokens = torch.cat([torch.as_tensor(tokens), torch.zeros(padded - rows, dtype=torch.long)])
+            depths = list(depths) + [0] * (padded - rows)
+            grown = torch.eye(padded, dtype=torch.bool)
+            grown[:rows, :rows] = visible
+            visible = grown
         bound = start + max(depths) + 1
         depths = torch.tensor(depths, device=self.device)
         mask = None if len(tokens) == 1 else attention_mask(visible, start, self.dtype, self.device)
-        return self.forward(tokens, positions=start + depths, mask=mask, bound=bound)
+        out = self.forward(tokens, positions=start + depths, mask=mask, bound=bound)
+        if padded == rows:
+            return out
+        # the padding rows' KV sits after every tree row: `commit` keeps tree nodes only, so it goes
+        return ForwardOutput(out.logits[:rows], out.hidden[:rows], None if out.layers is None else out.layers[:rows])
+
+    def _bucket(self, rows: int) -> int:
+        if not self.verify_buckets:
+            return rows
+        return next((size for size in sorted(self.verify_buckets) if size >= rows), rows)
 
     def commit(self, start: int, path: Sequence[int]) -> None:
         """After `verify` at cache length `start`, keep the KV of tree nodes `path` only."""
