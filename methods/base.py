@@ -354,7 +354,7 @@ class DraftVerifyDecoder(Decoder):
             chosen = greedy_accept_logits(Tree(torch.zeros(1, dtype=torch.long), [-1]), first.logits[-1:])
             token, first_margins = chosen.next_token, chosen.margins
         else:
-            token = self._choose(first.logits[-1])
+            token = sample(logits_to_probs(first.logits[-1], self.sampling), self.generator)
             first_margins = logit_margins(first.logits[-1:], [token])
         stats.ttft = clock.now() - begin
         margins = stats.logit_margins  # one per token of `tokens`, cut with it
@@ -400,11 +400,6 @@ class DraftVerifyDecoder(Decoder):
         clock.lap("other")
         stats.total_time = clock.last - begin
         return DecodeOutput(tokens=tokens, stats=stats)
-
-    def _choose(self, logits: torch.Tensor) -> int:
-        if self.sampling.greedy:
-            return int(logits.argmax())
-        return sample(logits_to_probs(logits, self.sampling), self.generator)
 
     def _accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
         if self.sampling.greedy:

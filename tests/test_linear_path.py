@@ -95,17 +95,25 @@ def test_auto_dtype_on_a_native_bf16_cpu_is_decided_by_timing(monkeypatch, tiny_
         timed.append((runner.dtype, name, tuple(sizes)))
         return {1: 1.0, 4: 1.2} if runner.dtype == torch.float32 else bf16
     monkeypatch.setattr(loading, "latency_curve", curve)
+    busy = [False]  # the machine's load while the ratios were measured, as the profile judges it
+    monkeypatch.setattr(loading.load, "is_busy", lambda record: busy[0])
+    stored = lambda: sorted(identity.profile_dir(cpu).glob("dtype-tiny-*.json"))  # noqa: E731
+    for file in stored():
+        file.unlink()
     bf16.update({1: 0.9, 4: 0.7})  # faster, not clearly at one token
     dtype, why = loading.choose_dtype("auto", cpu, spec, "tiny")
     assert dtype == torch.float32 and "0.90x (1 token)" in why and "0.58x (4 tokens)" in why
-    assert timed == [(torch.float32, "tiny", (1, 4)), (torch.bfloat16, "tiny", (1, 4))]
+    assert timed == [(torch.float32, "tiny", (1, 4)), (torch.bfloat16, "tiny", (1, 4))] and len(stored()) == 1
+    assert loading.choose_dtype("auto", cpu, spec, "tiny") == (dtype, why) and len(timed) == 2  # kept: nothing timed
+    busy[0] = True  # measured beside other work: measured again
     bf16.update({1: 0.5, 4: 0.6})
-    assert loading.choose_dtype("auto", cpu, spec, "tiny")[0] == torch.bfloat16
+    assert loading.choose_dtype("auto", cpu, spec, "tiny")[0] == torch.bfloat16 and len(timed) == 4
+    stored()[0].unlink()
     assert loading.choose_dtype("auto", cpu, None)[0] == torch.bfloat16  # no model to time: the flags decide
     assert loading.choose_dtype("float32", cpu, spec) == (torch.float32, "dtype=float32 asked for")
     monkeypatch.setattr(loading, "_available_memory", lambda: 1000)
     dtype, why = loading.choose_dtype("auto", cpu, spec, "tiny")
-    assert dtype == torch.bfloat16 and "more than half the memory" in why and len(timed) == 4
+    assert dtype == torch.bfloat16 and "more than half the memory" in why and len(timed) == 4 and not stored()
 
 
 def test_off_switch_and_bad_mode():

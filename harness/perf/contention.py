@@ -36,8 +36,9 @@ from methods.models.loading import load_model, load_tokenizer
 from methods.models.specs import ModelSpec, model_config
 
 POLICIES = ("auto", "default", "OMP_WAIT_POLICY=PASSIVE", "GOMP_SPINCOUNT=1000")
-KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")  # "default" sets none: libgomp's own
-# policy (300,000 spins), one thread per core
+# what a policy may set; "default" sets none: libgomp's own policy (300,000 spins), one thread per core
+KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+SPIN = "while True: pass"  # one oversubscribing process
 
 
 def policy_environment(policy: str) -> dict:
@@ -51,7 +52,6 @@ def policy_environment(policy: str) -> dict:
     if not pairs or any(knob not in KNOBS for knob in pairs) or len(pairs) != policy.count("="):
         raise ValueError(f"policy {policy!r}: 'auto', 'default' or KNOB=VALUE joined by '+', KNOB among {', '.join(KNOBS)}")
     return {**pairs, "DECODEBENCH_OMP_POLICY": "inherit"}  # measure the environment given, not the suite's choice
-SPIN = "while True: pass"
 
 
 def child(tokens: int, prompts: int) -> None:

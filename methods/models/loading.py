@@ -18,6 +18,7 @@ half a minute and ending in a stack trace from the Hub client.
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib.util
 import json
 import logging
@@ -27,8 +28,9 @@ import torch
 from safetensors.torch import save_file, load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, AutoConfig
 
+from ..engine import load
 from ..engine.hardware import latency_curve
-from ..engine.identity import auto_dtype, cpu_isa
+from ..engine.identity import auto_dtype, cpu_isa, profile_dir
 from ..engine.runner import ModelRunner
 from ..engine.storage import cache_root
 from .specs import ModelSpec, ModelUnavailableError, hub_reachable, unavailable_error
@@ -59,22 +61,48 @@ def choose_dtype(name: str, device: torch.device, spec: ModelSpec | None = None,
     dtype, reason = auto_dtype(device)
     if device.type != "cpu" or dtype != torch.bfloat16 or spec is None:
         return dtype, reason
-    available, fp32_bytes = _available_memory(), 4 * _parameter_count(spec)
-    if available and fp32_bytes > available / 2:
-        return torch.bfloat16, (f"{reason}; fp32 weights ({fp32_bytes / 2**30:.1f} GiB) would fill more than half "
-                                f"the memory available ({available / 2**30:.1f} GiB), so not timed")
-    seconds = {}
-    for candidate in (torch.float32, torch.bfloat16):
-        model = load_model(spec, candidate, device)
-        seconds[candidate] = latency_curve(ModelRunner(model), model_name, sizes=(1, 4))
-        del model
-    ratios = {n: seconds[torch.bfloat16][n] / seconds[torch.float32][n] for n in (1, 4)}
+    config = _from_pretrained(AutoConfig, local_folder(spec), "config")
+    shape = hashlib.sha1(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:8]
+    file = profile_dir(device) / f"dtype-{model_name}-{shape}.json"  # one per machine and model shape
+    ratios = _stored_ratios(file)
+    if ratios is None:
+        available, fp32_bytes = _available_memory(), 4 * _parameter_count(config)
+        if available and fp32_bytes > available / 2:
+            return torch.bfloat16, (f"{reason}; fp32 weights ({fp32_bytes / 2**30:.1f} GiB) would fill more than half "
+                                    f"the memory available ({available / 2**30:.1f} GiB), so not timed")
+        ratios = _time_bf16(spec, model_name, device, file)
     timed = (f"the target's forward in bf16 takes {ratios[1]:.2f}x (1 token) and {ratios[4]:.2f}x (4 tokens) "
              f"fp32's here (timed once per machine and model)")
     if max(ratios.values()) <= BF16_CLEARLY_FASTER:
         return torch.bfloat16, f"CPU with native bf16 matmul ({cpu_isa()}); {timed}: bf16, clearly faster"
     return torch.float32, (f"CPU with native bf16 matmul ({cpu_isa()}), but {timed}: fp32, since bf16 is not "
                            f"clearly faster (needs <= {BF16_CLEARLY_FASTER}x) and differs from fp32 at near-ties")
+
+
+def _stored_ratios(file: Path) -> dict[int, float] | None:
+    """bf16's time over fp32's from the profile, when measured on a quiet machine (else None: measure
+    again), so that a later run decides without loading the model twice."""
+    if not file.is_file():
+        return None
+    stored = json.loads(file.read_text())
+    if not stored.get("load") or load.is_busy(stored["load"]):
+        return None
+    return {int(n): r for n, r in stored["ratios"].items()}
+
+
+def _time_bf16(spec: ModelSpec, model_name: str, device: torch.device, file: Path) -> dict[int, float]:
+    """The target's forward in bf16 over fp32 at 1 and 4 tokens (their latency curves), kept in `file`
+    with the machine's load while measured."""
+    before, seconds = load.snapshot(), {}
+    for candidate in (torch.float32, torch.bfloat16):
+        model = load_model(spec, candidate, device)
+        seconds[candidate] = latency_curve(ModelRunner(model), model_name, sizes=(1, 4))
+        del model
+    ratios = {n: seconds[torch.bfloat16][n] / seconds[torch.float32][n] for n in (1, 4)}
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps({"model": model_name, "ratios": {str(n): r for n, r in ratios.items()},
+                                "load": load.state(before, load.snapshot())}, indent=2) + "\n")
+    return ratios
 
 
 def _available_memory() -> int | None:
@@ -88,9 +116,8 @@ def _available_memory() -> int | None:
     return None
 
 
-def _parameter_count(spec: ModelSpec) -> int:
-    """Parameters of the model `spec` names, from its config alone (built on the meta device)."""
-    config = _from_pretrained(AutoConfig, local_folder(spec), "config")
+def _parameter_count(config) -> int:
+    """Parameters of a model, from its config alone (built on the meta device)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())
