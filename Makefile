@@ -11,7 +11,7 @@ MAX_NEW_TOKENS ?= 256
 TEMPERATURE ?= 0
 ARGS ?=
 
-.PHONY: setup bench sweep report figures headline perf perf-contention perf-lazyllm train-drafts test
+.PHONY: setup bench sweep report figures headline perf perf-gpu perf-contention perf-lazyllm train-drafts test
 
 setup: $(VENV)/.installed
 
@@ -65,6 +65,11 @@ headline: setup
 
 perf: setup
 	$(PY) -m harness.perf $(ARGS)
+
+# On a GPU: bandwidth, roofline, the t(n) curve with CUDA graphs on and off, AR vs generate, an oracle
+# draft; the embedded model's shape and Vicuna-7B's with random weights (no Hub; engine efficiency only)
+perf-gpu: setup
+	$(PY) -m harness.perf.gpu $(ARGS)
 
 # AR's tokens/s under each OpenMP wait policy, quiet and with 2x / 5x as many runnable threads as
 # cores (spinning processes): what methods/engine/threads.py chooses from. Minutes; run it alone.

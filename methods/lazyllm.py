@@ -154,7 +154,7 @@ class LazyRunner(ModelRunner):
         return ForwardOutput(logits=self.lm_head(hidden).float(), hidden=hidden)
 
     @torch.inference_mode()
-    def forward(self, tokens, *, positions=None, mask=None, logits_for=slice(None), bound=None) -> ForwardOutput:
+    def forward(self, tokens, *, positions=None, mask=None, logits_for=slice(None), bound=None, rows=None) -> ForwardOutput:
         """One decoding step (a single new token), reviving the prompt tokens it selects."""
         if len(tokens) != 1:
             raise NotImplementedError("LazyLLM's runner decodes one token per step (it composes with AR)")

@@ -270,6 +270,7 @@ def test_bad_values_are_named():
     ("method=eagle2 method.total_tokens=big", "method.total_tokens='big': valid: adaptive, auto or an integer >= 2"),
     ("model.path=/nonexistent", "model.path='/nonexistent': valid: an existing local folder"),
     ("engine.skinny_gemm=fast", "engine.skinny_gemm='fast': valid: auto, off"),
+    ("engine.cuda_graphs=yes", "engine.cuda_graphs='yes': valid: auto, on, off"),
     ("engine.decoder=fast", "engine.decoder='fast': valid: auto, transformers"),
 ])
 def test_bad_config_values_are_rejected_before_anything_loads(override, message):

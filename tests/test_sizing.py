@@ -86,20 +86,25 @@ def test_sps_auto_gamma_follows_the_acceptance_it_measures():
 
 
 def test_the_latency_curve_is_timed_as_verification_runs_warmed_up_and_interleaved(monkeypatch):
-    """A verification of n > 1 tokens carries a float mask (the masked attention path); an AR step
-    does not. Each size runs once untimed, then the sizes alternate round by round: a curve measured
-    in sequence, cold, made t(1) 1.6x an AR step on the embedded model and the trees twice too big."""
+    """A forward of n tokens is timed as a verification of a chain runs it (its rows' depths and
+    visibility: the masked attention path for n > 1, a static step where the runner has them), over
+    a reserved cache. Each size runs once untimed, then the sizes alternate round by round: a curve
+    measured in sequence, cold, made t(1) 1.6x an AR step on the embedded model and the trees twice
+    too big."""
     runner = ModelRunner(tiny_model("llama", seed=1, hidden=32, layers=1))
     calls = []
     forward = runner.forward
 
     def recording(tokens, **kwargs):
-        calls.append((len(tokens), kwargs.get("mask") is not None))
+        rows = kwargs.get("rows")
+        chain = rows is not None and list(rows[0]) == list(range(len(tokens))) and \
+            torch.equal(rows[1], torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril())
+        calls.append((len(tokens), chain, runner.cache.capacity is not None))
         return forward(tokens, **kwargs)
 
     monkeypatch.setattr(runner, "forward", recording)
     seconds = hardware.forward_latency(runner, (1, 2, 4), prefix_length=8, repeats=2)
-    assert [c for c in calls if c[0] != 8] == [(1, False), (2, True), (4, True)] * 3  # warm-up, then 2 rounds
+    assert [c for c in calls if c[0] != 8] == [(1, True, True), (2, True, True), (4, True, True)] * 3  # warm-up, 2 rounds
     assert set(seconds) == {1, 2, 4} and runner.length == 0
 
 

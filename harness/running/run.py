@@ -73,9 +73,9 @@ class Benchmark:
         self.template = ChatTemplate.for_model(cfg.model, self.tokenizer)
         context = BuildContext(self.model, cfg.model.name, OmegaConf.to_container(cfg.model, resolve=True))
         params = OmegaConf.to_container(cfg.method, resolve=True)
-        skinny, forward = cfg.engine.skinny_gemm, cfg.engine.decoder
+        skinny, forward, graphs = cfg.engine.skinny_gemm, cfg.engine.decoder, cfg.engine.cuda_graphs
         self.decoders: dict[str, Decoder] = {
-            name: get_method(name)(ModelRunner(self.model, skinny, forward), params if name == cfg.method.name else {}, context)
+            name: get_method(name)(ModelRunner(self.model, skinny, forward, graphs), params if name == cfg.method.name else {}, context)
             for name in self.names}
 
     def engine_record(self) -> dict:
@@ -86,6 +86,7 @@ class Benchmark:
         linear = target.linear
         return {"dtype_reason": self.dtype_reason, "skinny_gemm": self.cfg.engine.skinny_gemm,
                 "decoder": "fused" if target.fused else f"transformers ({target.unfused_reason})",
+                "cuda_graphs": f"{self.cfg.engine.cuda_graphs} ({target.graph_mode})",
                 "linear_kernels": linear.plan.to_dict()["kernels"] if linear.plan else None,
                 "profiles": profiles_used()}
 

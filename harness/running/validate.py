@@ -25,6 +25,7 @@ from harness import REPO
 from harness.running.execution import require_sandbox
 from methods.base import check_method_params
 from methods.engine.fused import DECODER_MODES
+from methods.engine.graphs import GRAPH_MODES
 from methods.engine.hardware import SKINNY_GEMM_MODES
 from methods.engine.params import BOOL, Check, ConfigError, integer, null, number, one_of
 from methods.models.loading import DTYPES
@@ -49,6 +50,7 @@ SCHEMA: dict[str, Check] = {
     "run_name": null() | Check(lambda v: isinstance(v, str) and v.strip() != "" and "/" not in v, "a folder name"),
     "engine.skinny_gemm": one_of(*SKINNY_GEMM_MODES),
     "engine.decoder": one_of(*DECODER_MODES),
+    "engine.cuda_graphs": one_of(*GRAPH_MODES),
 }
 
 

@@ -194,16 +194,14 @@ class ForwardTimer:
     def __init__(self, runner, sizes: Sequence[int], prefix_length: int = 256):
         self.runner, self.prefix_length = runner, prefix_length
         runner.reset()
+        runner.reserve(prefix_length + max(sizes))  # as an answer runs: a static cache (and step, graphs.py)
         runner.prefill([0] * prefix_length)
-        self.masks = {size: None if size == 1 else attention_mask(torch.ones(size, size, dtype=torch.bool).tril(),
-                                                                 prefix_length, runner.dtype, runner.device)
-                      for size in sizes}
-        self.positions = {size: torch.arange(prefix_length, prefix_length + size, device=runner.device) for size in sizes}
+        self.rows = {size: (range(size), torch.ones(size, size, dtype=torch.bool).tril()) for size in sizes}
 
     def __call__(self, size: int) -> float:
         runner = self.runner
         start = time.perf_counter()
-        runner.forward([0] * size, positions=self.positions[size], mask=self.masks[size])
+        runner.forward([0] * size, rows=self.rows[size])
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start

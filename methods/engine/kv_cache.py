@@ -71,8 +71,10 @@ class BufferedLayer(DynamicLayer):
             if self.owner is not None and self._keys is not None:
                 self.owner.regrowths += 1
             capacity = max(needed, 2 * capacity, self.min_capacity, fixed or 0)
-        keys = key_states.new_empty(*key_states.shape[:-2], capacity, key_states.shape[-1])
-        values = value_states.new_empty(*value_states.shape[:-2], capacity, value_states.shape[-1])
+        # zeros, not garbage: a static step's attention reads the whole buffer under a mask, and a
+        # masked NaN still poisons the weighted sum (0 * NaN)
+        keys = key_states.new_zeros(*key_states.shape[:-2], capacity, key_states.shape[-1])
+        values = value_states.new_zeros(*value_states.shape[:-2], capacity, value_states.shape[-1])
         if self.length:
             keys[..., : self.length, :] = self._keys[..., : self.length, :]
             values[..., : self.length, :] = self._values[..., : self.length, :]
@@ -143,6 +145,12 @@ class TreeKVCache(Cache):
         """After `reserve` and the writes: the layer holds `added` more positions (its `keys` and
         `values` views include them)."""
         self.layers[index].length += added
+
+    def clear(self) -> None:
+        """Empty, keeping every buffer (and its address) for the next answer."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.length = 0
 
     def rollback(self, length: int) -> None:
         """Drop everything after the first `length` positions."""

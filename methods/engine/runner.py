@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from .fused import DECODER_MODES, fused_decoder, unsupported
+from .graphs import BUCKETS, StaticSteps, graph_mode
 from .hardware import linear_path
 from .kv_cache import TreeKVCache
 from .tree import Tree, attention_mask
@@ -62,7 +63,7 @@ def layer_inputs(decoder, layers: Sequence[int]):
 
 
 class ModelRunner:
-    def __init__(self, model, skinny_gemm: str = "auto", decoder: str = "auto"):
+    def __init__(self, model, skinny_gemm: str = "auto", decoder: str = "auto", cuda_graphs: str = "auto"):
         if decoder not in DECODER_MODES:
             raise ValueError(f"engine.decoder={decoder!r}; valid: {', '.join(DECODER_MODES)}")
         self.model = model
@@ -86,6 +87,14 @@ class ModelRunner:
         # row counts a verification is padded to (the smallest that holds it), so that its forward takes
         # one of a few static shapes (a CUDA graph per bucket); None: every verification its own size
         self.verify_buckets: tuple[int, ...] | None = None
+        # `engine.cuda_graphs` (graphs.py): forwards over a reserved cache run as static steps, captured
+        # as CUDA graphs on a GPU ('graphs') or eagerly ('eager'); 'off': the ordinary forward
+        self.cuda_graphs = cuda_graphs
+        self.graph_mode = graph_mode(cuda_graphs, self.device) if self.fused is not None else "off"
+        self.static = None if self.graph_mode == "off" else StaticSteps(self, self.graph_mode == "graphs")
+        if self.static is not None:
+            self.verify_buckets = BUCKETS
+        self._reserved: TreeKVCache | None = None  # the last reserved cache, reused while it is large enough
 
     def restrict_vocabulary(self, vocabulary) -> None:
         """Project onto `vocabulary`'s tokens only (a draft LM's FR-Spec subset): -inf elsewhere."""
@@ -125,9 +134,16 @@ class ModelRunner:
         long, so that nothing the forward reads or writes moves during the answer."""
         if self.length:
             raise RuntimeError("reserve on a non-empty cache; call reset() first")
-        self.cache = TreeKVCache(positions + ROOM)
+        needed = -(-(positions + ROOM) // ROOM) * ROOM  # a multiple of ROOM: the next answer likely fits too
+        reserved = self._reserved
+        if reserved is not None and reserved.capacity >= needed:
+            reserved.clear()  # the same buffers (and captured steps) for the next answer
+            reserved.regrowths = 0
+            self.cache = reserved
+            return
+        self.cache = self._reserved = TreeKVCache(needed)
         if self.fused is not None:
-            self.fused.rope.reserve(positions + ROOM, self.dtype, self.device)
+            self.fused.rope.reserve(needed, self.dtype, self.device)
 
     def check_room(self, needed: int) -> None:
         if self.max_positions and needed > self.max_positions:
@@ -145,13 +161,24 @@ class ModelRunner:
         mask: torch.Tensor | None = None,
         logits_for: slice | torch.Tensor | None = slice(None),
         bound: int | None = None,
+        rows: tuple[Sequence[int], torch.Tensor] | None = None,
     ) -> ForwardOutput:
         """Append `tokens` to the cache. Without `positions`/`mask`: a causal continuation.
-        `bound`: given `positions`, a host-side bound on them (none: they are read back once)."""
+        `bound`: given `positions`, a host-side bound on them (none: they are read back once).
+        `rows`: (depths, visibility among the new rows), host tensors, instead of `positions` and
+        `mask`: what a static step (graphs.py) takes."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(1, -1)
         start = self.length
         n = ids.shape[1]
         self.check_room(start + n)
+        if rows is None and positions is None and mask is None and self.static is not None and self.static.usable(n, start):
+            rows = (range(n), torch.ones(n, n, dtype=torch.bool).tril_())
+        if rows is not None:
+            if self.static is not None and self.static.usable(n, start):
+                return self._static_forward(ids, rows, start, logits_for)
+            depths, visible = rows
+            positions, bound = start + torch.tensor(depths, device=self.device), start + max(depths) + 1
+            mask = None if n == 1 else attention_mask(visible, start, self.dtype, self.device)
         if positions is None:
             positions, bound = torch.arange(start, start + n, device=self.device), start + n
         if mask is None and n > 1 and start > 0:
@@ -174,15 +201,26 @@ class ModelRunner:
                     use_cache=True,
                 )
                 hidden = out.last_hidden_state[0]  # [n, H]
-            if logits_for is None:
-                logits = None
-            elif self.vocabulary is not None:
-                logits = self.vocabulary.project(hidden[logits_for], self.lm_head.weight)
-            else:
-                logits = self.lm_head(hidden[logits_for]).float()
+            logits = self._logits(hidden, logits_for)
             layers = torch.cat([captured[i][0] for i in self.feature_layers], -1) if self.feature_layers else None
         self.forward_passes += 1
         return ForwardOutput(logits=logits, hidden=hidden, layers=layers)
+
+    def _static_forward(self, ids, rows, start: int, logits_for) -> ForwardOutput:
+        depths, visible = rows
+        with self.linear.active():
+            hidden, captured = self.static.step(ids.shape[1]).run(ids, depths, visible, start)
+            logits = self._logits(hidden, logits_for)
+        layers = torch.cat([captured[i] for i in self.feature_layers], -1) if self.feature_layers else None
+        self.forward_passes += 1
+        return ForwardOutput(logits=logits, hidden=hidden, layers=layers)
+
+    def _logits(self, hidden: torch.Tensor, logits_for) -> torch.Tensor | None:
+        if logits_for is None:
+            return None
+        if self.vocabulary is not None:
+            return self.vocabulary.project(hidden[logits_for], self.lm_head.weight)
+        return self.lm_head(hidden[logits_for]).float()
 
     def prefill(self, prompt: Sequence[int], *, all_logits: bool = False) -> ForwardOutput:
         """Fill the cache with the prompt; logits of the last position only, unless asked."""
@@ -198,15 +236,13 @@ class ModelRunner:
         rows = len(tokens)
         padded = self._bucket(rows)
         if padded > rows:  # padding rows: token 0 at the root's position, each seeing only itself
-            tokens = torch.cat([torch.as_tensor(tokens), torch.zeros(padded - rows, dtype=torch.long)])
+            tokens = torch.as_tensor(tokens)
+            tokens = torch.cat([tokens, tokens.new_zeros(padded - rows)])
             depths = list(depths) + [0] * (padded - rows)
             grown = torch.eye(padded, dtype=torch.bool)
             grown[:rows, :rows] = visible
             visible = grown
-        bound = start + max(depths) + 1
-        depths = torch.tensor(depths, device=self.device)
-        mask = None if len(tokens) == 1 else attention_mask(visible, start, self.dtype, self.device)
-        out = self.forward(tokens, positions=start + depths, mask=mask, bound=bound)
+        out = self.forward(tokens, rows=(depths, visible))
         if padded == rows:
             return out
         # the padding rows' KV sits after every tree row: `commit` keeps tree nodes only, so it goes

@@ -1,0 +1,90 @@
+"""The static step (`methods/engine/graphs.py`, `engine.cuda_graphs`): what a CUDA graph captures,
+run eagerly on the CPU. Every lossless method gives the same greedy tokens through it as through
+the ordinary forward; its buffers never move over an answer or the next; it has no graph break."""
+
+import pytest
+import torch
+
+from methods.base import BuildContext, available_methods, get_method
+from methods.engine.graphs import StaticStep, graph_mode
+from methods.engine.runner import ModelRunner
+from methods.engine.stopping import StopCondition
+from methods.engine.tree import Tree
+from tests.conftest import tiny_model
+from tests.test_hydra import write_hydra
+
+PROMPTS = [[5, 9, 3, 7, 11, 5, 9, 3], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]]
+
+
+def method_context(target, tmp_path) -> BuildContext:
+    """Random heads of every kind, in their released formats, and a one-layer SpS draft."""
+    write_hydra(tmp_path / "hydra", target, seed=2)
+    drafts = {kind: {"random_init": 0} for kind in ("eagle", "eagle3", "medusa")}
+    return BuildContext(target, "tiny", {"drafts": {**drafts, "hydra": {"path": str(tmp_path / "hydra")},
+                                                    "sps": {"target_layers": 1}}})
+
+
+def test_the_mode_is_checked_and_resolved_per_device():
+    assert graph_mode("auto", torch.device("cpu")) == "off"
+    assert graph_mode("on", torch.device("cpu")) == "eager"
+    assert graph_mode("auto", torch.device("cuda")) == "graphs"
+    assert graph_mode("off", torch.device("cuda")) == "off"
+    with pytest.raises(ValueError, match="engine.cuda_graphs='yes'; valid: auto, on, off"):
+        graph_mode("yes", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("method", [m for m in available_methods() if m != "lazyllm" and not m.startswith(("toy", "echo"))])
+def test_every_method_decodes_the_same_tokens_through_the_static_step(method, tmp_path, monkeypatch):
+    monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))  # the random heads
+    target = tiny_model("llama", seed=3, layers=8)
+    context = method_context(target, tmp_path)
+    outputs, used = {}, {"off": [], "on": []}
+    original, mode = StaticStep.run, None
+    monkeypatch.setattr(StaticStep, "run", lambda self, *a: used[mode].append(self.rows) or original(self, *a))
+    for mode in ("off", "on"):
+        decoder = get_method(method)(ModelRunner(target, cuda_graphs=mode), {"name": method}, context)
+        outputs[mode] = [decoder.generate(prompt, StopCondition(40)).tokens for prompt in PROMPTS]
+    assert outputs["on"] == outputs["off"]
+    assert not used["off"] and used["on"], "the static step ran only in the static mode"
+
+
+def test_buffers_keep_their_addresses_and_padding_is_dropped():
+    """Over two answers the cache's buffers and the static steps stay put (the second answer reuses
+    them: no capture again); a padded verification commits only tree nodes."""
+    target = tiny_model("llama", seed=5)
+    runner = ModelRunner(target, cuda_graphs="on")
+    plain = ModelRunner(target, cuda_graphs="off")
+    addresses = set()
+    for prompt in PROMPTS:
+        for r in (runner, plain):
+            r.reset()
+            r.reserve(len(prompt) + 40)
+            r.prefill(prompt)
+        for step in range(12):
+            tree = Tree(torch.tensor([3, 4, 5]), [-1, 0, 0])  # 3 rows, padded to 4
+            start = runner.length
+            out, expected = runner.verify(tree), plain.verify(tree)
+            torch.testing.assert_close(out.logits, expected.logits, rtol=1e-5, atol=1e-5)
+            assert runner.length == start + 4 and plain.length == start + 3
+            for r in (runner, plain):
+                r.commit(start, [0, 2])
+            for a, b in zip(runner.cache.layers, plain.cache.layers):
+                torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+            addresses.add(tuple(layer._keys.data_ptr() for layer in runner.cache.layers))
+    assert len(addresses) == 1 and runner.cache.regrowths == 0
+    assert sorted(runner.static.steps) == [4]
+
+
+def test_the_static_step_has_no_graph_break():
+    """What a CUDA graph needs, checked on the CPU: Dynamo traces the whole step as one graph."""
+    target = tiny_model("llama", seed=7, layers=2)
+    runner = ModelRunner(target, cuda_graphs="on")
+    runner.reserve(40)
+    runner.prefill([1, 2, 3, 4])
+    step = runner.static.step(4)
+    step.ids.copy_(torch.tensor([[5, 6, 7, 8]]))
+    step.start.fill_(runner.length)
+    with torch.inference_mode():
+        eager = step.compute()[0].clone()
+        compiled = torch.compile(step.compute, fullgraph=True, backend="eager")  # raises on a graph break
+        torch.testing.assert_close(compiled()[0], eager)
