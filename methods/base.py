@@ -373,7 +373,9 @@ class DraftVerifyDecoder(Decoder):
             prefix = self.target.length
             verified = self.target.verify(tree)
             clock.lap("verify")
-            acceptance = self._accept(tree, verified.logits[: len(tree)])  # extra rows are never accepted
+            # extra rows are never accepted; at temperature 0 their argmax comes back with the step's read
+            extra = verified.logits[len(tree):] if tree.extra_rows is not None else None
+            acceptance = self._accept(tree, verified.logits[: len(tree)], extra)
             emitted = acceptance.emitted or tree.tokens[acceptance.path[1:]].tolist() + [acceptance.next_token]
             # the row of each accepted node chose the token after it: its accepted child, or the next token
             margins.extend(acceptance.margins or logit_margins(verified.logits[acceptance.path], emitted))
@@ -401,9 +403,9 @@ class DraftVerifyDecoder(Decoder):
         stats.total_time = clock.last - begin
         return DecodeOutput(tokens=tokens, stats=stats)
 
-    def _accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
+    def _accept(self, tree: Tree, logits: torch.Tensor, extra: torch.Tensor | None = None) -> Acceptance:
         if self.sampling.greedy:
-            return greedy_accept_logits(tree, logits)
+            return greedy_accept_logits(tree, logits, extra)
         return self.sample_accept(tree, logits_to_probs(logits, self.sampling), self.generator)
 
     # Swappable so that tests can show a broken acceptor is caught.

@@ -100,10 +100,11 @@ class EagleDrafter:
         self.root_hidden = hidden[-1]
         self.root_logits = self.logits(hidden[-1])
 
-    def feed_level(self, tokens: list[int], parent_hidden: torch.Tensor, depth: int,
-                   visible: list[list[int]]) -> torch.Tensor:
+    def feed_level(self, tokens: Sequence[int] | torch.Tensor, parent_hidden: torch.Tensor, depth: int,
+                   visible: list[list[int]] | torch.Tensor) -> torch.Tensor:
         """Feed tree nodes of one depth. `visible[i]`: tree-entry slots (0-based, after the
-        committed pairs) that node i may attend to besides itself (its ancestors). Returns their
+        committed pairs) that node i may attend to besides itself (its ancestors), as lists or as a
+        bool tensor [n, drafted] on the device (`level_mask`). Returns their
         outputs; the new nodes take the next slots in order."""
         drafted = self.cache.get_seq_length() - self.committed
         mask = level_mask(self.committed, drafted, visible, self.dtype, self.device)
@@ -138,7 +139,8 @@ class _EagleBase(DraftVerifyDecoder):
 
     def advance(self, tree, acceptance, verified) -> None:
         path = acceptance.path
-        tokens = tree.tokens[path[1:]].tolist() + [acceptance.next_token]
+        # the emitted tokens are on the host already (the step's one read): no second read of the tree
+        tokens = acceptance.emitted or tree.tokens[path[1:]].tolist() + [acceptance.next_token]
         self.drafter.follow(tokens, self.features(verified)[path])
 
 
@@ -204,6 +206,8 @@ class EagleDecoder(_EagleBase):
         children = [[] for _ in range(count)]
         for node in range(1, count):
             children[parents[node]].append(node)  # in rank order: the template lists paths by (depth, ranks)
+        if not sampled:
+            return self._greedy_tree(root, count, parents, children, depth_limit)
         tokens = [root] + [0] * (count - 1)
         alive = [True] * count  # sampling: children beyond what q can give leave the tree, with their subtrees
         logits_of = {0: self.drafter.root_logits}
@@ -214,21 +218,15 @@ class EagleDecoder(_EagleBase):
             level = [n for n in range(1, count) if tree.depths[n] == depth and alive[parents[n]]]
             if not level:
                 break
-            if sampled:
-                for parent in dict.fromkeys(parents[n] for n in level):
-                    kids = children[parent]
-                    drawn = self._draw(logits_of[parent], len(kids), draft_probs, parent)
-                    for i, node in enumerate(kids):
-                        if i < len(drawn):
-                            tokens[node] = drawn[i]
-                        else:
-                            alive[node] = False
-                level = [n for n in level if alive[n]]
-            else:
-                k = tree.top_k(depth)
-                ranked = {p: torch.topk(logits_of[p], k).indices.tolist() for p in {parents[n] for n in level}}
-                for node in level:
-                    tokens[node] = ranked[parents[node]][tree.ranks[node]]
+            for parent in dict.fromkeys(parents[n] for n in level):
+                kids = children[parent]
+                drawn = self._draw(logits_of[parent], len(kids), draft_probs, parent)
+                for i, node in enumerate(kids):
+                    if i < len(drawn):
+                        tokens[node] = drawn[i]
+                    else:
+                        alive[node] = False
+            level = [n for n in level if alive[n]]
             expand = [n for n in level if any(alive[c] for c in children[n])]
             if not expand or depth == depth_limit:
                 break
@@ -240,9 +238,41 @@ class EagleDecoder(_EagleBase):
             for i, node in enumerate(expand):
                 slot_of[node] = base + i
                 hidden_of[node], logits_of[node] = hidden[i], logits[i]
-        if not sampled or not draft_probs:
+        if not draft_probs:
             return Tree(torch.tensor(tokens), parents)
         return self._sampled_tree(tokens, parents, alive, draft_probs)
+
+    @torch.inference_mode()
+    def _greedy_tree(self, root: int, count: int, parents: list[int], children: list[list[int]], depth_limit: int) -> Tree:
+        """The template filled with each parent's top-k children, level by level, on the head's
+        device: the tokens never come back to the host (the verification's read brings the accepted
+        ones). Rows are in node order: node n's hidden state and logits are row n."""
+        tree, drafter = self.tree, self.drafter
+        device = drafter.root_hidden.device
+        tokens = torch.empty(count, dtype=torch.long, device=device)
+        tokens[0] = root
+        hidden = drafter.root_hidden.new_empty(count, drafter.root_hidden.shape[-1])
+        hidden[0] = drafter.root_hidden
+        logits = drafter.root_logits.new_empty(count, drafter.root_logits.shape[-1])
+        logits[0] = drafter.root_logits
+        slot_of: dict[int, int] = {}
+        for depth in range(1, depth_limit + 1):
+            level = [n for n in range(1, count) if tree.depths[n] == depth]
+            if not level:
+                break
+            row = {p: i for i, p in enumerate(dict.fromkeys(parents[n] for n in level))}
+            ranked = torch.topk(logits[list(row)], tree.top_k(depth)).indices  # [parents, k]
+            tokens[level] = ranked[[row[parents[n]] for n in level], [tree.ranks[n] for n in level]]
+            expand = [n for n in level if children[n]]
+            if not expand or depth == depth_limit:
+                break
+            visible = [[slot_of[a] for a in ancestors_of(parents, n)] for n in expand]
+            out = drafter.feed_level(tokens[expand], hidden[[parents[n] for n in expand]], depth, visible)
+            base = len(slot_of)
+            for i, node in enumerate(expand):
+                slot_of[node] = base + i
+            hidden[expand], logits[expand] = out, drafter.logits(out)
+        return Tree(tokens, parents)
 
     def _draw(self, logits: torch.Tensor, n: int, draft_probs: dict, node: int) -> list[int]:
         """EAGLE-1's `Model.sample`: up to n children drawn from the processed q without replacement,
@@ -298,8 +328,8 @@ class Eagle2Decoder(_EagleBase):
     def _propose(self, root: int, budget: int) -> Tree:
         """EAGLE-2's expansion: the top-k children of the root, then per level the top-k children of
         the k best frontier nodes, of which the k best by path value form the next frontier; the
-        candidates' tokens, parents and values stay tensors (one host read a level: the frontier's
-        candidate ids, for the level mask); `_rerank` keeps the best."""
+        candidates' tokens, parents, values and the frontier's level masks stay on the device (no
+        read while drafting); `_rerank` keeps the best."""
         levels = min(self.depth + 1, budget)  # draft tokens along a path
         if levels <= 0:
             return Tree(torch.tensor([root]), [-1])
@@ -308,46 +338,44 @@ class Eagle2Decoder(_EagleBase):
         # candidates in creation order (ancestors before descendants): token, parent (-1 = root), value
         top = torch.topk(torch.log_softmax(self.drafter.root_logits, -1), k)
         tokens, parents, values = [top.indices], [torch.full((k,), -1, device=device)], [top.values]
-        frontier = list(range(k))  # candidate ids (host: the level mask is built from them)
-        frontier_ids = torch.arange(k, device=device)
+        frontier_ids = torch.arange(k, device=device)  # candidate ids of the nodes fed next
         frontier_values, frontier_hidden = top.values, self.drafter.root_hidden.expand(k, -1)
-        visible_of: dict[int, list[int]] = {c: [] for c in frontier}  # candidate -> its ancestors' slots
-        slot_of: dict[int, int] = {}
+        # frontier node -> the drafted slots it sees (its ancestors'): level l's frontier sits in slots
+        # (l - 1) k .. l k - 1, so a child of frontier node j sees its parent's row and slot j of that level
+        seen = torch.zeros(k, 0, dtype=torch.bool, device=device)
         count = k
         for level in range(1, levels):
-            hidden = self.drafter.feed_level(torch.cat(tokens)[frontier_ids], frontier_hidden, level,
-                                             [visible_of[c] for c in frontier])
-            base = len(slot_of)
-            for i, c in enumerate(frontier):
-                slot_of[c] = base + i
+            hidden = self.drafter.feed_level(torch.cat(tokens)[frontier_ids], frontier_hidden, level, seen)
             child = torch.topk(torch.log_softmax(self.drafter.logits(hidden), -1), k)  # [k, k]
             cumulative = (frontier_values[:, None] + child.values).flatten()
             tokens.append(child.indices.flatten())
             parents.append(frontier_ids.repeat_interleave(k))
             values.append(cumulative)
             best = torch.topk(cumulative, k).indices
-            picks = best.tolist()  # the level's one host read: the next frontier (this level's candidates from `count`)
-            visible_of = {count + i: visible_of[frontier[i // k]] + [slot_of[frontier[i // k]]] for i in picks}
-            frontier, frontier_ids = [count + i for i in picks], best + count
+            parent = best // k  # each new frontier node's parent, a row of this level
+            seen = torch.cat([seen[parent], parent[:, None] == torch.arange(k, device=device)], 1)  # (one_hot reads its bounds)
+            frontier_ids = best + count
             count += k * k
             frontier_values = cumulative[best]
-            frontier_hidden = hidden[best // k]
+            frontier_hidden = hidden[parent]
         return self._rerank(root, torch.cat(tokens), torch.cat(parents), torch.cat(values))
 
     def _rerank(self, root: int, tokens: torch.Tensor, parents: torch.Tensor, values: torch.Tensor) -> Tree:
         """Keep the best `total_tokens - 1` candidates; ties go to the earlier candidate (a stable
-        sort), so a kept node's ancestors (never worth less) are kept too. On tensors: one host read
-        for the adaptive size's probabilities, one for the tree's parents."""
+        sort), so a kept node's ancestors (never worth less) are kept too. One host read: the best
+        candidates' ids, parents and path probabilities (the adaptive size's input), from which the
+        host builds the tree's structure; the tokens stay on the device."""
         keep = min(self.total_tokens - 1, tokens.numel())
         order = torch.sort(values, descending=True, stable=True).indices[:keep]
+        ids, ups, probabilities = torch.stack([order.double(), parents[order].double(), values[order].exp().double()]).tolist()
         if self.verify_seconds is not None:
-            order = order[:self.adaptive_size(values[order].exp().tolist())]
-        kept = torch.sort(order).values
-        node_of = torch.zeros_like(parents)  # candidate -> its node in the tree (1-based); the root's children: 0
-        node_of[kept] = torch.arange(1, kept.numel() + 1, device=kept.device)
-        kept_parents = parents[kept]
-        tree_parents = torch.where(kept_parents < 0, 0, node_of[kept_parents.clamp(min=0)])
-        return Tree(torch.cat([tokens.new_tensor([root]), tokens[kept]]), [-1] + tree_parents.tolist())
+            ids = ids[:self.adaptive_size(probabilities)]
+        kept = sorted(int(c) for c in ids)
+        node_of = {c: node for node, c in enumerate(kept, start=1)}  # candidate -> its node (the root's children: parent 0)
+        parent_of = dict(zip((int(c) for c in ids), (int(p) for p in ups)))
+        tree_parents = [node_of.get(parent_of[c], 0) for c in kept]
+        chosen = tokens[torch.tensor(kept, dtype=torch.long, device=tokens.device)]
+        return Tree(torch.cat([tokens.new_tensor([root]), chosen]), [-1] + tree_parents)
 
     def adaptive_size(self, probabilities: list[float]) -> int:
         """How many of the best candidates (path probabilities, best first) to verify: the n with

@@ -30,7 +30,7 @@ from .engine.acceptance import typical_accept
 from .engine.kv_cache import TreeKVCache
 from .engine.params import Settings, number, one_of, paths, setting
 from .engine.sampling import logits_to_probs
-from .engine.static_trees import NAMED_TREES, StaticTree
+from .engine.static_trees import NAMED_TREES, StaticTree, template_tokens
 from .engine.tree import Tree, attention_mask
 from .engine.vocab import draft_vocab_setting
 from .models.heads.source import head_setting, head_spec
@@ -120,10 +120,10 @@ class HydraDecoder(DraftVerifyDecoder):
     def advance(self, tree, acceptance, verified) -> None:
         self._follow(self.features(verified)[acceptance.path])
 
-    def _accept(self, tree, logits):
+    def _accept(self, tree, logits, extra=None):
         if self.acceptance == "typical" and not self.sampling.greedy:
             return typical_accept(tree, logits_to_probs(logits, self.sampling), *self.typical)
-        return super()._accept(tree, logits)
+        return super()._accept(tree, logits, extra)
 
     # ---------------------------------------------------------------------------------------
     def _logits(self, i: int, features: torch.Tensor) -> torch.Tensor:
@@ -155,28 +155,27 @@ class HydraDecoder(DraftVerifyDecoder):
         for node in range(1, count):
             children[parents[node]].append(node)
         embed = self.heads.embed
-        tokens = [root] + [0] * (count - 1)
         h = self.h.to(self.heads.hydra_mlp[0][0 if self.heads.arch == "mlp" else 1].linear.weight.dtype)
         device = h.device
-        inputs = {0: torch.cat([h, embed(torch.tensor([root], device=device))[0]])}  # node -> concat(h, e(path))
+        # the tokens stay on the device: the verification's one read brings back the accepted ones
+        tokens = torch.empty(count, dtype=torch.long, device=device)
+        tokens[0] = root
+        inputs = {0: torch.cat([h, embed(tokens[:1])[0]])}  # node -> concat(h, e(path))
         for depth in range(depth_limit):
             frontier = [n for n in range(count) if tree.depths[n] == depth and children[n]]
             if not frontier:
                 break
             x = torch.stack([inputs.pop(n) for n in frontier])  # [m, H * (depth + 2)]
             logits = self._logits(depth, self.heads.features(depth, x))
-            ranked = torch.topk(logits, tree.top_k(depth + 1)).indices.tolist()
-            expand = []
-            for row, node in enumerate(frontier):
-                for child in children[node]:
-                    tokens[child] = ranked[row][tree.ranks[child]]
-                    if children[child]:
-                        expand.append((child, row))
+            ranked = torch.topk(logits, tree.top_k(depth + 1)).indices  # [m, k]
+            kids = [(row, child) for row, node in enumerate(frontier) for child in children[node]]
+            tokens[[c for _, c in kids]] = ranked[[r for r, _ in kids], [tree.ranks[c] for _, c in kids]]
+            expand = [(child, row) for row, child in kids if children[child]]
             if expand:
-                embedded = embed(torch.tensor([tokens[c] for c, _ in expand], device=device))
+                embedded = embed(tokens[[c for c, _ in expand]])
                 for (child, row), e in zip(expand, embedded):
                     inputs[child] = torch.cat([x[row], e])
-        return Tree(torch.tensor(tokens), parents)
+        return Tree(tokens, parents)
 
     def _ungrounded(self, root: int, depth: int, count: int) -> Tree:
         """Medusa's tree: head d-1's r-th candidate under every parent at depth d."""
@@ -184,8 +183,7 @@ class HydraDecoder(DraftVerifyDecoder):
         dtype = self.heads.projection(0).weight.dtype
         candidates = [torch.topk(self._logits(d, self.heads.features(d, self.h.to(dtype)[None]))[0], tree.top_k(d + 1)).indices
                       for d in range(depth)]
-        tokens = [root] + [int(candidates[tree.depths[n] - 1][tree.ranks[n]]) for n in range(1, count)]
-        return Tree(torch.tensor(tokens), tree.parents[:count])
+        return Tree(template_tokens(root, candidates, tree, count), tree.parents[:count])
 
 
 def _missing_embedded_heads(spec, context: BuildContext) -> None:

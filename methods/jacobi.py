@@ -14,6 +14,7 @@ is recorded per block.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -57,13 +58,15 @@ class JacobiDecoder(DraftVerifyDecoder):
             raise ValueError("jacobi decoding is greedy only; run it with temperature=0")
         self.iterations_per_block: list[int] = []
         self._prompt = list(prompt)
-        self._rng = torch.Generator().manual_seed(self.seed)
+        self._rng = random.Random(self.seed)  # the host's: the guesses are drawn from the host's tokens
         out = super().generate(prompt, stop, sampling, generator)
         out.stats.extra["iterations_per_block"] = self.iterations_per_block
         return out
 
     def start(self, prompt, prefill) -> None:
-        self.guess: list[int] = []  # guesses for the positions after the root, in the current block
+        # guesses for the positions after the root, in the current block: on the target's device, so
+        # that the next iteration's block never comes back to the host
+        self.guess = torch.empty(0, dtype=torch.long, device=self.target.device)
         self.remaining = 0  # unconverged positions of the current block after the root
 
     def _new_block(self, root: int) -> None:
@@ -71,29 +74,29 @@ class JacobiDecoder(DraftVerifyDecoder):
         self.remaining = self.block_size - 1
         if self.initial_guess in ("sequence", "prompt"):  # uniform draws, with replacement
             pool = self.sequence if self.initial_guess == "sequence" else self._prompt
-            picks = torch.randint(len(pool), (self.remaining,), generator=self._rng).tolist()
-            self.guess = [pool[i] for i in picks]
+            guess = [pool[self._rng.randrange(len(pool))] for _ in range(self.remaining)]
         elif self.initial_guess == "repeat":
-            self.guess = [root] * self.remaining
+            guess = [root] * self.remaining
         else:
-            self.guess = [self.pad_token] * self.remaining
+            guess = [self.pad_token] * self.remaining
+        self.guess = torch.tensor(guess, dtype=torch.long, device=self.target.device)
 
     def propose(self, root: int, budget: int) -> Tree:
         if self.remaining <= 0:
             self._new_block(root)
         self.iterations_per_block[-1] += 1
         guess = self.guess[: min(self.remaining, budget)]
-        return Tree.chain(torch.tensor([root] + guess))
+        return Tree.chain(torch.cat([guess.new_tensor([root]), guess]))
 
     def advance(self, tree, acceptance, verified) -> None:
         converged = acceptance.accepted_drafts + 1  # accepted guesses and the target's next token
         self.remaining -= converged
         # the target's argmax after each unaccepted node: the next guesses for the positions after
         # the new root (conditioned on the old guesses, as Jacobi iteration does)
-        predictions = verified.logits.argmax(-1).tolist()
-        self.guess = predictions[len(acceptance.path):][: max(self.remaining, 0)]
-        if len(self.guess) < self.remaining:  # the budget had cut the block short
-            self.guess += [self.pad_token] * (self.remaining - len(self.guess))
+        guess = verified.logits.argmax(-1)[len(acceptance.path):][: max(self.remaining, 0)]
+        if len(guess) < self.remaining:  # the budget had cut the block short
+            guess = torch.cat([guess, guess.new_full((self.remaining - len(guess),), self.pad_token)])
+        self.guess = guess
 
 
 @register("jacobi", settings=JacobiSettings)

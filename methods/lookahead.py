@@ -135,11 +135,12 @@ class LookaheadDecoder(DraftVerifyDecoder):
             visible[:, 0] = True  # the root
             visible[:size0, 1 : 1 + size0] = torch.ones(size0, size0, dtype=torch.bool).tril()
             for level in range(1, filled + 1):
-                rows = size0 + (level - 1) * width + torch.arange(width)
                 for column in range(width):
-                    visible[rows[column], 1 : 1 + min(column, size0)] = True
+                    row = size0 + (level - 1) * width + column
+                    visible[row, 1 : 1 + min(column, size0)] = True
                     for earlier in range(1, level + 1):
-                        visible[rows[column], 1 + size0 + (earlier - 1) * width + column] = True
+                        visible[row, 1 + size0 + (earlier - 1) * width + column] = True
+            ExtraRows(torch.empty(m, dtype=torch.long), [0] * m, visible).check(1)  # once per shape
             self._masks[key] = visible
         return self._masks[key]
 
@@ -163,15 +164,14 @@ class LookaheadDecoder(DraftVerifyDecoder):
         visible = torch.zeros(m, n + m, dtype=torch.bool)
         visible[:, 0] = window[:, 0]
         visible[:, n:] = window[:, 1:]
-        tree.extra_rows = ExtraRows(torch.tensor(tokens, dtype=torch.long), depths, visible)
-        tree.extra_rows.check(n)
+        tree.extra_rows = ExtraRows(torch.tensor(tokens, dtype=torch.long), depths, visible)  # the mask checked once
         self.rows += m
         self.candidates += n - 1
         return tree
 
     def advance(self, tree, acceptance, verified) -> None:
         if tree.extra_rows is not None:
-            self._slide(tree, verified)
+            self._slide(tree, acceptance, verified)
         if self.pool_from_prompt:
             emitted = len(acceptance.path)  # accepted drafts and the next token
             text = self.sequence
@@ -179,18 +179,21 @@ class LookaheadDecoder(DraftVerifyDecoder):
                 if end >= self.level:
                     self._remember(text[end - self.level], tuple(text[end - self.level + 1 : end]))
 
-    def _slide(self, tree, verified) -> None:
+    def _slide(self, tree, acceptance, verified) -> None:
         """The last level's argmax becomes a new level (warm-up) or, once warm, each column's
         trajectory goes to the pool and the window slides one column."""
         width = len(self.levels[0]) + 1
-        newest = verified.logits[len(tree) + len(tree.extra_rows) - width :].argmax(-1).tolist()  # the last level's
+        if acceptance.extra_argmax is not None:  # greedy: read with the acceptance
+            newest = acceptance.extra_argmax[len(tree.extra_rows) - width:]
+        else:
+            newest = verified.logits[len(tree) + len(tree.extra_rows) - width :].argmax(-1).tolist()  # the last level's
         if self.levels[-1] is None:  # warm-up: one more level
             for level in range(self.filled + 1):
                 self.levels[level] = self.levels[level][1:]
             self.filled += 1
             self.levels[self.filled] = newest[1:]
         else:
-            root = int(tree.tokens[0])
+            root = self.sequence[-len(acceptance.path) - 1]  # the step's root: the token before the emitted ones
             for column in range(self.window):
                 first = root if column == 0 else self.levels[0][column - 1]
                 self._remember(first, tuple(self.levels[l][column] for l in range(1, self.level - 1)) + (newest[column],))

@@ -62,7 +62,7 @@ class MultiCandidateDecoder(DraftVerifyDecoder):
                                      without_replacement=not self.replacement)
 
     def advance(self, tree, acceptance, verified) -> None:
-        self.draft.keep_path(tree, acceptance.path)
+        self.draft.keep_path(tree, acceptance.path, acceptance.emitted)
 
 
 def parse_k_config(value) -> tuple[int, ...]:

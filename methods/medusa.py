@@ -19,7 +19,7 @@ from .models.heads.medusa import MedusaHeads, load_medusa_heads
 from .models.heads.source import head_setting, head_spec
 from .engine.sampling import logits_to_probs
 from .engine.params import Settings, number, one_of, paths, setting
-from .engine.static_trees import NAMED_TREES, StaticTree
+from .engine.static_trees import NAMED_TREES, StaticTree, template_tokens
 from .engine.vocab import draft_vocab_setting
 from .engine.tree import Tree
 
@@ -72,16 +72,15 @@ class MedusaDecoder(DraftVerifyDecoder):
             return Tree(torch.tensor([root]), [-1])
         logits = self.heads.draft_logits(self.hidden, depth, self.vocabulary)  # [depth, V]
         candidates = [torch.topk(logits[d], self.tree.top_k(d + 1)).indices for d in range(depth)]
-        tokens = [root] + [int(candidates[self.tree.depths[n] - 1][self.tree.ranks[n]]) for n in range(1, count)]
-        return Tree(torch.tensor(tokens), self.tree.parents[:count])
+        return Tree(template_tokens(root, candidates, self.tree, count), self.tree.parents[:count])
 
     def advance(self, tree, acceptance, verified) -> None:
         self.hidden = verified.hidden[acceptance.path[-1]]
 
-    def _accept(self, tree, logits):
+    def _accept(self, tree, logits, extra=None):
         if self.acceptance == "typical" and not self.sampling.greedy:
             return typical_accept(tree, logits_to_probs(logits, self.sampling), *self.typical)
-        return super()._accept(tree, logits)
+        return super()._accept(tree, logits, extra)
 
 
 @register("medusa", settings=MedusaSettings)

@@ -17,9 +17,12 @@ Settings and their defaults: `PLDSettings` below.
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 from .base import DraftVerifyDecoder, register
 from .engine.params import Settings, integer, setting
@@ -38,22 +41,25 @@ class PLDSettings(Settings):
     branches: int = setting(1, integer(1), "upstream proposes one match (a chain); b > 1 adds the next matches as branches of a trie")
 
 
-def lookup_continuations(sequence: torch.Tensor, max_ngram: int, num_draft: int, eos: frozenset[int] = frozenset(),
+def lookup_continuations(sequence: Sequence[int], max_ngram: int, num_draft: int, eos: frozenset[int] = frozenset(),
                          branches: int = 1) -> list[list[int]]:
-    """Up to `branches` distinct continuations of the last n-gram of `sequence` ([L] long), in
+    """Up to `branches` distinct continuations of the last n-gram of `sequence` (token ids), in
     `transformers`' order: the longest n-gram first, then leftmost occurrence first. The first one
-    is exactly what `PromptLookupCandidateGenerator.get_candidates` proposes."""
-    length = sequence.numel()
+    is exactly what `PromptLookupCandidateGenerator.get_candidates` proposes. The text lives on the
+    host (every emitted token comes back with the step's one read), so the search runs there, in
+    numpy: it reads nothing from the device."""
+    text = np.asarray(sequence, dtype=np.int64).reshape(-1)
+    length = text.size
     found: list[list[int]] = []
     for n in range(min(max_ngram, length - 1), 0, -1):
-        windows = sequence.unfold(0, n, 1)  # [L - n + 1, n]
-        matches = (windows == sequence[-n:]).all(dim=1).nonzero().flatten().tolist()
-        for index in matches:
+        windows = sliding_window_view(text, n)  # [L - n + 1, n]
+        matches = np.flatnonzero((windows == text[-n:]).all(axis=1))
+        for index in matches.tolist():
             start = index + n
             end = min(start + num_draft, length)
             if start >= end:  # the n-gram itself, at the end of the text
                 continue
-            continuation = sequence[start:end].tolist()
+            continuation = text[start:end].tolist()
             for i, token in enumerate(continuation):  # transformers cuts the draft before an EOS
                 if token in eos:
                     continuation = continuation[:i]
@@ -106,8 +112,7 @@ class PromptLookupDecoder(DraftVerifyDecoder):
     def propose(self, root: int, budget: int) -> Tree:
         if budget <= 0:
             return Tree(torch.tensor([root]), [-1])
-        sequence = torch.tensor(self.sequence, dtype=torch.long)
-        found = lookup_continuations(sequence, self.max_ngram, min(self.num_draft, budget), self.eos, self.branches)
+        found = lookup_continuations(self.sequence, self.max_ngram, min(self.num_draft, budget), self.eos, self.branches)
         self.matched_steps += bool(found)
         return trie(root, found)
 

@@ -72,15 +72,20 @@ class TokenRecyclingDecoder(DraftVerifyDecoder):
         if top_k > target.vocab_size:
             raise ValueError(f"recycling top_k={top_k} exceeds the vocabulary ({target.vocab_size} tokens)")
         self.tree, self.top_k, self.persist = tree, top_k, persist
-        self.parents = torch.tensor(tree.parents[1:], dtype=torch.long)
-        self.ranks = torch.tensor(tree.ranks[1:], dtype=torch.long)
-        self.levels = [[n for n in range(1, len(tree)) if tree.depths[n] == d] for d in range(1, tree.max_depth + 1)]
+        device = target.device
+        self.parents = torch.tensor(tree.parents[1:], dtype=torch.long, device=device)
+        self.ranks = torch.tensor(tree.ranks[1:], dtype=torch.long, device=device)
+        self.levels = [torch.tensor([n for n in range(1, len(tree)) if tree.depths[n] == d], device=device)
+                       for d in range(1, tree.max_depth + 1)]
         self.reset()
 
     def reset(self) -> None:
-        """Forget every recycled successor: the matrix of zeros upstream starts from."""
-        self.adjacency = torch.zeros(self.target.vocab_size, self.top_k, dtype=torch.long)
-        self.filled = torch.zeros(self.target.vocab_size, dtype=torch.bool)
+        """Forget every recycled successor: the matrix of zeros upstream starts from. It lives on the
+        target's device (drafting and recycling read nothing back); its extra last row takes the
+        writes that a later occurrence of the same token overrides."""
+        vocab, device = self.target.vocab_size, self.target.device
+        self.adjacency = torch.zeros(vocab + 1, self.top_k, dtype=torch.long, device=device)
+        self.filled = torch.zeros(vocab + 1, dtype=torch.bool, device=device)
 
     def describe(self):
         return {**super().describe(), "tree_nodes": len(self.tree), "tree_depth": self.tree.max_depth,
@@ -89,20 +94,22 @@ class TokenRecyclingDecoder(DraftVerifyDecoder):
     def generate(self, prompt, stop, sampling=None, generator=None):
         if not self.persist:
             self.reset()
-        rows_before = int(self.filled.sum())
+        rows_before = int(self.filled[:-1].sum())  # once per answer, for its statistics
         out = super().generate(prompt, stop, sampling or SamplingConfig(), generator)
         out.stats.extra.update({"adjacency_persists": self.persist, "adjacency_rows_before": rows_before,
-                                "adjacency_rows_after": int(self.filled.sum())})
+                                "adjacency_rows_after": int(self.filled[:-1].sum())})
         return out
 
     def _recycle(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
-        """Row of each token <- the top-k after it; for a repeated token the last node's wins."""
-        successors = torch.topk(logits, self.top_k, dim=-1).indices.cpu()
-        tokens = tokens.cpu()
-        last = {int(t): i for i, t in enumerate(tokens.tolist())}  # last occurrence of each token
-        keep = torch.tensor(sorted(last.values()), dtype=torch.long)
-        self.adjacency[tokens[keep]] = successors[keep]
-        self.filled[tokens[keep]] = True
+        """Row of each token <- the top-k after it; for a repeated token the last node's wins (the
+        earlier occurrences write the spare last row instead): on the device, no read back."""
+        tokens = tokens.to(self.adjacency.device)
+        successors = torch.topk(logits, self.top_k, dim=-1).indices
+        same = tokens[:, None] == tokens[None, :]
+        overridden = torch.triu(same, diagonal=1).any(dim=1)  # a later node holds the same token
+        rows = torch.where(overridden, self.adjacency.shape[0] - 1, tokens)
+        self.adjacency[rows] = successors
+        self.filled[rows] = True
 
     def start(self, prompt, prefill) -> None:
         self._recycle(torch.tensor(prompt[-1:]), prefill.logits[-1:])
@@ -110,10 +117,9 @@ class TokenRecyclingDecoder(DraftVerifyDecoder):
     def propose(self, root: int, budget: int) -> Tree:
         depth = min(self.tree.max_depth, budget)
         count = 1 + sum(len(level) for level in self.levels[:depth])  # nodes are sorted by depth
-        tokens = torch.empty(count, dtype=torch.long)
+        tokens = torch.empty(count, dtype=torch.long, device=self.adjacency.device)
         tokens[0] = root
-        for level in self.levels[:depth]:  # BFS: one gather per depth
-            nodes = torch.tensor(level)
+        for nodes in self.levels[:depth]:  # BFS: one gather per depth
             tokens[nodes] = self.adjacency[tokens[self.parents[nodes - 1]], self.ranks[nodes - 1]]
         return Tree(tokens, self.tree.parents[:count])
 

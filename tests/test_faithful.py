@@ -55,7 +55,7 @@ def test_jacobi_first_guesses_come_from_prompt_and_output():
 
         def recording(root, new_block=new_block, decoder=decoder, guesses=guesses):
             new_block(root)
-            guesses.append((list(decoder.guess), set(decoder.sequence)))
+            guesses.append((decoder.guess.tolist(), set(decoder.sequence)))
 
         decoder._new_block = recording
         out = decoder.generate(prompt, StopCondition(40))

@@ -5,9 +5,11 @@ import torch
 
 from harness.perf.host_reads import counting_host_reads, reads_per_step
 from methods.ar import AutoregressiveDecoder
+from methods.base import available_methods, get_method
 from methods.engine.runner import ModelRunner
 from methods.engine.stopping import StopCondition
 from tests.conftest import tiny_model
+from tests.test_static_step import PROMPTS, method_context
 
 
 def test_every_kind_of_host_read_is_counted_once():
@@ -65,3 +67,23 @@ def test_a_greedy_step_of_the_shared_loop_reads_the_host_once():
     model = tiny_model("llama", seed=3)
     per_step, counts, steps = reads_per_step(AutoregressiveDecoder(ModelRunner(model)), [[5, 9, 3, 7, 11]], StopCondition(40))
     assert steps == 40 and sum(counts.values()) == steps, counts
+
+
+# Issue 35's budget: host reads per greedy decoding step (the step's one read; EAGLE-2/3 read their
+# dynamic tree's structure once more). Per answer, a method may add PER_ANSWER reads (Lookahead's
+# first window, Token Recycling's matrix statistics).
+BUDGET = {"eagle2": 2, "eagle3": 2}
+PER_ANSWER = 2
+
+
+@pytest.mark.parametrize("method", [m for m in available_methods() if m != "lazyllm" and not m.startswith(("toy", "echo"))])
+def test_every_method_keeps_its_host_read_budget(method, tmp_path, monkeypatch):
+
+    monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
+    target = tiny_model("llama", seed=3, layers=8)
+    decoder = get_method(method)(ModelRunner(target), {"name": method}, method_context(target, tmp_path))
+    decoder.generate(PROMPTS[0], StopCondition(8))  # first-use work (a latency curve, a random head) is not a step's
+    with counting_host_reads() as reads:
+        out = decoder.generate(PROMPTS[1], StopCondition(40))
+    steps = out.stats.steps
+    assert steps > 5 and reads.total <= BUDGET.get(method, 1) * steps + PER_ANSWER, (reads.counts, steps)

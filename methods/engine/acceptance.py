@@ -37,6 +37,8 @@ class Acceptance:
     # and each path row's logit margin (chosen token's logit minus the best other's)
     emitted: list[int] | None = None
     margins: list[float] | None = None
+    # greedy, for a tree with extra rows: each extra row's argmax, read with the rest (Lookahead's window)
+    extra_argmax: list[int] | None = None
 
     @property
     def accepted_drafts(self) -> int:
@@ -55,11 +57,12 @@ def greedy_accept(tree: Tree, target_argmax: list[int]) -> Acceptance:
         node = child
 
 
-def greedy_accept_logits(tree: Tree, logits: torch.Tensor) -> Acceptance:
+def greedy_accept_logits(tree: Tree, logits: torch.Tensor, extra: torch.Tensor | None = None) -> Acceptance:
     """`greedy_accept(tree, logits.argmax(-1))`, computed where the logits [N, V] are: node i is on
     the greedy path when every node from the root to it (itself included) matches its parent's
     argmax and is the first child that does (the rule walks children in order); the accepted nodes
-    form one chain. Argmax, path and margins come back in ONE read (`tolist` of a [3, N] tensor)."""
+    form one chain. Argmax, path and margins come back in ONE read (`tolist` of a [3, N] tensor),
+    with the argmax of each `extra` row [M, V] (a tree's extra rows) when given."""
     n, device = len(tree), logits.device
     argmax = logits.argmax(-1)
     if logits.shape[-1] > 1:
@@ -75,10 +78,15 @@ def greedy_accept_logits(tree: Tree, logits: torch.Tensor) -> Acceptance:
         match[0] = True
         first = match & ~(tree.earlier_siblings.to(device) & match[None, :]).any(-1)
         on_path = ~(tree.ancestors.to(device) & ~first[None, :]).any(-1)
-    accepted, chosen, margins = torch.stack([on_path.double(), argmax.double(), margin]).tolist()
+    rows = torch.stack([on_path.double(), argmax.double(), margin]).flatten()
+    if extra is not None:
+        rows = torch.cat([rows, extra.argmax(-1).double()])
+    values = rows.tolist()
+    accepted, chosen, margins = values[:n], values[n:2 * n], values[2 * n:3 * n]
     path = [node for node in range(n) if accepted[node]]
     emitted = [int(chosen[node]) for node in path]  # the row of each path node chose the token after it
-    return Acceptance(path, emitted[-1], emitted, [margins[node] for node in path])
+    return Acceptance(path, emitted[-1], emitted, [margins[node] for node in path],
+                      None if extra is None else [int(v) for v in values[3 * n:]])
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -97,3 +97,17 @@ class StaticTree:
 
     def __len__(self) -> int:
         return len(self.paths) + 1
+
+
+def template_tokens(root: int, candidates: Sequence[torch.Tensor], tree: StaticTree, count: int) -> torch.Tensor:
+    """Medusa's tree (every parent at depth d gets the same children): node n > 0 is the
+    `ranks[n]`-th of `candidates[depths[n] - 1]` (each a head's top-k, on its device). The first
+    `count` nodes' tokens, gathered on that device: nothing is read back to the host."""
+    device = candidates[0].device
+    flat = torch.cat([torch.as_tensor([root], device=device), *candidates])
+    offsets = [1]
+    for c in candidates:
+        offsets.append(offsets[-1] + len(c))
+    index = [0] + [offsets[tree.depths[n] - 1] + tree.ranks[n] for n in range(1, count)]
+    return flat[index]
+

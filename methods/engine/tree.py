@@ -155,15 +155,21 @@ def attention_mask(ancestors: torch.Tensor, prefix_length: int, dtype: torch.dty
     return mask
 
 
-def level_mask(prefix_length: int, drafted: int, visible: Sequence[Sequence[int]], dtype, device) -> torch.Tensor:
+def level_mask(prefix_length: int, drafted: int, visible: Sequence[Sequence[int]] | torch.Tensor, dtype, device) -> torch.Tensor:
     """Mask for feeding one level of a draft tree into a drafter's cache, which holds
     `prefix_length` committed entries and then `drafted` entries of this tree's earlier levels.
-    New node i sees the prefix, the earlier-level slots in `visible[i]` (its ancestors) and itself."""
+    New node i sees the prefix, the earlier-level slots in `visible[i]` (its ancestors) and itself.
+    `visible` as a bool tensor [n, drafted] (on the drafter's device): built there, nothing read back."""
     n = len(visible)
-    allowed = torch.zeros(n, drafted + n, dtype=torch.bool)
-    for i, slots in enumerate(visible):
-        allowed[i, list(slots)] = True
-        allowed[i, drafted + i] = True
+    if isinstance(visible, torch.Tensor):
+        if tuple(visible.shape) != (n, drafted):
+            raise ValueError(f"level visibility {tuple(visible.shape)}; expected [{n}, {drafted}]")
+        allowed = torch.cat([visible.to(device, torch.bool), torch.eye(n, dtype=torch.bool, device=device)], 1)
+    else:
+        allowed = torch.zeros(n, drafted + n, dtype=torch.bool)
+        for i, slots in enumerate(visible):
+            allowed[i, list(slots)] = True
+            allowed[i, drafted + i] = True
     mask = torch.zeros(1, 1, n, prefix_length + drafted + n, dtype=dtype, device=device)
     mask[0, 0, :, prefix_length:].masked_fill_(~allowed.to(device), torch.finfo(dtype).min)
     return mask

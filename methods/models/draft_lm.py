@@ -65,6 +65,8 @@ class DraftLM:
     def draft_tree(self, sequence: Sequence[int], k_config: Sequence[int], sampling: SamplingConfig,
                    generator: torch.Generator | None, without_replacement: bool = False) -> Tree:
         """A tree rooted at `sequence[-1]` with k_config[d-1] children per node at depth d-1."""
+        if sampling.greedy:
+            return self._greedy_tree(sequence, k_config)
         root_logits = self.catch_up(sequence)
         base = len(self.fed)  # the root sits at position base - 1
         tokens, parents = [sequence[-1]], [-1]
@@ -96,6 +98,37 @@ class DraftLM:
         self._base = base
         return Tree(torch.tensor(tokens), parents, draft_probs, without_replacement=without_replacement)
 
+    @torch.inference_mode()
+    def _greedy_tree(self, sequence: Sequence[int], k_config: Sequence[int]) -> Tree:
+        """`draft_tree` at temperature 0, on the draft's device: each node's top-k children (parent
+        by parent, in rank order), fed level by level; the tokens never come back to the host (the
+        verification's one read brings the accepted ones, `keep_path`'s `emitted`)."""
+        root_logits = self.catch_up(sequence)
+        base = len(self.fed)
+        device = root_logits.device
+        sizes = [1]
+        for k in k_config:
+            sizes.append(sizes[-1] * k)
+        tokens = torch.empty(sum(sizes), dtype=torch.long, device=device)
+        tokens[0] = sequence[-1]
+        parents, previous, logits = [-1], [0], root_logits[None]
+        self._slots = {}
+        for depth, k in enumerate(k_config, start=1):
+            level = list(range(len(parents), len(parents) + len(previous) * k))
+            parents.extend(p for p in previous for _ in range(k))
+            tokens[level[0]: level[-1] + 1] = torch.topk(logits, k).indices.reshape(-1)
+            if depth == len(k_config):
+                break
+            visible = [[self._slots[a] for a in ancestors_of(parents, n)] for n in level]
+            mask = level_mask(base, len(self._slots), visible, self.runner.dtype, self.runner.device)
+            positions = torch.full((len(level),), base - 1 + depth, device=self.runner.device)
+            logits = self.align(self.runner.forward(tokens[level[0]: level[-1] + 1], positions=positions, mask=mask).logits)
+            for node in level:
+                self._slots[node] = len(self._slots)
+            previous = level
+        self._base = base
+        return Tree(tokens, parents)
+
     @staticmethod
     def _children(node, logits, k, sampling, generator, without_replacement, rows) -> list[int]:
         if sampling.greedy:
@@ -106,11 +139,13 @@ class DraftLM:
             k = min(k, int((q > 0).sum()))
         return torch.multinomial(q, k, replacement=not without_replacement, generator=generator).tolist()
 
-    def keep_path(self, tree: Tree, path: Sequence[int]) -> None:
-        """After verification: keep the cache entries of the accepted nodes that were fed."""
+    def keep_path(self, tree: Tree, path: Sequence[int], emitted: Sequence[int] | None = None) -> None:
+        """After verification: keep the cache entries of the accepted nodes that were fed.
+        `emitted`: the step's tokens, already on the host (the path's drafts, then the next token)."""
         if self._base is None:  # no tree was drafted this step
             return
-        fed = [node for node in path[1:] if node in self._slots]
-        self.runner.commit(self._base, [self._slots[node] for node in fed])
-        self.fed.extend(int(tree.tokens[node]) for node in fed)
+        fed = [i for i, node in enumerate(path[1:]) if node in self._slots]
+        self.runner.commit(self._base, [self._slots[path[1 + i]] for i in fed])
+        tokens = emitted if emitted is not None else tree.tokens[path[1:]].tolist()
+        self.fed.extend(tokens[i] for i in fed)
         self._slots, self._base = {}, None
