@@ -90,13 +90,13 @@ def greedy_accept_logits(tree: Tree, logits: torch.Tensor, extra: torch.Tensor |
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)): what to sample from after a rejection."""
+    """norm(max(0, p - q)): what to sample from after a rejection. Where nothing is left (only
+    through rounding when p == q: rejection then has probability 0), p itself; decided on p's
+    device, without a read."""
     residual = (p - q).clamp_min_(0)
-    total = residual.sum()
-    if not torch.isfinite(total) or total <= 1e-12:
-        # Only reachable through rounding when p == q (rejection then has probability 0).
-        return p
-    return residual / total
+    total = residual.sum(-1, keepdim=True)
+    usable = torch.isfinite(total) & (total > 1e-12)
+    return torch.where(usable, residual / torch.where(usable, total, torch.ones_like(total)), p)
 
 
 ResidualFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -108,6 +108,8 @@ def sample_accept(
     generator: torch.Generator | None,
     residual: ResidualFn = residual_distribution,
 ) -> Acceptance:
+    if tree.is_chain:
+        return _sample_accept_chain(tree, target_probs, generator, residual)
     tokens = tree.tokens.tolist()
     node = 0
     while True:
@@ -135,6 +137,34 @@ def sample_accept(
         if accepted is None:
             return Acceptance(tree.path_to(node), sample(p, generator))
         node = accepted
+
+
+def _sample_accept_chain(tree: Tree, target_probs: torch.Tensor, generator: torch.Generator | None,
+                         residual: ResidualFn) -> Acceptance:
+    """`sample_accept` on a chain (AR, SpS, PLD's single match), on the probabilities' device with
+    one read: draft i + 1 is accepted with probability min(1, p_i(x) / q_i(x)) (q: the draft's
+    distribution, or a point mass at x), the first rejection at node k samples the residual
+    norm(max(0, p_k - q_k)), and a chain accepted whole samples p at its end. The same law as the
+    node-by-node rule; the uniforms are drawn for every draft at once (other draws of the stream)."""
+    n, device = len(tree), target_probs.device
+    if n == 1:
+        token = sample(target_probs[0], generator)
+        return Acceptance([0], token, [token])
+    drafts = tree.tokens[1:].to(device)
+    p_x = target_probs[:-1].gather(1, drafts[:, None])[:, 0]
+    if tree.draft_probs is None:  # a point mass at each draft
+        q = torch.zeros_like(target_probs[:-1]).scatter_(1, drafts[:, None], 1.0)
+    else:
+        q = tree.draft_probs[:-1].to(device)
+    q_x = q.gather(1, drafts[:, None])[:, 0]
+    draws = torch.rand(n - 1, generator=generator, device=generator.device if generator is not None else device)
+    accepted = (q_x > 0) & (draws.to(device) * q_x < p_x)  # u < p(x)/q(x), without dividing
+    k = accepted.long().cumprod(0).sum()  # drafts accepted before the first rejection
+    after = torch.stack([residual(target_probs[i], q[i]) for i in range(n - 1)] + [target_probs[-1]])
+    token = torch.multinomial(after[k], 1, generator=generator)[0]
+    read = torch.cat([torch.stack([k, token]), drafts]).tolist()  # the step's one read
+    k, token = read[0], read[1]
+    return Acceptance(list(range(k + 1)), token, read[2:2 + k] + [token])
 
 
 def typical_accept(tree: Tree, target_probs: torch.Tensor, epsilon: float = 0.09, delta: float = 0.3) -> Acceptance:
