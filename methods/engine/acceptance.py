@@ -161,7 +161,7 @@ def _sample_accept_chain(tree: Tree, target_probs: torch.Tensor, generator: torc
     accepted = (q_x > 0) & (draws.to(device) * q_x < p_x)  # u < p(x)/q(x), without dividing
     k = accepted.long().cumprod(0).sum()  # drafts accepted before the first rejection
     after = torch.stack([residual(target_probs[i], q[i]) for i in range(n - 1)] + [target_probs[-1]])
-    token = torch.multinomial(after[k], 1, generator=generator)[0]
+    token = torch.multinomial(after.index_select(0, k.view(1))[0], 1, generator=generator)[0]  # (after[k] reads k)
     read = torch.cat([torch.stack([k, token]), drafts]).tolist()  # the step's one read
     k, token = read[0], read[1]
     return Acceptance(list(range(k + 1)), token, read[2:2 + k] + [token])
