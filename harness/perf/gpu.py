@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from harness.perf.workload import timed_generations
 from methods.ar import AutoregressiveDecoder
 from methods.engine.hardware import forward_latencies, read_bandwidth, weight_bytes
 from methods.engine.runner import ModelRunner
@@ -63,28 +64,18 @@ def synced(device):
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
-def ar_tokens_per_second(contenders: dict, prompts: list[list[int]], new_tokens: int, device, rounds: int = 3):
-    """Each contender (prompt -> tokens) on each prompt, interleaved, `rounds` times: median tokens/s
-    and whether every contender produced the first one's tokens."""
-    sync = synced(device)
-    rates = {name: [] for name in contenders}
-    outputs = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for prompt in prompts:
-            for name, run in contenders.items():
-                sync()
-                start = time.perf_counter()
-                tokens = run(prompt)
-                sync()
-                rates[name].append(len(tokens) / (time.perf_counter() - start))
-                outputs[name].append(tokens)
+def ar_tokens_per_second(contenders: dict, prompts: list[list[int]], device, rounds: int = 3):
+    """Each contender (prompt -> tokens) on each prompt, interleaved, `rounds` times
+    (`workload.timed_generations`): median tokens/s, and for each contender the share of its tokens
+    before the first difference from the first contender's, averaged over the prompts."""
+    rates, outputs = timed_generations(contenders, prompts, rounds, device)
     first = next(iter(outputs.values()))
 
-    def agreement(a, b):  # the share of tokens before the first difference
+    def agreement(a, b):
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         return same / max(len(a), 1)
     return ({name: statistics.median(v) for name, v in rates.items()},
-            {name: statistics.mean(agreement(a, b) for a, b in zip(out, first)) for name, out in outputs.items()})
+            {name: statistics.mean(agreement(out[i], first[i]) for i in first) for name, out in outputs.items()})
 
 
 def oracle_chain(runner: ModelRunner, prompt: list[int], answer: list[int], gamma: int) -> float:
@@ -164,7 +155,7 @@ def measure_shape(shape: str, dtype: torch.dtype, device: torch.device, new_toke
                   "ar, no graphs": lambda p: ar["off"].generate(p, stop).tokens, "generate": generate}
     for run in contenders.values():  # warm-up: captures, cuBLAS heuristics, generate's compile
         run(prompts[0])
-    rates, same = ar_tokens_per_second(contenders, prompts, new_tokens, device)
+    rates, same = ar_tokens_per_second(contenders, prompts, device)
     print(f"  AR, {len(prompts)} prompts x {new_tokens} tokens, tokens/s (median): " +
           ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items()) + f"; tokens equal to the first's before the first difference: " +
           ", ".join(f"{name} {share:.0%}" for name, share in same.items()))

@@ -99,6 +99,7 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(usable, residual / torch.where(usable, total, torch.ones_like(total)), p)
 
 
+# (p, q) -> the residual distribution, row by row over the last dimension ([V] or [n, V])
 ResidualFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -160,7 +161,7 @@ def _sample_accept_chain(tree: Tree, target_probs: torch.Tensor, generator: torc
     draws = torch.rand(n - 1, generator=generator, device=generator.device if generator is not None else device)
     accepted = (q_x > 0) & (draws.to(device) * q_x < p_x)  # u < p(x)/q(x), without dividing
     k = accepted.long().cumprod(0).sum()  # drafts accepted before the first rejection
-    after = torch.stack([residual(target_probs[i], q[i]) for i in range(n - 1)] + [target_probs[-1]])
+    after = torch.cat([residual(target_probs[:-1], q), target_probs[-1:]])  # each node's residual, then the end's p
     token = torch.multinomial(after.index_select(0, k.view(1))[0], 1, generator=generator)[0]  # (after[k] reads k)
     read = torch.cat([torch.stack([k, token]), drafts]).tolist()  # the step's one read
     k, token = read[0], read[1]

@@ -171,10 +171,11 @@ class ModelRunner:
         start = self.length
         n = ids.shape[1]
         self.check_room(start + n)
-        if rows is None and positions is None and mask is None and self.static is not None and self.static.usable(n, start):
+        static = self.static is not None and self.static.usable(n, start)
+        if static and rows is None and positions is None and mask is None:
             rows = (range(n), torch.ones(n, n, dtype=torch.bool).tril_())
         if rows is not None:
-            if self.static is not None and self.static.usable(n, start):
+            if static:
                 return self._static_forward(ids, rows, start, logits_for)
             depths, visible = rows
             positions, bound = start + torch.tensor(depths, device=self.device), start + max(depths) + 1
