@@ -25,7 +25,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-from .engine.acceptance import Acceptance, greedy_accept_logits, sample_accept
+from .engine.acceptance import Acceptance, chosen_margins, greedy_accept_logits, sample_accept
 from .engine.hardware import latency_curve
 from .engine.params import ConfigError, Settings
 from .engine.runner import ForwardOutput, ModelRunner
@@ -302,13 +302,7 @@ def logit_margins(rows: torch.Tensor, chosen: Sequence[int]) -> list[float]:
     """Per logits row [n, V] and the token it chose: the chosen token's logit minus the best other
     token's. When the row chose its argmax (greedy), this is the row's top-2 gap; a negative value
     means the row preferred another token by that much. One topk(2) on rows already computed."""
-    if rows.shape[-1] < 2:
-        return [float("inf")] * len(chosen)
-    ids = torch.as_tensor(list(chosen), device=rows.device)
-    top = rows.topk(2, dim=-1)
-    picked = rows.gather(-1, ids[:, None])[:, 0]
-    other = torch.where(top.indices[:, 0] == ids, top.values[:, 1], top.values[:, 0])
-    return (picked - other).float().tolist()
+    return chosen_margins(rows, torch.as_tensor(list(chosen), device=rows.device)).tolist()
 
 
 class DraftVerifyDecoder(Decoder):
@@ -406,7 +400,7 @@ class DraftVerifyDecoder(Decoder):
     def _accept(self, tree: Tree, logits: torch.Tensor, extra: torch.Tensor | None = None) -> Acceptance:
         if self.sampling.greedy:
             return greedy_accept_logits(tree, logits, extra)
-        return self.sample_accept(tree, logits_to_probs(logits, self.sampling), self.generator)
+        return self.sample_accept(tree, logits_to_probs(logits, self.sampling), self.generator, logits=logits, extra=extra)
 
     # Swappable so that tests can show a broken acceptor is caught.
     sample_accept = staticmethod(sample_accept)

@@ -47,7 +47,7 @@ from .models.heads.source import head_setting, head_spec
 from .engine.hardware import forward_latency, latency_curve
 from .engine.sizing import verify_cost
 from .engine.params import Settings, integer, one_of, paths, setting
-from .engine.sampling import logits_to_probs
+from .engine.sampling import draw_children, logits_to_probs
 from .engine.static_trees import NAMED_TREES, StaticTree
 from .engine.vocab import draft_vocab_setting
 from .engine.tree import Tree, ancestors_of, attention_mask, level_mask
@@ -199,54 +199,23 @@ class EagleDecoder(_EagleBase):
 
     def propose(self, root: int, budget: int) -> Tree:
         tree = self.tree
-        sampled = self._sampled()
         depth_limit = min(tree.max_depth, budget)
         count = sum(1 for d in tree.depths if d <= depth_limit)
         parents = tree.parents[:count]
         children = [[] for _ in range(count)]
         for node in range(1, count):
             children[parents[node]].append(node)  # in rank order: the template lists paths by (depth, ranks)
-        if not sampled:
-            return self._greedy_tree(root, count, parents, children, depth_limit)
-        tokens = [root] + [0] * (count - 1)
-        alive = [True] * count  # sampling: children beyond what q can give leave the tree, with their subtrees
-        logits_of = {0: self.drafter.root_logits}
-        hidden_of = {0: self.drafter.root_hidden}
-        draft_probs: dict[int, torch.Tensor] = {}  # sampling: q at each node whose children were drawn
-        slot_of: dict[int, int] = {}
-        for depth in range(1, depth_limit + 1):
-            level = [n for n in range(1, count) if tree.depths[n] == depth and alive[parents[n]]]
-            if not level:
-                break
-            for parent in dict.fromkeys(parents[n] for n in level):
-                kids = children[parent]
-                drawn = self._draw(logits_of[parent], len(kids), draft_probs, parent)
-                for i, node in enumerate(kids):
-                    if i < len(drawn):
-                        tokens[node] = drawn[i]
-                    else:
-                        alive[node] = False
-            level = [n for n in level if alive[n]]
-            expand = [n for n in level if any(alive[c] for c in children[n])]
-            if not expand or depth == depth_limit:
-                break
-            visible = [[slot_of[a] for a in ancestors_of(parents, n)] for n in expand]
-            hidden = self.drafter.feed_level([tokens[n] for n in expand],
-                                             torch.stack([hidden_of[parents[n]] for n in expand]), depth, visible)
-            base = len(slot_of)
-            logits = self.drafter.logits(hidden)
-            for i, node in enumerate(expand):
-                slot_of[node] = base + i
-                hidden_of[node], logits_of[node] = hidden[i], logits[i]
-        if not draft_probs:
-            return Tree(torch.tensor(tokens), parents)
-        return self._sampled_tree(tokens, parents, alive, draft_probs)
+        return self._template_tree(root, count, parents, children, depth_limit, self._sampled())
 
     @torch.inference_mode()
-    def _greedy_tree(self, root: int, count: int, parents: list[int], children: list[list[int]], depth_limit: int) -> Tree:
-        """The template filled with each parent's top-k children, level by level, on the head's
-        device: the tokens never come back to the host (the verification's read brings the accepted
-        ones). Rows are in node order: node n's hidden state and logits are row n."""
+    def _template_tree(self, root: int, count: int, parents: list[int], children: list[list[int]], depth_limit: int,
+                       sampled: bool) -> Tree:
+        """The template filled level by level on the head's device, the tokens never coming back to
+        the host (the verification's read brings the accepted ones). Greedy (or the `eagle2` rule):
+        each parent's top-k children by rank. EAGLE-1 sampling: each parent's children drawn from its
+        q without replacement, in draw order (`sampling.draw_children`; where q has fewer tokens than
+        children, the extra ones hold tokens of probability 0 and are never accepted), q kept for
+        verification. Rows are in node order: node n's hidden state and logits are row n."""
         tree, drafter = self.tree, self.drafter
         device = drafter.root_hidden.device
         tokens = torch.empty(count, dtype=torch.long, device=device)
@@ -255,14 +224,21 @@ class EagleDecoder(_EagleBase):
         hidden[0] = drafter.root_hidden
         logits = drafter.root_logits.new_empty(count, drafter.root_logits.shape[-1])
         logits[0] = drafter.root_logits
+        draft_probs = torch.zeros(count, logits.shape[-1], device=device) if sampled else None
         slot_of: dict[int, int] = {}
         for depth in range(1, depth_limit + 1):
             level = [n for n in range(1, count) if tree.depths[n] == depth]
             if not level:
                 break
             row = {p: i for i, p in enumerate(dict.fromkeys(parents[n] for n in level))}
-            ranked = torch.topk(logits[list(row)], tree.top_k(depth)).indices  # [parents, k]
-            tokens[level] = ranked[[row[parents[n]] for n in level], [tree.ranks[n] for n in level]]
+            if sampled:  # a child's place among its parent's children is its draw
+                q = logits_to_probs(logits[list(row)], self.sampling)
+                draft_probs[list(row)] = q
+                drawn = draw_children(q, max(len(children[p]) for p in row), True, self.generator)
+                tokens[level] = drawn[[row[parents[n]] for n in level], [children[parents[n]].index(n) for n in level]]
+            else:
+                ranked = torch.topk(logits[list(row)], tree.top_k(depth)).indices  # [parents, k]
+                tokens[level] = ranked[[row[parents[n]] for n in level], [tree.ranks[n] for n in level]]
             expand = [n for n in level if children[n]]
             if not expand or depth == depth_limit:
                 break
@@ -272,26 +248,7 @@ class EagleDecoder(_EagleBase):
             for i, node in enumerate(expand):
                 slot_of[node] = base + i
             hidden[expand], logits[expand] = out, drafter.logits(out)
-        return Tree(tokens, parents)
-
-    def _draw(self, logits: torch.Tensor, n: int, draft_probs: dict, node: int) -> list[int]:
-        """EAGLE-1's `Model.sample`: up to n children drawn from the processed q without replacement,
-        in draw order (fewer when q has fewer tokens); q is kept for verification."""
-        q = logits_to_probs(logits, self.sampling)
-        draft_probs[node] = q
-        n = min(n, int((q > 0).sum()))
-        return torch.multinomial(q, n, replacement=False, generator=self.generator).tolist() if n else []
-
-    @staticmethod
-    def _sampled_tree(tokens, parents, alive, draft_probs) -> Tree:
-        kept = [n for n in range(len(tokens)) if alive[n]]
-        index = {n: i for i, n in enumerate(kept)}
-        rows = torch.zeros(len(kept), draft_probs[0].shape[-1], device=draft_probs[0].device)
-        for node, q in draft_probs.items():
-            if node in index:
-                rows[index[node]] = q
-        return Tree(torch.tensor([tokens[n] for n in kept]), [-1] + [index[parents[n]] for n in kept[1:]],
-                    draft_probs=rows, without_replacement=True)
+        return Tree(tokens, parents, draft_probs, without_replacement=sampled)
 
 
 class Eagle2Decoder(_EagleBase):

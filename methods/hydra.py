@@ -122,7 +122,7 @@ class HydraDecoder(DraftVerifyDecoder):
 
     def _accept(self, tree, logits, extra=None):
         if self.acceptance == "typical" and not self.sampling.greedy:
-            return typical_accept(tree, logits_to_probs(logits, self.sampling), *self.typical)
+            return typical_accept(tree, logits_to_probs(logits, self.sampling), *self.typical, logits=logits)
         return super()._accept(tree, logits, extra)
 
     # ---------------------------------------------------------------------------------------

@@ -183,10 +183,7 @@ class LookaheadDecoder(DraftVerifyDecoder):
         """The last level's argmax becomes a new level (warm-up) or, once warm, each column's
         trajectory goes to the pool and the window slides one column."""
         width = len(self.levels[0]) + 1
-        if acceptance.extra_argmax is not None:  # greedy: read with the acceptance
-            newest = acceptance.extra_argmax[len(tree.extra_rows) - width:]
-        else:
-            newest = verified.logits[len(tree) + len(tree.extra_rows) - width :].argmax(-1).tolist()  # the last level's
+        newest = acceptance.extra_argmax[len(tree.extra_rows) - width:]  # the last level's, read with the acceptance
         if self.levels[-1] is None:  # warm-up: one more level
             for level in range(self.filled + 1):
                 self.levels[level] = self.levels[level][1:]

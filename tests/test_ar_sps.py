@@ -127,8 +127,8 @@ def test_sps_with_broken_residual_is_caught(tiny_vocab_pair):
     sampling = SamplingConfig(temperature=1.0)
     expected = exact_joint(target, PROMPT, 3, sampling)
     decoder = SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2)
-    decoder.sample_accept = lambda tree, probs, gen: SpeculativeSamplingDecoder.sample_accept(
-        tree, probs, gen, residual=lambda p, q: p)
+    decoder.sample_accept = lambda tree, probs, gen, **kw: SpeculativeSamplingDecoder.sample_accept(
+        tree, probs, gen, residual=lambda p, q: p, **kw)
     samples = draw(decoder, 1500, seed=2)
     assert chi_square_pvalue(samples, expected) < 1e-6
 

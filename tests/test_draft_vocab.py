@@ -102,8 +102,8 @@ def test_broken_residual_with_a_reduced_vocabulary_is_caught(tiny_vocab_pair):
     sampling = SamplingConfig(temperature=1.0)
     expected = exact_joint(target, PROMPT, 3, sampling)
     decoder = SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2, vocabulary=DraftVocabulary(torch.tensor([0, 2]), 4))
-    decoder.sample_accept = lambda tree, probs, gen: SpeculativeSamplingDecoder.sample_accept(
-        tree, probs, gen, residual=lambda p, q: p)
+    decoder.sample_accept = lambda tree, probs, gen, **kw: SpeculativeSamplingDecoder.sample_accept(
+        tree, probs, gen, residual=lambda p, q: p, **kw)
     assert chi_square_pvalue(draw(decoder, 1500, seed=5), expected) < 1e-6
 
 

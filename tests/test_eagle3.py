@@ -318,7 +318,7 @@ def test_eagle3_sampling_with_broken_acceptor_is_caught(sampling_setup):
     """Forgetting to remove a rejected child from p (residual = p) favours rejected tokens."""
     target, head, expected = sampling_setup
     decoder = Eagle3Decoder(ModelRunner(target), head, total_tokens=6, depth=3, top_k=2)
-    decoder.sample_accept = lambda tree, probs, gen: Eagle3Decoder.sample_accept(tree, probs, gen, residual=lambda p, q: p)
+    decoder.sample_accept = lambda tree, probs, gen, **kw: Eagle3Decoder.sample_accept(tree, probs, gen, residual=lambda p, q: p, **kw)
     samples = draw(decoder, 600, seed=7)
     assert chi_square_pvalue(samples, expected) < 1e-6
 

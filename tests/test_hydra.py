@@ -228,7 +228,7 @@ def test_hydra_sampling_preserves_target_distribution(tiny_vocab_pair, tmp_path)
     samples = draw(sampling_decoder(target, tmp_path), 1200, seed=7)
     assert chi_square_pvalue(samples, expected) > 1e-3
     broken = sampling_decoder(target, tmp_path / "mlp", "mlp")  # the acceptor is what is broken here
-    broken.sample_accept = lambda tree, probs, gen: HydraDecoder.sample_accept(tree, probs, gen, residual=lambda p, q: p)
+    broken.sample_accept = lambda tree, probs, gen, **kw: HydraDecoder.sample_accept(tree, probs, gen, residual=lambda p, q: p, **kw)
     assert chi_square_pvalue(draw(broken, 1200, seed=7), expected) < 1e-6
 
 

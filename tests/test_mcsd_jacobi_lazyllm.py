@@ -81,11 +81,13 @@ def test_mcsd_with_broken_residual_is_caught(tiny_vocab_pair, replacement):
     target, draft = tiny_vocab_pair
     expected = exact_joint(target, PROMPT, 3, SamplingConfig(temperature=1.0))
     decoder = MultiCandidateDecoder(ModelRunner(target), draft, (2, 2), replacement=replacement)
-    decoder.sample_accept = lambda tree, probs, gen: MultiCandidateDecoder.sample_accept(
-        tree, probs, gen, residual=lambda p, q: p)
-    # without replacement the q update hides part of the bias: more samples are needed to see it
-    samples = draw(decoder, 1200 if replacement else 2400, seed=11)
-    assert chi_square_pvalue(samples, expected) < 1e-6
+    decoder.sample_accept = lambda tree, probs, gen, **kw: MultiCandidateDecoder.sample_accept(
+        tree, probs, gen, residual=lambda p, q: p, **kw)
+    if replacement:
+        assert chi_square_pvalue(draw(decoder, 1200, seed=11), expected) < 1e-6  # 1e-119..1e-136 over seeds
+    else:  # the q update hides most of the bias: at 3600 draws 4e-17..7e-6 over seeds, at 1200 up to 0.3
+        # (tests/test_tree_sampling.py catches this fault on the acceptor itself, draw by draw)
+        assert chi_square_pvalue(draw(decoder, 3600, seed=11), expected) < 1e-4
 
 
 def test_without_replacement_update_matters(tiny_vocab_pair):

@@ -302,8 +302,8 @@ def test_sampling_with_broken_acceptor_is_caught(tiny_vocab_pair, method):
     target = tiny_vocab_pair[0]
     expected = exact_joint(target, PROMPT, 3, SamplingConfig(temperature=1.0))
     decoder = sampling_decoder(method, target)
-    decoder.sample_accept = lambda tree, probs, gen: DraftVerifyDecoder.sample_accept(
-        tree, probs, gen, residual=lambda p, q: p)  # a rejected draft token may be drawn again
+    decoder.sample_accept = lambda tree, probs, gen, **kw: DraftVerifyDecoder.sample_accept(
+        tree, probs, gen, residual=lambda p, q: p, **kw)  # a rejected draft token may be drawn again
     assert chi_square_pvalue(draw(decoder, 1200, seed=13), expected) < 1e-6
 
 

@@ -428,7 +428,7 @@ def test_tree_sampling_with_broken_acceptor_is_caught(tiny_vocab_target, tmp_pat
     """Forgetting to remove a rejected child from p (residual = p) favours rejected tokens."""
     expected = exact_joint(tiny_vocab_target, PROMPT, 3, SamplingConfig(temperature=1.0))
     decoder = tiny_tree_decoders(tiny_vocab_target, tmp_path)[method]
-    decoder.sample_accept = lambda tree, probs, gen: type(decoder).sample_accept(tree, probs, gen, residual=lambda p, q: p)
+    decoder.sample_accept = lambda tree, probs, gen, **kw: type(decoder).sample_accept(tree, probs, gen, residual=lambda p, q: p, **kw)
     samples = draw(decoder, 1200, seed=7)
     assert chi_square_pvalue(samples, expected) < 1e-6
 

@@ -7,9 +7,10 @@ Counted: every aten `_local_scalar_dense` (`int(t)`, `float(t)`, `t.item()`, `bo
 `Tensor.tolist()` / `Tensor.numpy()` (which read memory without a dispatch). A read of a tensor the
 host built itself counts too: on a GPU engine such bookkeeping lives on the device as well.
 
-    python -m harness.host_reads [--methods ar,sps,...] [--questions 2] [--max-new-tokens 48]
+    python -m harness.host_reads [--methods ar,sps,...] [--questions 2] [--max-new-tokens 48] [--temperature 0]
 
-prints, per method, the host reads per decoding step of the embedded model (fp32, CPU, greedy).
+prints, per method, the host reads per decoding step of the embedded model (fp32, CPU; greedy, or
+sampling with `--temperature T`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from harness.perf.workload import spec_bench_prompts
 from harness.running.prompts import ChatTemplate
 from methods.base import BuildContext, available_methods, get_method
 from methods.engine.runner import ModelRunner
+from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
 from methods.models.loading import load_model, load_tokenizer
 from methods.models.specs import ModelSpec, model_config
@@ -81,12 +83,13 @@ def counting_host_reads():
             setattr(torch.Tensor, name, original)
 
 
-def reads_per_step(decoder, prompts, stop) -> tuple[float, Counter, int]:
+def reads_per_step(decoder, prompts, stop, sampling: SamplingConfig = SamplingConfig(), seed: int = 0) -> tuple[float, Counter, int]:
     """Host reads per decoding step of `decoder` over `prompts` (the prefill's included in its run)."""
     total, steps = Counter(), 0
+    generator = None if sampling.greedy else torch.Generator().manual_seed(seed)
     for prompt in prompts:
         with counting_host_reads() as reads:
-            out = decoder.generate(prompt, stop)
+            out = decoder.generate(prompt, stop, sampling, generator)
         total.update(reads.counts)
         steps += out.stats.steps
     return sum(total.values()) / max(steps, 1), total, steps
@@ -97,8 +100,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--methods", default=None, help="comma-separated; default: every lossless method")
     parser.add_argument("--questions", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the budget: 1 a step); > 0: sampling (2 a step)")
     args = parser.parse_args(argv)
-    methods = args.methods.split(",") if args.methods else [m for m in available_methods() if m != "lazyllm"]
+    try:
+        sampling = SamplingConfig(temperature=args.temperature)
+    except ValueError as err:  # one line and exit 2, before the model loads
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    greedy_only = {"lazyllm"} | (set() if sampling.greedy else {"jacobi"})
+    methods = args.methods.split(",") if args.methods else [m for m in available_methods() if m not in greedy_only]
     unknown = sorted(set(methods) - set(available_methods()))
     if unknown:  # one line and exit 2, as every bad value in the suite
         print(f"error: unknown method(s) {', '.join(unknown)}; valid: {', '.join(available_methods())}", file=sys.stderr)
@@ -112,11 +122,12 @@ def main(argv=None) -> dict:
     stop = StopCondition(args.max_new_tokens, frozenset([tokenizer.eos_token_id]))
     context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True))
     result = {}
-    print(f"host reads per decoding step: {EMBEDDED}, fp32, CPU, greedy, {args.questions} Spec-Bench prompts x "
+    print(f"host reads per decoding step: {EMBEDDED}, fp32, CPU, "
+          f"{'greedy' if sampling.greedy else f'temperature {sampling.temperature}'}, {args.questions} Spec-Bench prompts x "
           f"{args.max_new_tokens} new tokens")
     for method in methods:
         decoder = get_method(method)(ModelRunner(model), {"name": method}, context)
-        per_step, counts, steps = reads_per_step(decoder, prompts, stop)
+        per_step, counts, steps = reads_per_step(decoder, prompts, stop, sampling)
         result[method] = {"per_step": per_step, "steps": steps, "counts": dict(counts)}
         kinds = ", ".join(f"{kind} {n / max(steps, 1):.1f}" for kind, n in counts.most_common())
         print(f"  {method:<10} {per_step:7.1f}  ({steps} steps; {kinds})", flush=True)

@@ -25,7 +25,6 @@ from typing import Callable
 
 import torch
 
-from .sampling import sample, uniform
 from .tree import Tree
 
 
@@ -37,7 +36,7 @@ class Acceptance:
     # and each path row's logit margin (chosen token's logit minus the best other's)
     emitted: list[int] | None = None
     margins: list[float] | None = None
-    # greedy, for a tree with extra rows: each extra row's argmax, read with the rest (Lookahead's window)
+    # for a tree with extra rows: each extra row's argmax, read with the rest (Lookahead's window)
     extra_argmax: list[int] | None = None
 
     @property
@@ -99,6 +98,18 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(usable, residual / torch.where(usable, total, torch.ones_like(total)), p)
 
 
+def chosen_margins(rows: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Per logits row [n, V] and the token it chose [n] (on the rows' device): the chosen token's
+    logit minus the best other token's, fp64, without a read. A row that chose its argmax gets its
+    top-2 gap; a negative value means the row preferred another token by that much."""
+    if rows.shape[-1] < 2:
+        return torch.full(chosen.shape, float("inf"), dtype=torch.float64, device=rows.device)
+    top = rows.topk(2, dim=-1)
+    picked = rows.gather(-1, chosen[:, None])[:, 0]
+    other = torch.where(top.indices[:, 0] == chosen, top.values[:, 1], top.values[:, 0])
+    return (picked - other).float().double()
+
+
 # (p, q) -> the residual distribution, row by row over the last dimension ([V] or [n, V])
 ResidualFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -108,40 +119,98 @@ def sample_accept(
     target_probs: torch.Tensor,  # [N, V] fp32, the processed target distribution after each node
     generator: torch.Generator | None,
     residual: ResidualFn = residual_distribution,
+    logits: torch.Tensor | None = None,  # [N, V]: the path rows' margins come back in the same read
+    extra: torch.Tensor | None = None,  # [M, V]: a tree's extra rows, whose argmax comes back too
 ) -> Acceptance:
     if tree.is_chain:
-        return _sample_accept_chain(tree, target_probs, generator, residual)
-    tokens = tree.tokens.tolist()
-    node = 0
-    while True:
-        p = target_probs[node]
-        children = tree.children[node]
-        q = None if tree.draft_probs is None or not children else tree.draft_probs[node]
-        accepted = None
-        for child in children:
-            x = tokens[child]
-            q_x = 1.0 if q is None else float(q[x])
-            p_x = float(p[x])
-            if q_x > 0 and uniform(generator) * q_x < p_x:  # u < p(x)/q(x), without dividing
-                accepted = child
-                break
-            if q is None:
-                point = torch.zeros_like(p)
-                point[x] = 1.0
-                p = residual(p, point)
-            else:
-                p = residual(p, q)
-                if tree.without_replacement:
-                    q = q.clone()
-                    q[x] = 0
-                    q = q / q.sum() if q.sum() > 0 else q
-        if accepted is None:
-            return Acceptance(tree.path_to(node), sample(p, generator))
-        node = accepted
+        return _sample_accept_chain(tree, target_probs, generator, residual, logits, extra)
+    n, device = len(tree), target_probs.device
+    width = max(len(kids) for kids in tree.children)
+    draws = torch.rand(n, width, generator=generator, device=generator.device if generator is not None else device)
+    on_path, final = tree_decisions(tree, target_probs, draws.to(device), residual)
+    token = torch.multinomial(final, 1, generator=generator)
+    tokens = tree.tokens.to(device)
+    parents = torch.tensor([0] + list(tree.parents[1:]), device=device)
+    end = (on_path.long() * torch.arange(n, device=device)).max().view(1)
+    return _read_path(on_path, token, tokens, logits, parents, end, extra)
+
+
+def _read_path(on_path: torch.Tensor, token: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor | None,
+               parents: torch.Tensor, end: torch.Tensor, extra: torch.Tensor | None = None) -> Acceptance:
+    """A sampled step's one read: the path [N] bool, the next token [1] and the tree's tokens [N],
+    with logits, each node's margin as its parent's choice and the end row's for the token, and
+    with extra rows, their argmax."""
+    n = len(tokens)
+    parts = [on_path.double(), token.double(), tokens.double()]
+    if logits is not None:
+        parts += [chosen_margins(logits.index_select(0, parents), tokens),
+                  chosen_margins(logits.index_select(0, end), token)]
+    if extra is not None:
+        parts.append(extra.argmax(-1).double())
+    read = torch.cat(parts).tolist()
+    path = [node for node in range(n) if read[node]]
+    emitted = [int(read[n + 1 + node]) for node in path[1:]] + [int(read[n])]
+    margins = None if logits is None else [read[2 * n + 1 + node] for node in path[1:]] + [read[3 * n + 1]]
+    extra_argmax = None if extra is None else [int(v) for v in read[len(read) - len(extra):]]
+    return Acceptance(path, emitted[-1], emitted, margins, extra_argmax)
+
+
+def tree_decisions(tree: Tree, target_probs: torch.Tensor, draws: torch.Tensor,
+                   residual: ResidualFn = residual_distribution) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_accept`'s decisions for a whole tree on the probabilities' device, without a read:
+    the accepted path as an [N] bool and the [V] distribution the next token is drawn from.
+    `draws[node, j]` is the uniform that tests the node's j-th child. Every node's children are
+    tested at once, sibling rank by sibling rank (rank j for every node with more than j children):
+    the node-by-node walk only ever reads the decisions of the nodes on its path, and a node's
+    decisions depend on its own row alone (p after each rejection: the residual; q: zeroed at the
+    rejected token when drawn without replacement)."""
+    n, device = len(tree), target_probs.device
+    inner = [node for node in range(n) if tree.children[node]]
+    width = max(len(tree.children[node]) for node in inner)
+    row_of = {node: row for row, node in enumerate(inner)}
+    tokens = tree.tokens.to(device)
+    p = target_probs.index_select(0, torch.tensor(inner, device=device))
+    q = None if tree.draft_probs is None else tree.draft_probs.to(device).index_select(0, torch.tensor(inner, device=device))
+    first = torch.full((len(inner),), width, dtype=torch.long, device=device)  # rank of the accepted child
+    for rank in range(width):
+        nodes = [node for node in inner if len(tree.children[node]) > rank]
+        rows = torch.tensor([row_of[node] for node in nodes], device=device)
+        kids = torch.tensor([tree.children[node][rank] for node in nodes], device=device)
+        x = tokens.index_select(0, kids)[:, None]
+        p_rows = p.index_select(0, rows)
+        if q is None:  # a deterministic draft: q is the point mass at x
+            q_rows = torch.zeros_like(p_rows).scatter_(1, x, 1.0)
+        else:
+            q_rows = q.index_select(0, rows)
+        p_x, q_x = p_rows.gather(1, x)[:, 0], q_rows.gather(1, x)[:, 0]
+        u = draws.index_select(0, torch.tensor(nodes, device=device))[:, rank]
+        passed = (q_x > 0) & (u * q_x < p_x)  # u < p(x)/q(x), without dividing
+        untaken = first.index_select(0, rows) == width
+        first.index_copy_(0, rows, torch.where(passed & untaken, rank, first.index_select(0, rows)))
+        # the distribution after this rejection; rows that accepted are never read again
+        p.index_copy_(0, rows, residual(p_rows, q_rows))
+        if q is not None and tree.without_replacement:
+            q_rows = q_rows.scatter(1, x, 0.0)
+            total = q_rows.sum(-1, keepdim=True)
+            q.index_copy_(0, rows, torch.where(total > 0, q_rows / torch.where(total > 0, total, 1.0), q_rows))
+    # each inner node's accepted child (-1: none), then whether each node is its parent's accepted child
+    table = torch.tensor([tree.children[node] + [-1] * (width + 1 - len(tree.children[node])) for node in inner], device=device)
+    taken = torch.full((n,), -1, dtype=torch.long, device=device)
+    taken.index_copy_(0, torch.tensor(inner, device=device), table.gather(1, first[:, None])[:, 0])
+    parents = torch.tensor([0] + list(tree.parents[1:]), device=device)
+    chosen = taken.index_select(0, parents) == torch.arange(n, device=device)
+    chosen[0] = True
+    on_path = ~(tree.ancestors.to(device) & ~chosen[None, :]).any(-1)
+    end = (on_path.long() * torch.arange(n, device=device)).max()  # the deepest: the largest index on a chain
+    # where the walk stops: an inner node's p after rejecting all its children, or a leaf's p
+    slot = torch.tensor([row_of.get(node, len(inner) + node) for node in range(n)], device=device)
+    final = torch.cat([p, target_probs]).index_select(0, slot.index_select(0, end.view(1)))[0]
+    return on_path, final
 
 
 def _sample_accept_chain(tree: Tree, target_probs: torch.Tensor, generator: torch.Generator | None,
-                         residual: ResidualFn) -> Acceptance:
+                         residual: ResidualFn, logits: torch.Tensor | None = None,
+                         extra: torch.Tensor | None = None) -> Acceptance:
     """`sample_accept` on a chain (AR, SpS, PLD's single match), on the probabilities' device with
     one read: draft i + 1 is accepted with probability min(1, p_i(x) / q_i(x)) (q: the draft's
     distribution, or a point mass at x), the first rejection at node k samples the residual
@@ -149,8 +218,9 @@ def _sample_accept_chain(tree: Tree, target_probs: torch.Tensor, generator: torc
     node-by-node rule; the uniforms are drawn for every draft at once (other draws of the stream)."""
     n, device = len(tree), target_probs.device
     if n == 1:
-        token = sample(target_probs[0], generator)
-        return Acceptance([0], token, [token])
+        token = torch.multinomial(target_probs[0], 1, generator=generator)
+        return _read_path(torch.ones(1, dtype=torch.bool, device=device), token, tree.tokens.to(device), logits,
+                          torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device), extra)
     drafts = tree.tokens[1:].to(device)
     p_x = target_probs[:-1].gather(1, drafts[:, None])[:, 0]
     if tree.draft_probs is None:  # a point mass at each draft
@@ -162,31 +232,39 @@ def _sample_accept_chain(tree: Tree, target_probs: torch.Tensor, generator: torc
     accepted = (q_x > 0) & (draws.to(device) * q_x < p_x)  # u < p(x)/q(x), without dividing
     k = accepted.long().cumprod(0).sum()  # drafts accepted before the first rejection
     after = torch.cat([residual(target_probs[:-1], q), target_probs[-1:]])  # each node's residual, then the end's p
-    token = torch.multinomial(after.index_select(0, k.view(1))[0], 1, generator=generator)[0]  # (after[k] reads k)
-    read = torch.cat([torch.stack([k, token]), drafts]).tolist()  # the step's one read
-    k, token = read[0], read[1]
-    return Acceptance(list(range(k + 1)), token, read[2:2 + k] + [token])
+    token = torch.multinomial(after.index_select(0, k.view(1))[0], 1, generator=generator)  # (after[k] reads k)
+    on_path = torch.arange(n, device=device) <= k
+    parents = torch.arange(-1, n - 1, device=device).clamp_min_(0)
+    return _read_path(on_path, token, tree.tokens.to(device), logits, parents, k.view(1), extra)
 
 
-def typical_accept(tree: Tree, target_probs: torch.Tensor, epsilon: float = 0.09, delta: float = 0.3) -> Acceptance:
+def typical_accept(tree: Tree, target_probs: torch.Tensor, epsilon: float = 0.09, delta: float = 0.3,
+                   logits: torch.Tensor | None = None) -> Acceptance:
     """Medusa's typical acceptance (LOSSY), as upstream's default fast path (`evaluate_posterior`
     with `fast=True`, FasterDecoding/Medusa): a draft token x is acceptable after its parent when
     p(x) > min(epsilon, delta * exp(-H(p))), with H from log(p + 1e-5); a node is accepted when its
     whole path is. The deepest accepted node wins; among equally deep ones, the path of the highest
     likelihood (the sum of log p of its tokens). The next token is the argmax of p there (upstream
-    takes the argmax when `fast`, its default). `target_probs` [N, V]: fp32, temperature applied."""
+    takes the argmax when `fast`, its default). `target_probs` [N, V]: fp32, temperature applied.
+    Computed on the probabilities' device and read once (the path, its next token, the tree's
+    tokens and, with `logits`, the path rows' margins); path likelihoods are summed in fp64 from the root down, as the rule's walk does."""
+    n, device = len(tree), target_probs.device
+    tokens = tree.tokens.to(device)
     entropy = -(target_probs * torch.log(target_probs + 1e-5)).sum(-1)
     threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
-    parents = torch.tensor(tree.parents[1:], dtype=torch.long)
-    token_probs = target_probs[parents, tree.tokens[1:]]
-    acceptable = [True] + (token_probs > threshold[parents]).tolist()
-    log_likelihood = [0.0] + torch.log(token_probs).tolist()
-    best, best_key = 0, (0, 0.0)
-    for node in range(1, len(tree)):
-        parent = tree.parents[node]
-        acceptable[node] = acceptable[node] and acceptable[parent]
-        log_likelihood[node] += log_likelihood[parent]
-        key = (tree.depths[node], log_likelihood[node])
-        if acceptable[node] and key > best_key:
-            best, best_key = node, key
-    return Acceptance(tree.path_to(best), int(target_probs[best].argmax()))
+    parents = torch.tensor([0] + list(tree.parents[1:]), dtype=torch.long, device=device)
+    token_probs = target_probs[parents, tokens]  # row 0 (the root) is unused
+    root = torch.arange(n, device=device) == 0
+    acceptable = root | (token_probs > threshold[parents])
+    on_path = ~(tree.ancestors.to(device) & ~acceptable[None, :]).any(-1)  # every node to the root acceptable
+    own = torch.where(root, 0.0, torch.log(token_probs).double())
+    likelihood = own
+    for _ in range(max(tree.depths)):  # a node's path sum: its own term plus its parent's path sum
+        likelihood = own + torch.where(root, 0.0, likelihood[parents])
+    depths = torch.tensor(tree.depths, device=device)
+    deepest = on_path & (depths == torch.where(on_path, depths, -1).max())
+    score = torch.where(deepest, likelihood, float("-inf"))
+    best = (deepest & (score == score.max())).long().argmax()  # the first of the most likely (the walk's strict >)
+    token = target_probs.index_select(0, best.view(1))[0].argmax().view(1)
+    on_path = tree.ancestors.to(device).index_select(0, best.view(1))[0]
+    return _read_path(on_path, token, tokens, logits, parents, best.view(1))

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from ..engine.runner import ModelRunner
-from ..engine.sampling import SamplingConfig, logits_to_probs
+from ..engine.sampling import SamplingConfig, draw_children, logits_to_probs
 from ..engine.tree import Tree, ancestors_of, level_mask
 
 
@@ -62,47 +62,13 @@ class DraftLM:
             self.runner.rollback(keep)
             del self.fed[keep:]
 
+    @torch.inference_mode()
     def draft_tree(self, sequence: Sequence[int], k_config: Sequence[int], sampling: SamplingConfig,
                    generator: torch.Generator | None, without_replacement: bool = False) -> Tree:
-        """A tree rooted at `sequence[-1]` with k_config[d-1] children per node at depth d-1."""
-        if sampling.greedy:
-            return self._greedy_tree(sequence, k_config)
-        root_logits = self.catch_up(sequence)
-        base = len(self.fed)  # the root sits at position base - 1
-        tokens, parents = [sequence[-1]], [-1]
-        rows: dict[int, torch.Tensor] = {}
-        frontier = [(0, root_logits)]
-        self._slots = {}
-        for depth, k in enumerate(k_config, start=1):
-            level = []
-            for node, logits in frontier:
-                for child in self._children(node, logits, k, sampling, generator, without_replacement, rows):
-                    tokens.append(child)
-                    parents.append(node)
-                    level.append(len(tokens) - 1)
-            if depth == len(k_config):
-                break
-            visible = [[self._slots[a] for a in ancestors_of(parents, n)] for n in level]
-            mask = level_mask(base, len(self._slots), visible, self.runner.dtype, self.runner.device)
-            positions = torch.full((len(level),), base - 1 + depth, device=self.runner.device)
-            out = self.runner.forward([tokens[n] for n in level], positions=positions, mask=mask)
-            logits = self.align(out.logits)
-            for i, node in enumerate(level):
-                self._slots[node] = len(self._slots)
-            frontier = [(node, logits[i]) for i, node in enumerate(level)]
-        draft_probs = None
-        if rows:
-            draft_probs = torch.zeros(len(tokens), self.target_vocab_size, device=root_logits.device)
-            for node, q in rows.items():
-                draft_probs[node] = q
-        self._base = base
-        return Tree(torch.tensor(tokens), parents, draft_probs, without_replacement=without_replacement)
-
-    @torch.inference_mode()
-    def _greedy_tree(self, sequence: Sequence[int], k_config: Sequence[int]) -> Tree:
-        """`draft_tree` at temperature 0, on the draft's device: each node's top-k children (parent
-        by parent, in rank order), fed level by level; the tokens never come back to the host (the
-        verification's one read brings the accepted ones, `keep_path`'s `emitted`)."""
+        """A tree rooted at `sequence[-1]` with k_config[d-1] children per node at depth d-1 (parent
+        by parent, in rank or draw order), fed level by level, on the draft's device: the tokens never
+        come back to the host (the verification's one read brings the accepted ones, `keep_path`'s
+        `emitted`). Sampled, each node's q is kept for verification (`Tree.draft_probs`)."""
         root_logits = self.catch_up(sequence)
         base = len(self.fed)
         device = root_logits.device
@@ -111,12 +77,19 @@ class DraftLM:
             sizes.append(sizes[-1] * k)
         tokens = torch.empty(sum(sizes), dtype=torch.long, device=device)
         tokens[0] = sequence[-1]
+        draft_probs = None if sampling.greedy else torch.zeros(sum(sizes), self.target_vocab_size, device=device)
         parents, previous, logits = [-1], [0], root_logits[None]
         self._slots = {}
         for depth, k in enumerate(k_config, start=1):
             level = list(range(len(parents), len(parents) + len(previous) * k))
             parents.extend(p for p in previous for _ in range(k))
-            tokens[level[0]: level[-1] + 1] = torch.topk(logits, k).indices.reshape(-1)
+            if sampling.greedy:
+                children = torch.topk(logits, k).indices
+            else:
+                q = logits_to_probs(logits, sampling)
+                draft_probs[previous[0]: previous[-1] + 1] = q
+                children = draw_children(q, k, without_replacement, generator)
+            tokens[level[0]: level[-1] + 1] = children.reshape(-1)
             if depth == len(k_config):
                 break
             visible = [[self._slots[a] for a in ancestors_of(parents, n)] for n in level]
@@ -127,17 +100,7 @@ class DraftLM:
                 self._slots[node] = len(self._slots)
             previous = level
         self._base = base
-        return Tree(tokens, parents)
-
-    @staticmethod
-    def _children(node, logits, k, sampling, generator, without_replacement, rows) -> list[int]:
-        if sampling.greedy:
-            return torch.topk(logits, k).indices.tolist()
-        q = logits_to_probs(logits, sampling)
-        rows[node] = q
-        if without_replacement:
-            k = min(k, int((q > 0).sum()))
-        return torch.multinomial(q, k, replacement=not without_replacement, generator=generator).tolist()
+        return Tree(tokens, parents, draft_probs, without_replacement=without_replacement and not sampling.greedy)
 
     def keep_path(self, tree: Tree, path: Sequence[int], emitted: Sequence[int] | None = None) -> None:
         """After verification: keep the cache entries of the accepted nodes that were fed.
@@ -149,3 +112,4 @@ class DraftLM:
         tokens = emitted if emitted is not None else tree.tokens[path[1:]].tolist()
         self.fed.extend(tokens[i] for i in fed)
         self._slots, self._base = {}, None
+
