@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from data_scripts.speed_bench import ENTROPY_TIERS  # SPEED-Bench's throughput categories, low to high
 from harness.cluster.jobs import job_status
 from harness.reporting import published
 from harness.running.metrics import (  # MIN_INTERVAL_N: below it, a cell shows no interval
@@ -165,7 +166,6 @@ class Table:
 
 
 BY_CATEGORY = ("spec_bench", "speed_bench")  # datasets whose tables have a column per category
-ENTROPY_TIERS = ("low_entropy", "mixed", "high_entropy")  # SPEED-Bench's throughput categories, in this order
 
 
 def by_category(dataset: str) -> bool:
