@@ -3,8 +3,10 @@
     python -m data_scripts.prepare <dataset> [--n 80] [--first | --seed 0] [--out data/<dataset>/questions.jsonl]
     python -m data_scripts.prepare all --n 80
 
-Datasets: mt_bench, humaneval, gsm8k, alpaca, cnn_dm, nq, wmt14, longbench (spec_bench ships with
-the suite in data/spec_bench/; `python -m data_scripts.spec_bench` downloads it again). Each writes one JSON line per question:
+Datasets: mt_bench, humaneval, gsm8k, alpaca, cnn_dm, nq, wmt14, longbench, and SPEED-Bench's
+speed_bench (qualitative) and speed_bench_throughput_1k / _2k / _8k / _16k / _32k (data_scripts/speed_bench.py:
+its licence, and its prompts stored by reference; not in `all`). spec_bench ships with the suite in
+data/spec_bench/; `python -m data_scripts.spec_bench` downloads it again. Each writes one JSON line per question:
 
     {"question_id", "category", "turns": [...] (multi-turn sets) or "fields": {...raw fields...},
      "reference": <answer / reference text(s), or null>}
@@ -14,6 +16,7 @@ The prompt wording is not baked in: `conf/dataset/<name>.yaml` builds the turns 
 
 Only the split asked for is read, streamed (WMT14's 800 MB training split is never fetched); a
 sample is the first N rows (`--first`, default) or N rows drawn with a seed from a shuffle buffer.
+`--local-files` reads the split from files in the Hub's own format (json, jsonl or parquet) instead.
 LongBench's loading script no longer works with `datasets` >= 4: its `data.zip` is downloaded and
 the task files are read directly. Without Hub access, preparation stops with a message naming the
 dataset and what to do.
@@ -27,8 +30,11 @@ import json
 import sys
 import zipfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
+
+from data_scripts import speed_bench
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,6 +57,14 @@ class Dataset:
     name: str
     source: HubSource
     convert: Callable[[dict, int], dict]  # Hub row, row index -> common schema
+    path: str | None = None  # the prepared file, relative to the repo; default data/<name>/questions.jsonl
+    # the sampled (index, row) pairs before conversion (SPEED-Bench: prompts stored by reference rebuilt)
+    resolve: Callable[[list[tuple[int, dict]]], list[tuple[int, dict]]] | None = None
+    in_all: bool = True  # prepared by `all`
+
+    @property
+    def out(self) -> str:
+        return self.path or f"data/{self.name}/questions.jsonl"
 
 
 def _mt_bench(row: dict, index: int) -> dict:
@@ -107,6 +121,9 @@ DATASETS = {d.name: d for d in [
     Dataset("nq", HubSource("google-research-datasets/nq_open", None, "validation"), _nq),
     Dataset("wmt14", HubSource("wmt/wmt14", "de-en", "test"), _wmt14),
     Dataset("longbench", HubSource("zai-org/LongBench", None, "test"), _longbench),
+    *(Dataset(speed_bench.dataset_name(config), HubSource(speed_bench.REPO_ID, config, "test"),
+              partial(speed_bench.convert, config=config), speed_bench.prepared_path(config),
+              partial(speed_bench.resolve_rows, config=config), in_all=False) for config in speed_bench.CONFIGS),
 ]}
 
 
@@ -115,11 +132,12 @@ class HubUnavailable(SystemExit):
 
 
 def _offline(name: str, source: HubSource, err: Exception) -> HubUnavailable:
+    out = DATASETS[name].out if name in DATASETS else f"data/{name}/questions.jsonl"
     return HubUnavailable(
         f"{name}: could not read {source.repo} ({source.config or 'default'}, split {source.split}) from the "
         f"Hugging Face Hub: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Run "
         f"`python -m data_scripts.prepare {name}` on a machine with Hub access and copy "
-        f"data/{name}/questions.jsonl here (or point dataset.path at it)."
+        f"{out} here (or point dataset.path at it)."
     )
 
 
@@ -188,11 +206,13 @@ def prepare(name: str, n: int | None = None, seed: int | None = None, out: Path 
     if name not in DATASETS:
         raise SystemExit(f"unknown dataset {name!r}; valid: {', '.join(sorted(DATASETS))}, spec_bench")
     dataset = DATASETS[name]
-    out = out or REPO / "data" / name / "questions.jsonl"
+    out = out or REPO / dataset.out
     if name == "longbench":  # n per task
         rows = [pair for task in tasks for pair in sample(longbench_rows([task], archive), n, seed)]
     else:
         rows = sample(hub_rows(dataset, local_files), n, seed)
+    if dataset.resolve:
+        rows = dataset.resolve(rows)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:
         for index, row in rows:
@@ -207,10 +227,15 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=None, help="draw the sample with this seed instead of taking the first n")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tasks", default=",".join(LONGBENCH_TASKS), help="longbench tasks, comma-separated")
+    parser.add_argument("--local-files", nargs="+", default=None, metavar="FILE",
+                        help="read the split from these files (json, jsonl or parquet, in the Hub's format) instead of the Hub")
     args = parser.parse_args(argv)
-    names = sorted(DATASETS) if args.dataset == "all" else [args.dataset]
+    names = sorted(n for n, d in DATASETS.items() if d.in_all) if args.dataset == "all" else [args.dataset]
+    if args.local_files and len(names) > 1:
+        parser.error("--local-files holds one dataset's split: name the dataset")
     for name in names:
-        path = prepare(name, args.n, args.seed, None if len(names) > 1 else args.out, tasks=args.tasks.split(","))
+        path = prepare(name, args.n, args.seed, None if len(names) > 1 else args.out, local_files=args.local_files,
+                       tasks=args.tasks.split(","))
         print(f"{name}: wrote {path}", file=sys.stderr)
 
 

@@ -11,8 +11,9 @@ Runs land in the same table only when their settings agree: model, dataset, max_
 sampling, dtype, hardware, torch and transformers, and the questions answered: rows are method
 variants (a method and its parameters; the runs of one variant over disjoint questions, as a
 sweep over categories makes them, are joined, the newest answer of a question winning), and a
-variant whose questions differ from the others' gets a table of its own. Columns are Spec-Bench
-categories (or the dataset), each with its n, plus an overall column. Tables: speedup (95%
+variant whose questions differ from the others' gets a table of its own. Columns are the
+categories of Spec-Bench and SPEED-Bench (its 11 in the qualitative split, its entropy tiers low to
+high in the throughput splits), or else the dataset, each with its n, plus an overall column. Tables: speedup (95%
 bootstrap intervals where a cell has at least `MIN_INTERVAL_N` questions), τ, acceptance rate,
 TTFT; each as Markdown, CSV and LaTeX, with a caption naming every setting and, per method, a
 last column of caveats (`metrics.caveat_note`: n, busy questions, outputs that differ from AR's,
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from data_scripts.speed_bench import ENTROPY_TIERS  # SPEED-Bench's throughput categories, low to high
 from harness.cluster.jobs import job_status
 from harness.reporting import published
 from harness.running.metrics import (  # MIN_INTERVAL_N: below it, a cell shows no interval
@@ -163,8 +165,20 @@ class Table:
                 f"transformers {s['transformers']}; engine {s['engine']}; {len({r for row in self.rows.values() for r in row.runs})} run(s)")
 
 
+BY_CATEGORY = ("spec_bench", "speed_bench")  # datasets whose tables have a column per category
+
+
+def by_category(dataset: str) -> bool:
+    return dataset in BY_CATEGORY or dataset.startswith("speed_bench_throughput_")
+
+
 def column_of(summary: dict, record: dict) -> str:
-    return record["category"] if summary["dataset"] == "spec_bench" else summary["dataset"]
+    return record["category"] if by_category(summary["dataset"]) else summary["dataset"]
+
+
+def column_order(column: str) -> tuple:
+    """Columns sort by name, SPEED-Bench's entropy tiers from low to high."""
+    return (ENTROPY_TIERS.index(column), "") if column in ENTROPY_TIERS else (-1, column)
 
 
 def build_tables(runs: list[Run]) -> list[Table]:
@@ -225,7 +239,7 @@ def cell_metrics(records: list[dict], baseline: list[dict], settings: dict | Non
 def group_table(table: Table) -> tuple[list[str], dict[str, dict[str, dict]]]:
     """Columns (sorted, then Overall) and label -> column -> metrics."""
     rows = table.rows
-    columns = sorted({c for row in rows.values() for c in row.columns.values()})
+    columns = sorted({c for row in rows.values() for c in row.columns.values()}, key=column_order)
     cells_by_label = {}
     for label, row in sorted(rows.items()):
         cells = {}

@@ -155,10 +155,9 @@ def load_prepared(cfg) -> list[Question]:
     """A file written by `python -m data_scripts.prepare <name>` (the common schema)."""
     path = resolve_path([cfg.get("path")])
     if path is None:
-        raise FileNotFoundError(
-            f"dataset {cfg.name!r}: {cfg.get('path')} not found. Prepare it with "
-            f"`python -m data_scripts.prepare {cfg.name}` (needs the Hugging Face Hub) or set dataset.path=<file>."
-        )
+        hint = cfg.get("prepare_hint") or (f"Prepare it with `python -m data_scripts.prepare {cfg.name}` (needs the "
+                                           "Hugging Face Hub) or set dataset.path=<file>.")
+        raise FileNotFoundError(f"dataset {cfg.name!r}: {cfg.get('path')} not found. {hint}")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [Question(r["question_id"], r["category"], build_turns(r, cfg), r.get("reference"), r.get("fields") or {})
             for r in rows]
