@@ -13,7 +13,7 @@ import torch
 
 from methods.ar import AutoregressiveDecoder
 from methods.base import DraftVerifyDecoder, check_method_params
-from methods.engine.acceptance import greedy_accept
+from methods.engine.acceptance import greedy_accept_logits
 from methods.engine.params import ConfigError
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
@@ -153,7 +153,8 @@ def drive(decoder, prompt, steps):
         tree = decoder.propose(root, 100)
         prefix = decoder.target.length
         out = decoder.target.verify(tree)
-        acceptance = greedy_accept(tree, out.logits[: len(tree)].argmax(-1).tolist())
+        # as the shared loop accepts: the window's argmax comes back with the acceptance
+        acceptance = greedy_accept_logits(tree, out.logits[: len(tree)], out.logits[len(tree):])
         decoder.target.commit(prefix, acceptance.path)
         decoder.sequence += tree.tokens[acceptance.path[1:]].tolist() + [acceptance.next_token]
         decoder.advance(tree, acceptance, out)
