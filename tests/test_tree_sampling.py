@@ -67,7 +67,7 @@ def test_the_batched_decisions_are_the_walks(variant):
         if tree.is_chain:
             continue
         path, p = walk(tree, probs, draws)
-        on_path, final = tree_decisions(tree, probs, draws)
+        on_path, _, final = tree_decisions(tree, probs, draws)
         assert [node for node in range(len(tree)) if on_path[node]] == path
         torch.testing.assert_close(final, p, rtol=1e-6, atol=1e-7)
         deep += len(path) > 2
@@ -83,7 +83,7 @@ def test_a_broken_residual_changes_the_decisions():
         if tree.is_chain:
             continue
         path, p = walk(tree, probs, draws)
-        on_path, final = tree_decisions(tree, probs, draws, residual=lambda p, q: p)
+        on_path, _, final = tree_decisions(tree, probs, draws, residual=lambda p, q: p)
         differs += [node for node in range(len(tree)) if on_path[node]] != path or not torch.allclose(final, p)
     assert differs > 10
 

@@ -72,7 +72,7 @@ def greedy_accept_logits(tree: Tree, logits: torch.Tensor, extra: torch.Tensor |
     if n == 1:
         on_path = torch.ones(1, dtype=torch.bool, device=device)
     else:
-        parents = torch.tensor([0] + list(tree.parents[1:]), device=device)
+        parents = tree.parent_rows.to(device)
         match = tree.tokens.to(device) == argmax[parents]
         match[0] = True
         first = match & ~(tree.earlier_siblings.to(device) & match[None, :]).any(-1)
@@ -127,12 +127,9 @@ def sample_accept(
     n, device = len(tree), target_probs.device
     width = max(len(kids) for kids in tree.children)
     draws = torch.rand(n, width, generator=generator, device=generator.device if generator is not None else device)
-    on_path, final = tree_decisions(tree, target_probs, draws.to(device), residual)
+    on_path, end, final = tree_decisions(tree, target_probs, draws.to(device), residual)
     token = torch.multinomial(final, 1, generator=generator)
-    tokens = tree.tokens.to(device)
-    parents = torch.tensor([0] + list(tree.parents[1:]), device=device)
-    end = (on_path.long() * torch.arange(n, device=device)).max().view(1)
-    return _read_path(on_path, token, tokens, logits, parents, end, extra)
+    return _read_path(on_path, token, tree.tokens.to(device), logits, tree.parent_rows.to(device), end.view(1), extra)
 
 
 def _read_path(on_path: torch.Tensor, token: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor | None,
@@ -156,9 +153,10 @@ def _read_path(on_path: torch.Tensor, token: torch.Tensor, tokens: torch.Tensor,
 
 
 def tree_decisions(tree: Tree, target_probs: torch.Tensor, draws: torch.Tensor,
-                   residual: ResidualFn = residual_distribution) -> tuple[torch.Tensor, torch.Tensor]:
+                   residual: ResidualFn = residual_distribution) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`sample_accept`'s decisions for a whole tree on the probabilities' device, without a read:
-    the accepted path as an [N] bool and the [V] distribution the next token is drawn from.
+    the accepted path as an [N] bool, its last node (0-d) and the [V] distribution the next token
+    is drawn from there.
     `draws[node, j]` is the uniform that tests the node's j-th child. Every node's children are
     tested at once, sibling rank by sibling rank (rank j for every node with more than j children):
     the node-by-node walk only ever reads the decisions of the nodes on its path, and a node's
@@ -168,9 +166,9 @@ def tree_decisions(tree: Tree, target_probs: torch.Tensor, draws: torch.Tensor,
     inner = [node for node in range(n) if tree.children[node]]
     width = max(len(tree.children[node]) for node in inner)
     row_of = {node: row for row, node in enumerate(inner)}
-    tokens = tree.tokens.to(device)
-    p = target_probs.index_select(0, torch.tensor(inner, device=device))
-    q = None if tree.draft_probs is None else tree.draft_probs.to(device).index_select(0, torch.tensor(inner, device=device))
+    tokens, inner_rows = tree.tokens.to(device), torch.tensor(inner, device=device)
+    p = target_probs.index_select(0, inner_rows)
+    q = None if tree.draft_probs is None else tree.draft_probs.to(device).index_select(0, inner_rows)
     first = torch.full((len(inner),), width, dtype=torch.long, device=device)  # rank of the accepted child
     for rank in range(width):
         nodes = [node for node in inner if len(tree.children[node]) > rank]
@@ -196,16 +194,15 @@ def tree_decisions(tree: Tree, target_probs: torch.Tensor, draws: torch.Tensor,
     # each inner node's accepted child (-1: none), then whether each node is its parent's accepted child
     table = torch.tensor([tree.children[node] + [-1] * (width + 1 - len(tree.children[node])) for node in inner], device=device)
     taken = torch.full((n,), -1, dtype=torch.long, device=device)
-    taken.index_copy_(0, torch.tensor(inner, device=device), table.gather(1, first[:, None])[:, 0])
-    parents = torch.tensor([0] + list(tree.parents[1:]), device=device)
-    chosen = taken.index_select(0, parents) == torch.arange(n, device=device)
+    taken.index_copy_(0, inner_rows, table.gather(1, first[:, None])[:, 0])
+    chosen = taken.index_select(0, tree.parent_rows.to(device)) == torch.arange(n, device=device)
     chosen[0] = True
     on_path = ~(tree.ancestors.to(device) & ~chosen[None, :]).any(-1)
     end = (on_path.long() * torch.arange(n, device=device)).max()  # the deepest: the largest index on a chain
     # where the walk stops: an inner node's p after rejecting all its children, or a leaf's p
     slot = torch.tensor([row_of.get(node, len(inner) + node) for node in range(n)], device=device)
     final = torch.cat([p, target_probs]).index_select(0, slot.index_select(0, end.view(1)))[0]
-    return on_path, final
+    return on_path, end, final
 
 
 def _sample_accept_chain(tree: Tree, target_probs: torch.Tensor, generator: torch.Generator | None,
@@ -220,7 +217,7 @@ def _sample_accept_chain(tree: Tree, target_probs: torch.Tensor, generator: torc
     if n == 1:
         token = torch.multinomial(target_probs[0], 1, generator=generator)
         return _read_path(torch.ones(1, dtype=torch.bool, device=device), token, tree.tokens.to(device), logits,
-                          torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device), extra)
+                          tree.parent_rows.to(device), torch.zeros(1, dtype=torch.long, device=device), extra)
     drafts = tree.tokens[1:].to(device)
     p_x = target_probs[:-1].gather(1, drafts[:, None])[:, 0]
     if tree.draft_probs is None:  # a point mass at each draft
@@ -234,8 +231,7 @@ def _sample_accept_chain(tree: Tree, target_probs: torch.Tensor, generator: torc
     after = torch.cat([residual(target_probs[:-1], q), target_probs[-1:]])  # each node's residual, then the end's p
     token = torch.multinomial(after.index_select(0, k.view(1))[0], 1, generator=generator)  # (after[k] reads k)
     on_path = torch.arange(n, device=device) <= k
-    parents = torch.arange(-1, n - 1, device=device).clamp_min_(0)
-    return _read_path(on_path, token, tree.tokens.to(device), logits, parents, k.view(1), extra)
+    return _read_path(on_path, token, tree.tokens.to(device), logits, tree.parent_rows.to(device), k.view(1), extra)
 
 
 def typical_accept(tree: Tree, target_probs: torch.Tensor, epsilon: float = 0.09, delta: float = 0.3,
@@ -252,7 +248,7 @@ def typical_accept(tree: Tree, target_probs: torch.Tensor, epsilon: float = 0.09
     tokens = tree.tokens.to(device)
     entropy = -(target_probs * torch.log(target_probs + 1e-5)).sum(-1)
     threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
-    parents = torch.tensor([0] + list(tree.parents[1:]), dtype=torch.long, device=device)
+    parents = tree.parent_rows.to(device)
     token_probs = target_probs[parents, tokens]  # row 0 (the root) is unused
     root = torch.arange(n, device=device) == 0
     acceptable = root | (token_probs > threshold[parents])

@@ -79,6 +79,12 @@ class Tree:
         return ancestor_matrix(self.parents)
 
     @cached_property
+    def parent_rows(self) -> torch.Tensor:
+        """[N] long: each node's parent, the root's taken as itself (row 0), for gathering the
+        parents' rows of a per-node tensor on its device."""
+        return torch.tensor([0] + self.parents[1:])
+
+    @cached_property
     def earlier_siblings(self) -> torch.Tensor:
         """[N, N] bool: entry (i, j) is True when j < i and j has i's parent (greedy acceptance
         takes the first matching child)."""
