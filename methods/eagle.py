@@ -72,13 +72,14 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def _feed(self, tokens: Sequence[int] | torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-              mask: torch.Tensor | None) -> torch.Tensor:
+              mask: torch.Tensor | None, bound: int) -> torch.Tensor:
+        """`bound`: the positions are below it (known on the host: the RoPE table is not read back)."""
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
         if self.fused is None:
             return self.head(tokens, features, positions, mask, self.cache)
         layer, rope = self.fused
         x, attn_in = self.head.layer_inputs(tokens, features)
-        cos, sin = rope.lookup(positions.view(1, -1), x)
+        cos, sin = rope.lookup(positions.view(1, -1), x, bound)
         return layer.forward(x[None], cos, sin, mask, self.cache, None if attn_in is None else attn_in[None])[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -95,7 +96,7 @@ class EagleDrafter:
         positions = torch.arange(self.committed, self.committed + n, device=self.device)
         causal = torch.ones(n, n, dtype=torch.bool).tril_()
         mask = attention_mask(causal, self.committed, self.dtype, self.device) if n > 1 else None
-        hidden = self._feed(tokens, features, positions, mask)
+        hidden = self._feed(tokens, features, positions, mask, self.committed + n)
         self.committed += n
         self.root_hidden = hidden[-1]
         self.root_logits = self.logits(hidden[-1])
@@ -110,7 +111,7 @@ class EagleDrafter:
         mask = level_mask(self.committed, drafted, visible, self.dtype, self.device)
         n = len(tokens)
         positions = torch.full((n,), self.committed + depth - 1, device=self.device)
-        return self._feed(tokens, parent_hidden, positions, mask)
+        return self._feed(tokens, parent_hidden, positions, mask, self.committed + depth)
 
 
 class _EagleBase(DraftVerifyDecoder):

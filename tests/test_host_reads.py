@@ -23,6 +23,15 @@ def test_every_kind_of_host_read_is_counted_once():
         (t * 2 + 1).sum(-1, keepdim=True)  # device-side work reads nothing
     assert reads.counts == {"scalar": 4, "tolist": 1, "numpy": 1, "nonzero": 1, "device copy": 1}
     assert reads.total == 8 and torch.Tensor.tolist is original_tolist  # patched only inside
+    # inside inference mode (where the engine runs) the dispatcher sees other ops for the same reads
+    with torch.inference_mode(), counting_host_reads() as reads:
+        u = torch.arange(6, dtype=torch.float32)
+        int(u[2]), float(u[3]), u[4].item(), bool(u[1] > 0), int(u.max())  # five scalar reads
+        u[u > 2], u.masked_select(u > 2), (u > 2).nonzero()  # three data-dependent shapes
+        u.to("meta"), u.to(torch.device("meta"), torch.float16), u.to(torch.zeros(1, device="meta"))  # three copies
+        u.to(torch.float64), u[1:].sum(), u.index_select(0, torch.tensor([1]))  # no read
+    assert reads.counts == {"scalar": 5, "nonzero": 3, "device copy": 3}, reads.counts
+
 
 
 def test_an_autoregressive_step_reads_its_token():

@@ -10,7 +10,7 @@ host built itself counts too: on a GPU engine such bookkeeping lives on the devi
     python -m harness.host_reads [--methods ar,sps,...] [--questions 2] [--max-new-tokens 48] [--temperature 0]
 
 prints, per method, the host reads per decoding step of the embedded model (fp32, CPU; greedy, or
-sampling with `--temperature T`).
+sampling with `--temperature T`; `--params total_tokens=60` gives EAGLE-2/3 a fixed tree size).
 """
 
 from __future__ import annotations
@@ -27,18 +27,39 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from harness.perf.engine import EMBEDDED
 from harness.perf.workload import spec_bench_prompts
 from harness.running.prompts import ChatTemplate
-from methods.base import BuildContext, available_methods, get_method
+from methods.base import BuildContext, available_methods, check_method_params, get_method, method_settings
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
 from methods.models.loading import load_model, load_tokenizer
 from methods.models.specs import ModelSpec, model_config
 
-_ATEN_READS = {"aten::_local_scalar_dense": "scalar", "aten::nonzero": "nonzero"}
+# scalar reads: `_local_scalar_dense` outside inference mode; inside it the dispatcher sees the
+# composite `item` / `is_nonzero` instead (and never `_local_scalar_dense`), so both are counted
+_ATEN_READS = {"aten::_local_scalar_dense": "scalar", "aten::item": "scalar", "aten::is_nonzero": "scalar",
+               "aten::nonzero": "nonzero", "aten::masked_select": "nonzero"}
+# copies: `_to_copy` outside inference mode, the composite `to` inside it
+_COPIES = ("aten::_to_copy", "aten::to", "aten::copy_")
+
+
+def _target_device(name: str, args, kwargs) -> torch.device | None:
+    """The device a copy op sends its source to (None: the source's own, or not named)."""
+    if name == "aten::copy_":
+        return args[0].device
+    for value in (*args[1:], *kwargs.values()):
+        if isinstance(value, (torch.device, str)) and not isinstance(value, torch.dtype):
+            try:
+                return torch.device(value)
+            except (RuntimeError, TypeError):
+                continue
+        if isinstance(value, torch.Tensor):  # `to(other)`
+            return value.device
+    return None
 
 
 class HostReads(TorchDispatchMode):
-    """Counts host reads while active; `counts` by kind (scalar, nonzero, device copy, tolist, numpy)."""
+    """Counts host reads while active; `counts` by kind (scalar, nonzero, device copy, tolist, numpy).
+    Reads a kernel makes inside itself (`repeat_interleave` without `output_size`) are not seen."""
 
     def __init__(self):
         super().__init__()
@@ -49,10 +70,13 @@ class HostReads(TorchDispatchMode):
         name = func._schema.name
         if name in _ATEN_READS:
             self.counts[_ATEN_READS[name]] += 1
-        elif name in ("aten::_to_copy", "aten::copy_"):
+        elif name == "aten::index" and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                                           for i in (args[1] if len(args) > 1 else ()) or ()):
+            self.counts["nonzero"] += 1  # a boolean mask's index: a data-dependent shape
+        elif name in _COPIES:
             source = args[1] if name == "aten::copy_" else args[0]
-            target = args[0].device if name == "aten::copy_" else kwargs.get("device")
-            if isinstance(source, torch.Tensor) and target is not None and torch.device(target) != source.device:
+            target = _target_device(name, args, kwargs)
+            if isinstance(source, torch.Tensor) and target is not None and target != source.device:
                 self.counts["device copy"] += 1
         return func(*args, **kwargs)
 
@@ -101,6 +125,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--questions", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the budget: 1 a step); > 0: sampling (2 a step)")
+    parser.add_argument("--params", default="", help="method settings KEY=VALUE,... given to each method that has the key "
+                                                     "(e.g. total_tokens=60: EAGLE-2/3 at a fixed size)")
     args = parser.parse_args(argv)
     try:
         sampling = SamplingConfig(temperature=args.temperature)
@@ -112,6 +138,18 @@ def main(argv=None) -> dict:
     unknown = sorted(set(methods) - set(available_methods()))
     if unknown:  # one line and exit 2, as every bad value in the suite
         print(f"error: unknown method(s) {', '.join(unknown)}; valid: {', '.join(available_methods())}", file=sys.stderr)
+        sys.exit(2)
+
+    try:
+        params = dict(item.split("=", 1) for item in args.params.split(",") if item)
+        params = {key: int(value) if value.isdigit() else value for key, value in params.items()}
+        for method in methods:
+            check_method_params(method, {k: v for k, v in params.items() if k in method_settings(method).schema()})
+        unused = sorted(set(params) - {key for method in methods for key in method_settings(method).schema()})
+        if unused:
+            raise ValueError(f"no method of {', '.join(methods)} has the setting(s) {', '.join(unused)}")
+    except ValueError as err:
+        print(f"error: --params {args.params!r}: {err}", file=sys.stderr)
         sys.exit(2)
 
     config = model_config(EMBEDDED)
@@ -126,7 +164,8 @@ def main(argv=None) -> dict:
           f"{'greedy' if sampling.greedy else f'temperature {sampling.temperature}'}, {args.questions} Spec-Bench prompts x "
           f"{args.max_new_tokens} new tokens")
     for method in methods:
-        decoder = get_method(method)(ModelRunner(model), {"name": method}, context)
+        own = {key: value for key, value in params.items() if key in method_settings(method).schema()}
+        decoder = get_method(method)(ModelRunner(model), {"name": method, **own}, context)
         per_step, counts, steps = reads_per_step(decoder, prompts, stop, sampling)
         result[method] = {"per_step": per_step, "steps": steps, "counts": dict(counts)}
         kinds = ", ".join(f"{kind} {n / max(steps, 1):.1f}" for kind, n in counts.most_common())

@@ -95,7 +95,8 @@ class DraftLM:
             visible = [[self._slots[a] for a in ancestors_of(parents, n)] for n in level]
             mask = level_mask(base, len(self._slots), visible, self.runner.dtype, self.runner.device)
             positions = torch.full((len(level),), base - 1 + depth, device=self.runner.device)
-            logits = self.align(self.runner.forward(tokens[level[0]: level[-1] + 1], positions=positions, mask=mask).logits)
+            logits = self.align(self.runner.forward(tokens[level[0]: level[-1] + 1], positions=positions, mask=mask,
+                                                     bound=base + depth).logits)
             for node in level:
                 self._slots[node] = len(self._slots)
             previous = level
