@@ -409,4 +409,7 @@ class DraftVerifyDecoder(Decoder):
     def _count(stats: DecodeStats, tree: Tree, acceptance: Acceptance) -> None:
         stats.drafted_tokens += len(tree) - 1
         stats.accepted_drafts += acceptance.accepted_drafts
-        stats.count_step(max(tree.depths), [bool(tree.children[n]) for n in acceptance.path], acceptance.accepted_drafts)
+        if acceptance.path_children is not None:  # a tree whose structure stayed on the device: read with the acceptance
+            stats.count_step(acceptance.tree_depth, acceptance.path_children, acceptance.accepted_drafts)
+        else:
+            stats.count_step(max(tree.depths), [bool(tree.children[n]) for n in acceptance.path], acceptance.accepted_drafts)

@@ -17,6 +17,11 @@ true features, so the head's cache always equals the one built along the accepte
   values (the head's path probabilities, EAGLE-2's estimate of acceptance) sorted, keep the n that
   maximizes (1 + p_1 + ... + p_n) / (draft time + verify time of n + 1 tokens). On hardware where a
   forward's cost grows with its tokens (CPUs) it keeps small trees; where it is flat, large ones.
+  On the device: the expansion, the rerank and, at a fixed size, the tree's structure
+  (`tree.DeviceTree`) never come back to the host, so a greedy step reads once (the acceptance);
+  the adaptive size is the host's choice, from one more read. Under `engine.cuda_graphs` the
+  depth loop runs over the head's reserved cache at device positions (`StaticDraft`), captured as
+  one CUDA graph on a GPU.
 Sampling (temperature > 0), `method.sampling_rule`:
 * `eagle1` (`eagle`'s default), EAGLE-1's own (SafeAILab/EAGLE v1: `cnets.py` `Model.sample` /
   `topK_genrate`, `utils.py` `evaluate_posterior`): each expanded node's children are *sampled*
@@ -42,6 +47,7 @@ import torch
 
 from .base import BuildContext, DraftVerifyDecoder, register
 from .models.heads.eagle import EagleHead, load_eagle_head
+from .engine.graphs import capture, static_layer, static_mask
 from .engine.kv_cache import TreeKVCache
 from .models.heads.source import head_setting, head_spec
 from .engine.hardware import forward_latency, latency_curve
@@ -50,7 +56,7 @@ from .engine.params import Settings, integer, one_of, paths, setting
 from .engine.sampling import draw_children, logits_to_probs
 from .engine.static_trees import NAMED_TREES, StaticTree
 from .engine.vocab import draft_vocab_setting
-from .engine.tree import Tree, ancestors_of, attention_mask, level_mask
+from .engine.tree import DeviceTree, Tree, ancestors_of, attention_mask, level_mask
 
 
 class EagleDrafter:
@@ -66,9 +72,22 @@ class EagleDrafter:
         self.linears = [self.fused[0].qkv, self.fused[0].gate_up] if self.fused else []
         self.reset()
 
-    def reset(self) -> None:
-        self.cache = TreeKVCache()
+    def reset(self, capacity: int | None = None) -> None:
+        """An empty head cache; with `capacity` (the target's reserved one: it holds the committed pairs
+        and a tree's entries), its buffers are allocated once at that size and the RoPE table as long,
+        and the next answer reuses them while they are large enough (as `ModelRunner.reserve`)."""
         self.committed = 0
+        reserved = getattr(self, "_reserved", None)
+        if capacity is None:
+            self.cache = TreeKVCache()
+        elif reserved is not None and reserved.capacity >= capacity:
+            reserved.clear()
+            reserved.regrowths = 0
+            self.cache = reserved
+        else:
+            self.cache = self._reserved = TreeKVCache(capacity)
+            if self.fused is not None:
+                self.fused[1].reserve(capacity, self.dtype, self.device)
 
     @torch.inference_mode()
     def _feed(self, tokens: Sequence[int] | torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
@@ -113,6 +132,78 @@ class EagleDrafter:
         positions = torch.full((n,), self.committed + depth - 1, device=self.device)
         return self._feed(tokens, parent_hidden, positions, mask, self.committed + depth)
 
+    def static_room(self, drafted: int) -> bool:
+        """Whether `drafted` tree entries can be fed at device positions after the committed pairs
+        (`feed_static`): a fused layer over a reserved cache whose buffers exist, with room for them."""
+        capacity, layers = self.cache.capacity, self.cache.layers
+        return (self.fused is not None and capacity is not None and len(layers) == 1 and layers[0]._keys is not None
+                and layers[0]._keys.shape[-2] == capacity and self.committed + drafted <= capacity
+                and self.fused[1]._cos is not None and self.fused[1]._cos.shape[0] >= capacity)
+
+    def feed_static(self, tokens: torch.Tensor, parent_hidden: torch.Tensor, depth: int, visible: torch.Tensor,
+                    start: torch.Tensor) -> torch.Tensor:
+        """`feed_level` at device positions, what a CUDA graph captures (`StaticDraft`): `start` [1]
+        holds the committed pairs' count on the device; the nodes' keys/values go to the slots after
+        the `visible.shape[1]` drafted ones (`graphs.static_layer`), attention reads the whole buffer
+        under a mask built on the device. Nothing is read back, and the cache's length does not move:
+        the next `follow` writes over these entries."""
+        layer, rope = self.fused
+        n, drafted = tokens.shape[0], visible.shape[1]
+        x, attn_in = self.head.layer_inputs(tokens, parent_hidden)
+        positions = (start + (depth - 1)).expand(n)
+        cos, sin = rope._cos[positions].view(1, n, 1, -1), rope._sin[positions].view(1, n, 1, -1)
+        slots = start + drafted + torch.arange(n, device=self.device)
+        own = torch.cat([visible, torch.eye(n, dtype=torch.bool, device=self.device)], 1)
+        columns = torch.arange(self.cache.capacity, device=self.device)
+        buffers = self.cache.layers[0]
+        return static_layer(layer, x[None], cos, sin, buffers._keys, buffers._values, slots,
+                            static_mask(columns, start, own, self.dtype), None if attn_in is None else attn_in[None])[0]
+
+
+class StaticDraft:
+    """EAGLE-2's expansion (`Eagle2Decoder._expand`) as one static computation over the head's
+    reserved cache, under `engine.cuda_graphs` on / auto on a GPU: the root's hidden state and
+    logits and the committed count are copied into buffers of fixed address, and every level is fed
+    at device positions (`EagleDrafter.feed_static`), so the whole depth loop reads nothing back. On
+    a GPU the full depth is captured as one CUDA graph (a shorter one, near an answer's end, runs the
+    same computation eagerly); on a CPU it runs eagerly, which is what the CPU tests compare."""
+
+    def __init__(self, decoder: "Eagle2Decoder", graphed: bool):
+        self.decoder, self.graphed = decoder, graphed
+        self.hidden = self.logits = self.start = None
+        self.graph, self.outputs, self.addresses = None, None, []
+        self.captures = 0
+
+    def ready(self, levels: int) -> bool:
+        return self.decoder.drafter.static_room((levels - 1) * self.decoder.branching())
+
+    @torch.inference_mode()
+    def run(self, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        drafter = self.decoder.drafter
+        if self.hidden is None or self.hidden.shape != drafter.root_hidden.shape or self.logits.shape != drafter.root_logits.shape:
+            self.hidden, self.logits = torch.empty_like(drafter.root_hidden), torch.empty_like(drafter.root_logits)
+            self.start = torch.zeros(1, dtype=torch.long, device=drafter.device)
+            self.graph = None
+        self.hidden.copy_(drafter.root_hidden)
+        self.logits.copy_(drafter.root_logits)
+        self.start.fill_(drafter.committed)
+        if not self.graphed or levels != self.decoder.depth + 1:
+            return self.compute(levels)
+        rope = drafter.fused[1]
+        addresses = [drafter.cache.layers[0]._keys.data_ptr(), drafter.cache.layers[0]._values.data_ptr(),
+                     rope._cos.data_ptr(), rope._sin.data_ptr()]
+        if self.graph is None or addresses != self.addresses:  # a new cache or table: capture again
+            self.graph, self.outputs = capture(lambda: self.compute(levels))
+            self.addresses = addresses
+            self.captures += 1
+        self.graph.replay()
+        return self.outputs
+
+    def compute(self, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        drafter = self.decoder.drafter
+        return self.decoder._expand(self.hidden, self.logits, levels,
+                                    lambda tokens, hidden, depth, seen: drafter.feed_static(tokens, hidden, depth, seen, self.start))
+
 
 class _EagleBase(DraftVerifyDecoder):
     def __init__(self, target, head: EagleHead, vocabulary=None):
@@ -134,7 +225,7 @@ class _EagleBase(DraftVerifyDecoder):
         return {**super().describe(), "draft_vocab": len(vocabulary) if vocabulary else None}
 
     def start(self, prompt, prefill) -> None:
-        self.drafter.reset()
+        self.drafter.reset(self.target.cache.capacity)  # the target's reserved capacity
         # pairs (x_{i+1}, f_i) for every prompt position: the tokens are shifted by one
         self.drafter.follow(self.sequence[1:], self.features(prefill))
 
@@ -265,6 +356,8 @@ class Eagle2Decoder(_EagleBase):
         self.verify_seconds: dict[int, float] | None = None  # adaptive sizing: target forward seconds by tokens
         self.draft_seconds = 0.0  # adaptive sizing: running mean of one step's drafting time
         self._follow_seconds = 0.0
+        # `engine.cuda_graphs`: the depth loop as a static computation (a CUDA graph on a GPU)
+        self.static = None if target.graph_mode == "off" else StaticDraft(self, target.graph_mode == "graphs")
 
     def describe(self):
         return {**super().describe(), "total_tokens": "adaptive" if self.verify_seconds else self.total_tokens,
@@ -283,27 +376,40 @@ class Eagle2Decoder(_EagleBase):
         super().advance(tree, acceptance, verified)
         self._follow_seconds = time.perf_counter() - started
 
+    def branching(self) -> int:
+        """Children per expanded node: top_k, or the whole draft vocabulary when it is smaller."""
+        return min(self.top_k, self.drafter.root_logits.shape[-1])
+
     def _propose(self, root: int, budget: int) -> Tree:
-        """EAGLE-2's expansion: the top-k children of the root, then per level the top-k children of
-        the k best frontier nodes, of which the k best by path value form the next frontier; the
-        candidates' tokens, parents, values and the frontier's level masks stay on the device (no
-        read while drafting); `_rerank` keeps the best."""
         levels = min(self.depth + 1, budget)  # draft tokens along a path
         if levels <= 0:
             return Tree(torch.tensor([root]), [-1])
-        k = min(self.top_k, self.drafter.root_logits.shape[-1])
-        device = self.drafter.root_logits.device
-        # candidates in creation order (ancestors before descendants): token, parent (-1 = root), value
-        top = torch.topk(torch.log_softmax(self.drafter.root_logits, -1), k)
+        if self.static is not None and self.static.ready(levels):
+            tokens, parents, values = self.static.run(levels)
+        else:
+            drafter = self.drafter
+            tokens, parents, values = self._expand(drafter.root_hidden, drafter.root_logits, levels, drafter.feed_level)
+        return self._rerank(root, tokens, parents, values, levels)
+
+    def _expand(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, levels: int, feed) -> tuple[torch.Tensor, ...]:
+        """EAGLE-2's expansion: the top-k children of the root, then per level the top-k children of
+        the k best frontier nodes, of which the k best by path value form the next frontier. Returns
+        every candidate's token, parent (-1: the root) and path value (cumulative log-probability),
+        in creation order (ancestors before descendants). All on the device, nothing read back:
+        `feed(tokens, parent_hidden, depth, seen)` feeds a level into the head (`feed_level`, or
+        `feed_static` at device positions) with the frontier's level mask `seen`."""
+        k = self.branching()
+        device = root_logits.device
+        top = torch.topk(torch.log_softmax(root_logits, -1), k)
         tokens, parents, values = [top.indices], [torch.full((k,), -1, device=device)], [top.values]
         frontier_ids = torch.arange(k, device=device)  # candidate ids of the nodes fed next
-        frontier_values, frontier_hidden = top.values, self.drafter.root_hidden.expand(k, -1)
+        frontier_values, frontier_hidden = top.values, root_hidden.expand(k, -1)
         # frontier node -> the drafted slots it sees (its ancestors'): level l's frontier sits in slots
         # (l - 1) k .. l k - 1, so a child of frontier node j sees its parent's row and slot j of that level
         seen = torch.zeros(k, 0, dtype=torch.bool, device=device)
         count = k
         for level in range(1, levels):
-            hidden = self.drafter.feed_level(torch.cat(tokens)[frontier_ids], frontier_hidden, level, seen)
+            hidden = feed(torch.cat(tokens)[frontier_ids], frontier_hidden, level, seen)
             child = torch.topk(torch.log_softmax(self.drafter.logits(hidden), -1), k)  # [k, k]
             cumulative = (frontier_values[:, None] + child.values).flatten()
             tokens.append(child.indices.flatten())
@@ -316,24 +422,39 @@ class Eagle2Decoder(_EagleBase):
             count += k * k
             frontier_values = cumulative[best]
             frontier_hidden = hidden[parent]
-        return self._rerank(root, torch.cat(tokens), torch.cat(parents), torch.cat(values))
+        return torch.cat(tokens), torch.cat(parents), torch.cat(values)
 
-    def _rerank(self, root: int, tokens: torch.Tensor, parents: torch.Tensor, values: torch.Tensor) -> Tree:
+    def _rerank(self, root: int, tokens: torch.Tensor, parents: torch.Tensor, values: torch.Tensor, levels: int) -> Tree:
         """Keep the best `total_tokens - 1` candidates; ties go to the earlier candidate (a stable
-        sort), so a kept node's ancestors (never worth less) are kept too. One host read: the best
-        candidates' ids, parents and path probabilities (the adaptive size's input), from which the
-        host builds the tree's structure; the tokens stay on the device."""
+        sort), so a kept node's ancestors (never worth less) are kept too; the kept candidates in
+        creation order (ancestors before descendants) are the tree's nodes.
+        A fixed size builds the tree on the device (`DeviceTree`: nothing is read back). The
+        adaptive size is the host's choice from the best candidates' path probabilities: the one
+        read that brings them brings their ids and parents too, and the host builds the structure."""
         keep = min(self.total_tokens - 1, tokens.numel())
         order = torch.sort(values, descending=True, stable=True).indices[:keep]
+        if self.verify_seconds is None:
+            return self._device_tree(root, tokens, parents, order.sort().values, levels)
         ids, ups, probabilities = torch.stack([order.double(), parents[order].double(), values[order].exp().double()]).tolist()
-        if self.verify_seconds is not None:
-            ids = ids[:self.adaptive_size(probabilities)]
+        ids = ids[:self.adaptive_size(probabilities)]
         kept = sorted(int(c) for c in ids)
         node_of = {c: node for node, c in enumerate(kept, start=1)}  # candidate -> its node (the root's children: parent 0)
         parent_of = dict(zip((int(c) for c in ids), (int(p) for p in ups)))
         tree_parents = [node_of.get(parent_of[c], 0) for c in kept]
         chosen = tokens[torch.tensor(kept, dtype=torch.long, device=tokens.device)]
         return Tree(torch.cat([tokens.new_tensor([root]), chosen]), [-1] + tree_parents)
+
+    def _device_tree(self, root: int, tokens: torch.Tensor, parents: torch.Tensor, kept: torch.Tensor, levels: int) -> DeviceTree:
+        """The tree of the `kept` candidates (ids, ascending) built where they are: a node's parent
+        is its parent candidate's place among them, its depth the level its candidate was drafted at."""
+        k = self.branching()
+        up = parents.index_select(0, kept)  # each kept candidate's parent candidate, -1: the root
+        node_parents = torch.where(up < 0, 0, torch.searchsorted(kept, up.clamp_min(0)) + 1)
+        # candidates 0..k-1 are the root's children (depth 1); level l >= 1 drafted k * k of them at depth l + 1
+        depths = torch.where(kept < k, 1, (kept - k).div(k * k, rounding_mode="floor") + 2)
+        zero = kept.new_zeros(1)
+        return DeviceTree(torch.cat([tokens.new_tensor([root]), tokens.index_select(0, kept)]),
+                          torch.cat([zero, node_parents]), torch.cat([zero, depths]), height=levels)
 
     def adaptive_size(self, probabilities: list[float]) -> int:
         """How many of the best candidates (path probabilities, best first) to verify: the n with

@@ -33,7 +33,6 @@ def test_every_kind_of_host_read_is_counted_once():
     assert reads.counts == {"scalar": 5, "nonzero": 3, "device copy": 3}, reads.counts
 
 
-
 def test_an_autoregressive_step_reads_its_token():
     model = tiny_model("llama", seed=3)
     per_step, counts, steps = reads_per_step(AutoregressiveDecoder(ModelRunner(model)), [[1, 2, 3]], StopCondition(12))
@@ -78,9 +77,10 @@ def test_a_greedy_step_of_the_shared_loop_reads_the_host_once():
     assert steps == 40 and sum(counts.values()) == steps, counts
 
 
-# Issue 35's budget: host reads per greedy decoding step (the step's one read; EAGLE-2/3 read their
-# dynamic tree's structure once more). Per answer, a method may add PER_ANSWER reads (Lookahead's
-# first window, Token Recycling's matrix statistics).
+# Issue 35's budget: host reads per greedy decoding step (the step's one read; EAGLE-2/3's default
+# adaptive size is the host's choice, read once more with the tree's structure: a fixed size reads
+# once, `test_a_fixed_size_dynamic_tree_reads_the_host_once`). Per answer, a method may add PER_ANSWER
+# reads (Lookahead's first window, Token Recycling's matrix statistics).
 BUDGET = {"eagle2": 2, "eagle3": 2}
 PER_ANSWER = 2
 
@@ -115,3 +115,31 @@ def test_a_sampled_step_reads_at_most_twice(method, tmp_path, monkeypatch):
     with counting_host_reads() as reads:
         out = decoder.generate(PROMPTS[1], StopCondition(40), sampling, generator)
     assert out.stats.steps > 5 and reads.total <= 2 * out.stats.steps + PER_ANSWER, (reads.counts, out.stats.steps)
+
+
+@pytest.mark.parametrize("method", ["eagle2", "eagle3"])
+def test_a_fixed_size_dynamic_tree_reads_the_host_once(method, tmp_path, monkeypatch):
+    """EAGLE-2/3 at a fixed `total_tokens`: the frontier, top-k, rerank and the tree's structure stay
+    on the device (`DeviceTree`), its depth and path nodes' child flags come back in the acceptance's
+    read: one read per greedy step, with the tokens and per-position statistics of the same trees
+    built on the host."""
+    from methods.engine.tree import Tree
+
+    monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
+    target = tiny_model("llama", seed=3, layers=8)
+    context = method_context(target, tmp_path)
+    device, host = (get_method(method)(ModelRunner(target), {"name": method, "total_tokens": 16}, context) for _ in range(2))
+    on_device = host._device_tree
+    host._device_tree = lambda *args: Tree((tree := on_device(*args)).tokens, tree.parents)
+    outputs = []
+    for decoder in (device, host):
+        decoder.generate(PROMPTS[0], StopCondition(8))
+        with counting_host_reads() as reads:
+            outputs.append(decoder.generate(PROMPTS[1], StopCondition(40)))
+        if decoder is device:
+            steps = outputs[0].stats.steps
+            assert steps > 5 and reads.total <= steps + PER_ANSWER, (reads.counts, steps)
+    assert outputs[0].tokens == outputs[1].tokens
+    for key in ("accepted_lengths", "position_proposed", "position_tested", "position_accepted", "drafted_tokens"):
+        assert getattr(outputs[0].stats, key) == getattr(outputs[1].stats, key), key
+    assert len(outputs[0].stats.position_proposed) > 1 and outputs[0].stats.position_tested[0] > 5

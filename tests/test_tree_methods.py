@@ -366,6 +366,38 @@ def test_eagle2_tree_is_connected_and_bounded(tmp_path):
             assert len(tokens) == len(set(tokens))
 
 
+def test_eagle2_tree_built_on_the_device_is_the_tree_the_host_builds(tmp_path):
+    """A fixed size builds the reranked tree on the device without a read (`DeviceTree`); the
+    adaptive size's path builds it on the host from one read. Given the same candidates and size,
+    both give the same tree, and the device's ancestors, earlier siblings, depths and child flags
+    equal what the host derives from the parents."""
+    from harness.perf.host_reads import counting_host_reads
+    from methods.engine.tree import DeviceTree
+
+    target = tiny_model("llama", seed=42, vocab_size=64)
+    write_eagle(tmp_path, target, seed=3)
+    head = load_eagle_head(ModelSpec(path=str(tmp_path)), target)
+    for total, depth, k in [(60, 5, 10), (8, 3, 4), (2, 6, 2), (100, 2, 5), (30, 0, 10), (25, 4, 3)]:
+        decoder = Eagle2Decoder(ModelRunner(target), head, total_tokens=total, depth=depth, top_k=k)
+        decoder.target.reset()
+        prefill = decoder.target.prefill([1, 2, 3, 4])
+        decoder.sequence = [1, 2, 3, 4, 7]
+        decoder.start([1, 2, 3, 4], prefill)
+        candidates, rerank = [], decoder._rerank
+        decoder._rerank = lambda *args: candidates.append(args) or rerank(*args)
+        with counting_host_reads() as reads:
+            tree = decoder.propose(7, budget=50)
+            tree.ancestors, tree.earlier_siblings, tree.has_children  # what verifying and accepting it build
+        assert isinstance(tree, DeviceTree) and reads.total == 0, reads.counts
+        decoder.verify_seconds, decoder.adaptive_size = {1: 1.0}, lambda probabilities: len(probabilities)
+        host = rerank(*candidates[0])
+        assert not isinstance(host, DeviceTree)
+        assert torch.equal(tree.tokens, host.tokens) and tree.parents == host.parents
+        assert tree.node_depths.tolist() == host.depths
+        assert torch.equal(tree.ancestors, host.ancestors) and torch.equal(tree.earlier_siblings, host.earlier_siblings)
+        assert tree.has_children.tolist() == [bool(kids) for kids in host.children]
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle2"])
 def test_head_cache_after_commit_equals_cache_built_along_the_accepted_path(tmp_path, method):
     target = tiny_model("llama", seed=45, vocab_size=16)

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from .tree import Tree
+from .tree import DeviceTree, Tree
 
 
 @dataclass
@@ -38,6 +38,10 @@ class Acceptance:
     margins: list[float] | None = None
     # for a tree with extra rows: each extra row's argmax, read with the rest (Lookahead's window)
     extra_argmax: list[int] | None = None
+    # for a tree whose structure stays on the device (`DeviceTree`), read with the rest: its depth
+    # and whether each path node has children (the per-position statistics)
+    tree_depth: int | None = None
+    path_children: list[bool] | None = None
 
     @property
     def accepted_drafts(self) -> int:
@@ -61,7 +65,8 @@ def greedy_accept_logits(tree: Tree, logits: torch.Tensor, extra: torch.Tensor |
     the greedy path when every node from the root to it (itself included) matches its parent's
     argmax and is the first child that does (the rule walks children in order); the accepted nodes
     form one chain. Argmax, path and margins come back in ONE read (`tolist` of a [3, N] tensor),
-    with the argmax of each `extra` row [M, V] (a tree's extra rows) when given."""
+    with the argmax of each `extra` row [M, V] (a tree's extra rows) when given, and for a
+    `DeviceTree` its depth and which nodes have children."""
     n, device = len(tree), logits.device
     argmax = logits.argmax(-1)
     if logits.shape[-1] > 1:
@@ -77,15 +82,22 @@ def greedy_accept_logits(tree: Tree, logits: torch.Tensor, extra: torch.Tensor |
         match[0] = True
         first = match & ~(tree.earlier_siblings.to(device) & match[None, :]).any(-1)
         on_path = ~(tree.ancestors.to(device) & ~first[None, :]).any(-1)
-    rows = torch.stack([on_path.double(), argmax.double(), margin]).flatten()
+    parts = [on_path.double(), argmax.double(), margin]
+    shaped = isinstance(tree, DeviceTree)
+    if shaped:
+        parts += [tree.has_children.double(), tree.node_depths.max().double().view(1)]
     if extra is not None:
-        rows = torch.cat([rows, extra.argmax(-1).double()])
-    values = rows.tolist()
+        parts.append(extra.argmax(-1).double())
+    values = torch.cat(parts).tolist()
     accepted, chosen, margins = values[:n], values[n:2 * n], values[2 * n:3 * n]
     path = [node for node in range(n) if accepted[node]]
     emitted = [int(chosen[node]) for node in path]  # the row of each path node chose the token after it
-    return Acceptance(path, emitted[-1], emitted, [margins[node] for node in path],
-                      None if extra is None else [int(v) for v in values[3 * n:]])
+    acceptance = Acceptance(path, emitted[-1], emitted, [margins[node] for node in path],
+                            None if extra is None else [int(v) for v in values[len(values) - len(extra):]])
+    if shaped:
+        acceptance.path_children = [bool(values[3 * n + node]) for node in path]
+        acceptance.tree_depth = int(values[4 * n])
+    return acceptance
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,9 @@ padding rows at the root's position seeing only themselves) over a reserved KV c
   * the output (the last hidden state after the final norm, and the inputs of the layers a runner
     captures for EAGLE-3) lands in buffers the graph owns; the LM head runs after it.
 
+The same pieces (`static_mask`, `static_layer`, `capture`) make EAGLE-2/3's draft depth loop one
+graph over the head's reserved cache (`methods/eagle.py`, `StaticDraft`).
+
 `engine.cuda_graphs`: `auto` (= `on` on a GPU, `off` on a CPU), `on`, `off`. On a GPU `on`
 captures one graph per rows bucket the first time that size runs (after two warm-up runs on a side
 stream, with the step's real inputs: they write only free cache positions) and replays it after;
@@ -26,7 +29,7 @@ ordinary forward (`torch.compile(fullgraph=True)` of it proves it has no graph b
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from .fused import FusedDecoder, rms_norm
 
 GRAPH_MODES = ("auto", "on", "off")
+T = TypeVar("T")
 # rows a static step takes: a verification is padded to the smallest that holds it (`ModelRunner.verify`)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -52,6 +56,40 @@ def _linear(module, x: torch.Tensor) -> torch.Tensor:
     """cuBLAS's GEMM, whatever linear path is active: a GPU's path is stock `F.linear` anyway, and
     the CPU's measured path (a context variable per call) is a graph break."""
     return F.linear(x, module.weight, module.bias)
+
+
+def static_mask(columns: torch.Tensor, start: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, rows, capacity] float mask over a reserved cache's slots `columns` (arange(capacity)):
+    every slot before `start` (a one-element device tensor: the first free position) is seen, the
+    `width` slots from it as `visible` [rows, width] says (the new rows are its last ones), the rest
+    are hidden. Built on the device from device values: no read, fixed shape."""
+    rows, width = visible.shape
+    relative = columns - start  # [capacity]
+    region = (relative >= 0) & (relative < width)
+    among = visible.gather(1, relative.clamp(0, width - 1).expand(rows, -1))  # [rows, capacity]
+    seen = (relative < 0).unsqueeze(0) | (region.unsqueeze(0) & among)
+    mask = torch.zeros(1, 1, rows, columns.numel(), dtype=dtype, device=seen.device)
+    return mask.masked_fill(~seen.view(1, 1, rows, -1), float("-inf"))
+
+
+def static_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 slots: torch.Tensor, mask: torch.Tensor, attn_in: torch.Tensor | None = None) -> torch.Tensor:
+    """A fused layer (`fused.FusedLayer`) over a reserved cache's whole buffers: x [1, rows, H], its
+    keys/values written at the device positions `slots` [rows] with `index_copy_`, attention over
+    every slot under `mask` (`static_mask`). `attn_in`: what q, k, v read instead of the input norm
+    of x (EAGLE-3's layer), as `FusedLayer.forward`."""
+    rows = x.shape[1]
+    heads, kv_heads, d = layer.heads, layer.kv_heads, layer.head_dim
+    qkv = _linear(layer.qkv, rms_norm(x, layer.input_norm) if attn_in is None else attn_in).view(1, rows, heads + 2 * kv_heads, d)
+    qk = qkv[:, :, : heads + kv_heads]
+    qk = qk * cos + qk.roll(d // 2, -1) * sin
+    q = qk[:, :, :heads].transpose(1, 2)
+    keys.index_copy_(2, slots, qk[:, :, heads:].transpose(1, 2))
+    values.index_copy_(2, slots, qkv[:, :, heads + kv_heads:].transpose(1, 2))
+    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling, enable_gqa=heads != kv_heads)
+    x = x + _linear(layer.o_proj, attn.transpose(1, 2).reshape(1, rows, heads * d))
+    h = _linear(layer.gate_up, rms_norm(x, layer.post_norm))
+    return x + _linear(layer.down_proj, F.silu(h[..., : layer.intermediate]) * h[..., layer.intermediate:])
 
 
 class StaticStep:
@@ -80,31 +118,14 @@ class StaticStep:
         fused, rows = self.fused, self.rows
         positions = self.start + self.depths  # [rows]
         slots = self.start + self.offsets  # [rows]: where the new rows' keys/values go
-        relative = self.columns - self.start  # [capacity]
-        new = (relative >= 0) & (relative < rows)
-        among = self.visible.gather(1, relative.clamp(0, rows - 1).expand(rows, -1))  # [rows, capacity]
-        seen = (relative < 0).unsqueeze(0) | (new.unsqueeze(0) & among)
-        mask = torch.zeros(1, 1, rows, self.capacity, dtype=self.dtype, device=seen.device)
-        mask = mask.masked_fill(~seen.view(1, 1, rows, -1), float("-inf"))
+        mask = static_mask(self.columns, self.start, self.visible, self.dtype)
         x = fused.embed(self.ids)
-        cos = fused.rope._cos[positions].view(1, rows, 1, -1)
-        sin = fused.rope._sin[positions].view(1, rows, 1, -1)
+        cos, sin = fused.rope._cos[positions].view(1, rows, 1, -1), fused.rope._sin[positions].view(1, rows, 1, -1)
         captured = []
         for i, (layer, (keys, values)) in enumerate(zip(fused.layers, self.buffers())):
             if i in self.capture:
                 captured.append(x[0])
-            heads, kv_heads, d = layer.heads, layer.kv_heads, layer.head_dim
-            qkv = _linear(layer.qkv, rms_norm(x, layer.input_norm)).view(1, rows, heads + 2 * kv_heads, d)
-            qk = qkv[:, :, : heads + kv_heads]
-            qk = qk * cos + qk.roll(d // 2, -1) * sin
-            q = qk[:, :, :heads].transpose(1, 2)
-            keys.index_copy_(2, slots, qk[:, :, heads:].transpose(1, 2))
-            values.index_copy_(2, slots, qkv[:, :, heads + kv_heads:].transpose(1, 2))
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling,
-                                                  enable_gqa=heads != kv_heads)
-            x = x + _linear(layer.o_proj, attn.transpose(1, 2).reshape(1, rows, heads * d))
-            h = _linear(layer.gate_up, rms_norm(x, layer.post_norm))
-            x = x + _linear(layer.down_proj, F.silu(h[..., : layer.intermediate]) * h[..., layer.intermediate:])
+            x = static_layer(layer, x, cos, sin, keys, values, slots, mask)
         return rms_norm(x, fused.norm)[0], captured
 
     def run(self, ids: torch.Tensor, depths: Sequence[int], visible: torch.Tensor, start: int):
@@ -124,19 +145,25 @@ class StaticStep:
         return hidden, dict(zip(self.capture, captured))
 
     def _capture(self) -> None:
-        """Two warm-up runs on a side stream (they write the same free cache positions the step
-        writes), then the capture: the replay that follows computes the step."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.compute()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        # its own memory pool: a pool shared with graphs since freed (a runner's previous cache, a
-        # previous model) fails the capture inside PyTorch's allocator (seen on an H100, torch 2.11)
-        with torch.cuda.graph(self.graph):
-            self.outputs = self.compute()
+        self.graph, self.outputs = capture(self.compute)
+
+
+def capture(compute: Callable[[], T]) -> tuple["torch.cuda.CUDAGraph", T]:
+    """`compute` as a CUDA graph and the outputs it writes: two warm-up runs on a side stream (a
+    step's warm-ups write the same free cache positions the step writes), then the capture; the
+    replay that follows computes the step."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            compute()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # its own memory pool: a pool shared with graphs since freed (a runner's previous cache, a
+    # previous model) fails the capture inside PyTorch's allocator (seen on an H100, torch 2.11)
+    with torch.cuda.graph(graph):
+        outputs = compute()
+    return graph, outputs
 
 
 class StaticSteps:

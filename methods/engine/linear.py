@@ -264,7 +264,7 @@ def native_active(x: torch.Tensor) -> bool:
     """Whether the engine computes this tensor's small operations (RMSNorm, RoPE) with the native
     kernels (`native.c`) too: a measured linear path is active (`engine.skinny_gemm=auto`; `off`
     is stock torch throughout), x is fp32 on a CPU where they run, and no gradient is recorded."""
-    return (_ACTIVE.get() is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+    return (not torch.compiler.is_compiling() and _ACTIVE.get() is not None and x.dtype == torch.float32 and x.device.type == "cpu"
             and not torch.is_grad_enabled() and native.unavailable_reason() is None)
 
 
@@ -287,8 +287,10 @@ def gemms_are_skipped() -> bool:
 
 
 def _dispatch(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    path = _ACTIVE.get()
     weight, bias = module.weight, module.bias
+    if torch.compiler.is_compiling():  # traced for a graph (as a GPU's step): stock F.linear, the GPU's path
+        return F.linear(x, weight, bias)
+    path = _ACTIVE.get()
     if path is None or x.dtype != weight.dtype or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
     memo = _MEMO.get()

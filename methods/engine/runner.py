@@ -178,7 +178,9 @@ class ModelRunner:
             if static:
                 return self._static_forward(ids, rows, start, logits_for)
             depths, visible = rows
-            positions, bound = start + torch.tensor(depths, device=self.device), start + max(depths) + 1
+            # `bound`: the depths' largest when they are on the host, else the rows' count (a bound, no read)
+            bound = start + (n if isinstance(depths, torch.Tensor) else max(depths) + 1)
+            positions = start + torch.as_tensor(depths, device=self.device)
             mask = None if n == 1 else attention_mask(visible, start, self.dtype, self.device)
         if positions is None:
             positions, bound = torch.arange(start, start + n, device=self.device), start + n
@@ -237,10 +239,10 @@ class ModelRunner:
         rows = len(tokens)
         padded = self._bucket(rows)
         if padded > rows:  # padding rows: token 0 at the root's position, each seeing only itself
-            tokens = torch.as_tensor(tokens)
+            tokens, depths = torch.as_tensor(tokens), torch.as_tensor(depths)  # (on the host, or a DeviceTree's device)
             tokens = torch.cat([tokens, tokens.new_zeros(padded - rows)])
-            depths = list(depths) + [0] * (padded - rows)
-            grown = torch.eye(padded, dtype=torch.bool)
+            depths = torch.cat([depths, depths.new_zeros(padded - rows)])
+            grown = torch.eye(padded, dtype=torch.bool, device=visible.device)
             grown[:rows, :rows] = visible
             visible = grown
         out = self.forward(tokens, rows=(depths, visible))

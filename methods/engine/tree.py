@@ -121,6 +121,59 @@ class Tree:
         return torch.cat([self.tokens, extra.tokens]), self.depths + list(extra.depths), visible
 
 
+class DeviceTree(Tree):
+    """A tree whose structure lives on a device with its tokens (EAGLE-2's reranked tree): each
+    node's parent row (the root's: itself) and depth as [N] long tensors there, and what the
+    verification and greedy acceptance need built there too (the ancestors-and-self matrix, the
+    earlier siblings, which nodes have children), so that drafting, verifying and accepting it
+    reads nothing back but the acceptance's one read. The host structure (`parents`, `depths`,
+    `children`, paths) is read from the device once, the first time something asks for it (the
+    sampled rule walks it on the host side; tests inspect it)."""
+
+    def __init__(self, tokens: torch.Tensor, parent_rows: torch.Tensor, depths: torch.Tensor, height: int):
+        """`height`: a host-side bound on the depths (the drafter knows how deep it drafted)."""
+        if not tokens.numel() == parent_rows.numel() == depths.numel():
+            raise ValueError(f"{tokens.numel()} tokens, {parent_rows.numel()} parents, {depths.numel()} depths")
+        self.tokens, self.node_depths, self.height = tokens, depths, height
+        self.__dict__["parent_rows"] = parent_rows
+        self.draft_probs, self.without_replacement, self.extras, self.extra_rows = None, False, {}, None
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    @cached_property
+    def parents(self) -> list[int]:  # type: ignore[override]
+        """The host structure: one read of the parent rows."""
+        return [-1] + self.parent_rows[1:].tolist()
+
+    @cached_property
+    def ancestors(self) -> torch.Tensor:
+        """[N, N] bool on the device: a node's row is itself plus its parent's row, `height` times."""
+        n, rows = len(self), self.parent_rows
+        eye = torch.eye(n, dtype=torch.bool, device=rows.device)
+        matrix = eye
+        for _ in range(self.height):
+            matrix = eye | matrix.index_select(0, rows)
+        return matrix
+
+    @cached_property
+    def earlier_siblings(self) -> torch.Tensor:
+        rows, n = self.parent_rows, len(self)
+        same = (rows[:, None] == rows[None, :]) & torch.ones(n, n, dtype=torch.bool, device=rows.device).tril(-1)
+        same[0] = False  # the root's parent row is its own: it has no siblings
+        same[:, 0] = False
+        return same
+
+    @cached_property
+    def has_children(self) -> torch.Tensor:
+        """[N] bool on the device: whether each node has a child."""
+        rows = self.parent_rows
+        return torch.zeros(len(self), dtype=torch.bool, device=rows.device).index_fill_(0, rows[1:], True)
+
+    def forward_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.tokens, self.node_depths, self.ancestors
+
+
 @dataclass
 class ExtraRows:
     """Inputs a drafter adds to the verify forward besides its candidates (a Lookahead window):
