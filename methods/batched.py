@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from .base import DecodeOutput, DecodeStats, DraftVerifyDecoder, _Clock, method_settings
+from .base import DecodeOutput, DecodeStats, DraftVerifyDecoder, _Clock, available_methods, method_settings
 from .engine.batch_acceptance import greedy_accept_chains, sample_accept_chains
 from .engine.runner import ForwardOutput
 from .engine.sampling import SamplingConfig, logits_to_probs
@@ -42,8 +42,6 @@ from .engine.tree import Tree
 
 def batchable_methods() -> list[str]:
     """The registered methods that decode at batch_size > 1 (their default settings)."""
-    from .base import available_methods
-
     return [name for name in available_methods() if method_settings(name).batchable]
 
 

@@ -68,6 +68,16 @@ def test_greedy_batch_equals_each_prompt_alone(target, method, batch):
         assert sum(out.stats.accepted_drafts for out in outs) > 0  # chains longer than one row were verified
 
 
+@pytest.mark.parametrize("decoder", ["auto", "transformers"])
+def test_qwen2_batch_on_the_fused_and_the_stock_forward(decoder):
+    """Another architecture (q/k/v biases), and the stock `transformers` decoder stack over the same cache."""
+    model = tiny_model("qwen2", seed=10, vocab_size=32)
+    prompts, stops = prompts_and_stops(3)
+    alone = [PromptLookupDecoder(ModelRunner(model, decoder=decoder)).generate(p, s).tokens for p, s in zip(prompts, stops)]
+    outs = BatchedDecoder(PromptLookupDecoder(ModelRunner(model, decoder=decoder))).generate(prompts, stops)
+    assert [out.tokens for out in outs] == alone
+
+
 def test_batch_cache_rows_hold_each_sequence_alone(target):
     """After a prefill and two verifications of chains of different lengths, each accepting its
     own path, row b of every layer's cache holds sequence b's KV as the B = 1 cache holds it."""

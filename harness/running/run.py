@@ -211,15 +211,16 @@ class LogProgress:
     (`LiveCount`) on such a line as often, instead of tqdm's one line of carriage returns that grows
     for the whole run."""
 
-    def __init__(self, items: list, desc: str, every: float = 30.0, emit=None, clock=time.monotonic):
-        self.items, self.desc, self.every, self.clock = items, desc, every, clock
+    def __init__(self, items: list, desc: str, every: float = 30.0, emit=None, clock=time.monotonic,
+                 unit: str = "questions"):
+        self.items, self.desc, self.every, self.clock, self.unit = items, desc, every, clock, unit
         self.emit = emit or (lambda line: log.info("%s", line))
         self.done, self.begin = 0, clock()
         self.last = self.begin
 
     def _line(self, extra: str = "") -> None:
         self.last = self.clock()
-        self.emit(f"{self.desc}: {self.done}/{len(self.items)} questions, {(self.last - self.begin) / 60:.1f} min{extra}")
+        self.emit(f"{self.desc}: {self.done}/{len(self.items)} {self.unit}, {(self.last - self.begin) / 60:.1f} min{extra}")
 
     def __iter__(self):
         for item in self.items:
@@ -233,9 +234,9 @@ class LogProgress:
             self._line(f"; now {text}")
 
 
-def progress(items: list, desc: str):
-    """tqdm's bar on a terminal, else periodic log lines (`LogProgress`)."""
-    return tqdm(items, desc=desc, unit="q") if sys.stderr.isatty() else LogProgress(items, desc)
+def progress(items: list, desc: str, unit: str = "questions"):
+    """tqdm's bar on a terminal, else periodic log lines (`LogProgress`); items counted in `unit`."""
+    return tqdm(items, desc=desc, unit=unit) if sys.stderr.isatty() else LogProgress(items, desc, unit=unit)
 
 
 def run(cfg: DictConfig, started=None) -> dict:
@@ -279,7 +280,8 @@ def run(cfg: DictConfig, started=None) -> dict:
             bench.warm_up(todo[0][1])
         size = bench.batch_size  # questions answered together; a group of one at batch_size 1
         groups = [todo[i:i + size] for i in range(0, len(todo), size)]
-        bar = progress(groups, f"{method} on {cfg.dataset.name}" + (f" (batches of {size})" if size > 1 else ""))
+        bar = progress(groups, f"{method} on {cfg.dataset.name}" + (f" (batches of {size})" if size > 1 else ""),
+                       "batches" if size > 1 else "questions")
         live = LiveCount(bar)
         for group in bar:
             order = list(bench.decoders.items())
