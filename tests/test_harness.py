@@ -128,15 +128,15 @@ def test_ctrl_c_says_what_is_saved_and_how_to_resume(tiny_model_dir, questions_f
     from harness.running.run import Benchmark, Interrupted
 
     overrides = tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=sps", "limit=3", "warmup=0")
-    answer, calls = Benchmark.answer, []
+    answer, calls = Benchmark.answer_batch, []
 
-    def interrupted_on_the_second_question(self, decoder, question, max_new_tokens=None, progress=None):
-        calls.append(question.question_id)
+    def interrupted_on_the_second_question(self, decoder, questions, max_new_tokens=None, progress=None):
+        calls.append([question.question_id for question in questions])
         if len(calls) == 3:  # AR and SpS answered the first question; Ctrl-C during the second
             raise KeyboardInterrupt
-        return answer(self, decoder, question, max_new_tokens, progress)
+        return answer(self, decoder, questions, max_new_tokens, progress)
 
-    monkeypatch.setattr(Benchmark, "answer", interrupted_on_the_second_question)
+    monkeypatch.setattr(Benchmark, "answer_batch", interrupted_on_the_second_question)
     with pytest.raises(Interrupted, match=r"interrupted: 1 of 3 questions saved in .*sps.*run the same command again"):
         run(config(*overrides))
     monkeypatch.setattr(Benchmark, "answer", answer)
