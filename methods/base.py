@@ -14,6 +14,7 @@ state); AR is the method that proposes nothing.
 
 from __future__ import annotations
 
+import copy
 import importlib
 from importlib.metadata import entry_points
 import pkgutil
@@ -321,6 +322,15 @@ class DraftVerifyDecoder(Decoder):
 
     def advance(self, tree: Tree, acceptance: Acceptance, verified: ForwardOutput) -> None:
         """Called after each commit, so the drafter can follow the accepted path."""
+
+    def lane(self, index: int, stop: StopCondition) -> "DraftVerifyDecoder":
+        """A copy of this decoder that drafts for sequence `index` of a batch (`methods/batched.py`):
+        what `start`, `propose` and `advance` keep per sequence lives on it. A drafter whose state
+        is more than its attributes (a draft model's KV cache) gives each lane its own."""
+        return copy.copy(self)
+
+    def finish(self, stats: DecodeStats) -> None:
+        """After a sequence of a batch stopped: the method's own statistics into `stats.extra`."""
 
     def prefill(self, prompt: Sequence[int]) -> ForwardOutput:
         """The target's prefill; a prefill strategy (LazyLLM) overrides this."""

@@ -46,6 +46,7 @@ class MultiCandidateDecoder(DraftVerifyDecoder):
         self.k_config, self.replacement = k_config, replacement
         self.draft = DraftLM(draft_model, target.vocab_size, vocabulary, target.skinny_gemm, target.decoder_mode)
         self.vocabulary = vocabulary
+        self.lane_drafts = [self.draft]  # lane i of a batch drafts with lane_drafts[i] (`lane`)
 
     def describe(self):
         return {**super().describe(), "k_config": list(self.k_config), "replacement": self.replacement,
@@ -53,6 +54,13 @@ class MultiCandidateDecoder(DraftVerifyDecoder):
 
     def start(self, prompt, prefill) -> None:
         self.draft.reset()
+
+    def lane(self, index, stop):
+        lane = super().lane(index, stop)
+        while len(self.lane_drafts) <= index:
+            self.lane_drafts.append(self.draft.another())
+        lane.draft = self.lane_drafts[index]
+        return lane
 
     def propose(self, root: int, budget: int) -> Tree:
         k_config = self.k_config[:budget]

@@ -40,6 +40,11 @@ class PLDSettings(Settings):
     num_draft: int = setting(10, integer(1), "tokens per draft; transformers' prompt_lookup_num_tokens in its docs, Spec-Bench's draft_num_candidate_tokens")
     branches: int = setting(1, integer(1), "upstream proposes one match (a chain); b > 1 adds the next matches as branches of a trie")
 
+    batchable = True
+
+    def batch_problem(self) -> str | None:
+        return "method.branches > 1 proposes tries; batch_size > 1 verifies chains (branches=1)" if self.branches > 1 else None
+
 
 def lookup_continuations(sequence: Sequence[int], max_ngram: int, num_draft: int, eos: frozenset[int] = frozenset(),
                          branches: int = 1) -> list[list[int]]:
@@ -102,12 +107,23 @@ class PromptLookupDecoder(DraftVerifyDecoder):
         return {**super().describe(), "max_ngram": self.max_ngram, "num_draft": self.num_draft, "branches": self.branches}
 
     def generate(self, prompt, stop, sampling=None, generator=None):
+        self.begin(stop)
+        out = super().generate(prompt, stop, sampling or SamplingConfig(), generator)
+        self.finish(out.stats)
+        return out
+
+    def begin(self, stop) -> None:
         self.eos = stop.eos_token_ids
         self.matched_steps = 0
-        out = super().generate(prompt, stop, sampling or SamplingConfig(), generator)
-        steps = out.stats.steps - 1  # verifications (the prefill proposes nothing)
-        out.stats.extra["match_rate"] = self.matched_steps / steps if steps else 0.0  # steps with a draft
-        return out
+
+    def lane(self, index, stop):
+        lane = super().lane(index, stop)
+        lane.begin(stop)
+        return lane
+
+    def finish(self, stats) -> None:
+        steps = stats.steps - 1  # verifications (the prefill proposes nothing)
+        stats.extra["match_rate"] = self.matched_steps / steps if steps else 0.0  # steps with a draft
 
     def propose(self, root: int, budget: int) -> Tree:
         if budget <= 0:

@@ -43,6 +43,8 @@ class SpSSettings(Settings):
     draft_vocab: int | str = draft_vocab_setting()
     draft: dict | None = setting(None, null() | mapping(), "null = the model's own drafts.sps; or {path: <hub id or folder>} / {target_layers: k}")
 
+    batchable = True
+
 
 class SpeculativeSamplingDecoder(MultiCandidateDecoder):
     name = "sps"

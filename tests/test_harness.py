@@ -128,15 +128,15 @@ def test_ctrl_c_says_what_is_saved_and_how_to_resume(tiny_model_dir, questions_f
     from harness.running.run import Benchmark, Interrupted
 
     overrides = tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=sps", "limit=3", "warmup=0")
-    answer, calls = Benchmark.answer, []
+    answer, calls = Benchmark.answer_batch, []
 
-    def interrupted_on_the_second_question(self, decoder, question, max_new_tokens=None, progress=None):
-        calls.append(question.question_id)
+    def interrupted_on_the_second_question(self, decoder, questions, max_new_tokens=None, progress=None):
+        calls.append([question.question_id for question in questions])
         if len(calls) == 3:  # AR and SpS answered the first question; Ctrl-C during the second
             raise KeyboardInterrupt
-        return answer(self, decoder, question, max_new_tokens, progress)
+        return answer(self, decoder, questions, max_new_tokens, progress)
 
-    monkeypatch.setattr(Benchmark, "answer", interrupted_on_the_second_question)
+    monkeypatch.setattr(Benchmark, "answer_batch", interrupted_on_the_second_question)
     with pytest.raises(Interrupted, match=r"interrupted: 1 of 3 questions saved in .*sps.*run the same command again"):
         run(config(*overrides))
     monkeypatch.setattr(Benchmark, "answer", answer)
@@ -251,6 +251,35 @@ def test_missing_draft_is_a_clear_error(tiny_model_dir, questions_file, tmp_path
         run(cfg)
 
 
+def test_batched_run_decodes_b_questions_together_and_records_throughput(tiny_model_dir, questions_file, tmp_path):
+    """batch_size=2: AR and PLD answer two questions at a time (the two-turn question's second turn
+    alone), each with the tokens of the batch-1 run; records keep each turn's batch size and batch
+    wall time, the summary the throughput summed over the batch, and the run its own folder."""
+    alone = run(config(*tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=pld")))
+    batched = run(config(*tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=pld", "batch_size=2")))
+    assert batched["batch_size"] == 2 and alone["batch_size"] == 1
+    assert Path(batched["results"]) != Path(alone["results"])  # batch sizes never share a folder
+    for name in ("pld", "ar"):
+        mine = read_jsonl(Path(batched["results"]) / "answers" / f"{name}.jsonl")
+        theirs = read_jsonl(Path(alone["results"]) / "answers" / f"{name}.jsonl")
+        assert [r["choices"][0]["output_ids"] for r in mine] == [r["choices"][0]["output_ids"] for r in theirs]
+        assert [r["choices"][0]["batch_size"] for r in mine] == [[2, 1], [2], [2], [2]]
+        for record in mine:
+            choice = record["choices"][0]
+            assert all(w <= b for w, b in zip(choice["wall_time"], choice["batch_wall_time"]))
+            assert all(t <= w for t, w in zip(choice["ttft"], choice["wall_time"]))
+        # each batch's wall time counted once: questions 1 and 2 (turn 1) shared one batch
+        assert mine[0]["choices"][0]["batch_wall_time"][0] == mine[1]["choices"][0]["batch_wall_time"][0]
+    for side in ("decoder", "baseline"):
+        stats = batched[side]
+        assert stats["throughput_tokens_per_second"] > stats["tokens_per_second"]  # two requests at a time
+        assert stats["mean_latency"] > 0
+    assert batched["throughput_speedup"] == pytest.approx(
+        batched["decoder"]["throughput_tokens_per_second"] / batched["baseline"]["throughput_tokens_per_second"])
+    assert batched["fidelity"]["differing_questions"] == 0
+    assert "batch size 2: throughput" in format_summary(batched)
+
+
 def test_bad_values_are_named():
     with pytest.raises(ValueError, match="unknown dtype 'fp8'.*float32"):
         choose_dtype("fp8", torch.device("cpu"))
@@ -272,6 +301,10 @@ def test_bad_values_are_named():
     ("engine.skinny_gemm=fast", "engine.skinny_gemm='fast': valid: auto, off"),
     ("engine.cuda_graphs=yes", "engine.cuda_graphs='yes': valid: auto, on, off"),
     ("engine.decoder=fast", "engine.decoder='fast': valid: auto, transformers"),
+    ("batch_size=0", "batch_size=0: valid: an integer >= 1"),
+    ("method=eagle2 batch_size=4", "batch_size=4: valid: 1 for method eagle2 (it decodes one sequence at a time); "
+                                   "batch_size > 1 runs ar, pld, sps"),
+    ("method=pld method.branches=2 batch_size=2", "batch_size=2: valid: 1 for method pld (method.branches > 1"),
 ])
 def test_bad_config_values_are_rejected_before_anything_loads(override, message):
     from harness.running.validate import validate

@@ -8,7 +8,7 @@ read); by default every run under `results/` except the committed reference run
 `results/report/<run set>/` (`--out` to choose), so no report overwrites another's files.
 
 Runs land in the same table only when their settings agree: model, dataset, max_new_tokens,
-sampling, dtype, hardware, torch and transformers, and the questions answered: rows are method
+sampling, batch size, dtype, hardware, torch and transformers, and the questions answered: rows are method
 variants (a method and its parameters; the runs of one variant over disjoint questions, as a
 sweep over categories makes them, are joined, the newest answer of a question winning), and a
 variant whose questions differ from the others' gets a table of its own. Columns are the
@@ -60,7 +60,8 @@ class Run:
         """What must agree for two runs to share a table (the questions are checked per row)."""
         env, s = self.summary.get("environment", {}), self.summary
         return (s["model"], s["dataset"], s.get("hardware"), s.get("dtype"), env.get("torch"), env.get("transformers"),
-                s.get("max_new_tokens"), sampling_name(s.get("sampling")), env.get("decoding_code") or "unrecorded")
+                s.get("max_new_tokens"), sampling_name(s.get("sampling")), s.get("batch_size", 1),
+                env.get("decoding_code") or "unrecorded")
 
     @property
     def label(self) -> str:
@@ -68,7 +69,8 @@ class Run:
 
 
 # the engine (`decoding_code`, the digest of methods/) too: runs of two engines never share a row
-SETTING_NAMES = ("model", "dataset", "hardware", "dtype", "torch", "transformers", "max_new_tokens", "sampling", "engine")
+SETTING_NAMES = ("model", "dataset", "hardware", "dtype", "torch", "transformers", "max_new_tokens", "sampling",
+                 "batch_size", "engine")
 
 
 def sampling_name(sampling: dict | None) -> str:
@@ -210,7 +212,8 @@ def build_tables(runs: list[Run]) -> list[Table]:
     names = defaultdict(list)
     for table in tables:
         s = table.settings
-        names[slugify(f"{s['model']}-{s['dataset']}-n{len(table.questions)}-{s['max_new_tokens']}tok-{s['sampling']}-"
+        batch = f"-b{s['batch_size']}" if s["batch_size"] > 1 else ""
+        names[slugify(f"{s['model']}-{s['dataset']}-n{len(table.questions)}-{s['max_new_tokens']}tok-{s['sampling']}{batch}-"
                       f"{s['dtype']}-{s['hardware']}")].append(table)
     for name, same in names.items():
         for table in same:  # two question sets of one size, or two engines: their hash tells them apart

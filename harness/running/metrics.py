@@ -10,6 +10,10 @@
 * α: accepted draft tokens / proposed draft tokens; per draft position d: steps where a depth-d
   draft was accepted / steps where one was tested (every earlier depth accepted).
 * TTFT: mean seconds from the call to the first token, per turn.
+* throughput (`batch_size` > 1: docs/batching.md): tokens per second summed over the batch, every
+  batch's wall time counted once; its speedup over AR's at the same batch size; per-request
+  latency (a turn's time from its batch's start to its own last token) and TTFT (its batch's
+  prefill). At batch size 1 the throughput is the tokens over the wall time.
 * fidelity: questions whose tokens differ from AR's, the first differing position, and each
   divergence of a lossless greedy run classified from the logit margins at it: a near-tie (both
   top-2 gaps within the dtype's rounding, NEAR_TIE) or a mismatch (docs/benchmarks.md, "fidelity").
@@ -67,7 +71,7 @@ def ratio_of_means(method: np.ndarray, baseline: np.ndarray, axis: int = -1) -> 
 
 def decoder_stats(records: list[dict]) -> dict:
     tokens = steps = forwards = drafted = accepted = 0
-    wall = ttft_sum = 0.0
+    wall = ttft_sum = batch_wall = 0.0
     turns = 0
     proposed: list[int] = []
     tested: list[int] = []
@@ -82,6 +86,9 @@ def decoder_stats(records: list[dict]) -> dict:
         tokens += sum(choice["new_tokens"])
         steps += sum(choice["decoding_steps"])
         wall += sum(choice["wall_time"])
+        # each batch's wall time once: its share per member (batch_size 1 runs record neither key)
+        batch_wall += sum(w / n for w, n in zip(choice.get("batch_wall_time", choice["wall_time"]),
+                                                choice.get("batch_size", [1] * len(choice["wall_time"]))))
         for turn_steps, turn_stats in zip(choice["decoding_steps"], choice["stats"]):
             turns += 1
             # target forwards, the prefill included (records without it: the steps and a prefill)
@@ -118,6 +125,8 @@ def decoder_stats(records: list[dict]) -> dict:
         "target_forwards": forwards,
         "wall_time": wall,
         "tokens_per_second": tokens / wall if wall else 0.0,
+        "throughput_tokens_per_second": tokens / batch_wall if batch_wall else 0.0,
+        "mean_latency": wall / turns if turns else 0.0,
         "mean_question_tokens_per_second": statistics.fmean(speeds) if speeds else 0.0,
         "tau": tokens / steps if steps else 0.0,
         "acceptance_rate": accepted / drafted if drafted else None,
@@ -316,6 +325,8 @@ def summarize(method: str, records: list[dict], baseline: list[dict] | None, met
     greedy = not (meta.get("sampling") or {}).get("temperature")
     summary["fidelity"] = fidelity(records, baseline, meta.get("dtype"), classify=meta.get("lossless", True) and greedy)
     summary["explained"] = decomposition(summary["decoder"], summary["baseline"])
+    base_throughput = summary["baseline"]["throughput_tokens_per_second"]
+    summary["throughput_speedup"] = summary["decoder"]["throughput_tokens_per_second"] / base_throughput if base_throughput else None
     summary["caveats"] = caveats(summary["speedup"], summary["decoder"]["tau"], summary["fidelity"], summary["busy"],
                                  meta.get("lossless", True))
     base_ttft, ttft = summary["baseline"]["mean_ttft"], summary["decoder"]["mean_ttft"]
@@ -486,6 +497,18 @@ def headline_lines(summary: dict) -> list[str]:
     return lines
 
 
+def batch_line(summary: dict) -> str:
+    """A batched run's throughput (summed over the batch), latency and TTFT, beside AR's at the
+    same batch size."""
+    mine, base = summary["decoder"], summary.get("baseline")
+    line = (f"batch size {summary['batch_size']}: throughput {mine['throughput_tokens_per_second']:.2f} tok/s summed "
+            f"over the batch, per-request latency {mine['mean_latency']:.2f} s, TTFT {1000 * mine['mean_ttft']:.1f} ms")
+    if base and summary.get("throughput_speedup") is not None:
+        line += (f"; AR at the same batch size {base['throughput_tokens_per_second']:.2f} tok/s, latency "
+                 f"{base['mean_latency']:.2f} s: throughput speedup {summary['throughput_speedup']:.2f}x")
+    return line
+
+
 def format_summary(summary: dict) -> str:
     """The printout at the end of a run: the headline speedup and its caveats (`headline_lines`),
     the decoders' table, then what explains the speedup and the rest of the numbers."""
@@ -503,6 +526,8 @@ def format_summary(summary: dict) -> str:
             f"{1000 * stats['mean_ttft']:>9.1f}{stats['new_tokens']:>8}{stats['wall_time']:>9.1f}"
         )
     rows.append("tok/s: the mean over questions of tokens / wall time (Spec-Bench's form; the speedup is their ratio)")
+    if summary.get("batch_size", 1) > 1:
+        rows.append(batch_line(summary))
     lossy = "" if summary.get("lossless", True) else " [LOSSY]"
     lines = [
         f"{summary['method']}{lossy} on {summary.get('model')} / {summary.get('dataset')} "

@@ -36,6 +36,7 @@ from harness.running.prompts import ChatTemplate, Message
 from harness.running.results import RECORDS_FORMAT, FolderMismatch, RunFolder, compact_margins, settings_hash, write_json
 from harness.running.validate import validate, check_group_choices
 from methods.base import BuildContext, Decoder, get_method
+from methods.batched import BatchedDecoder
 from methods.models.loading import load_model, load_tokenizer, choose_dtype, resolve_device
 from methods.models.specs import ModelSpec, ModelUnavailableError
 from methods.engine.hardware import profiles_used
@@ -61,6 +62,7 @@ class Benchmark:
         self.dtype, self.dtype_reason = choose_dtype(cfg.dtype, self.device, ModelSpec.from_mapping(cfg.model), cfg.model.name)
         self.sampling = SamplingConfig(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k))
         self.max_new_tokens = int(cfg.max_new_tokens or cfg.dataset.max_new_tokens)
+        self.batch_size = int(cfg.batch_size)  # questions decoded together, AR and the method alike
         paired = cfg.baseline and cfg.method.name != BASELINE
         self.names = [BASELINE, cfg.method.name] if paired else [cfg.method.name]
 
@@ -107,56 +109,75 @@ class Benchmark:
     def answer(self, decoder: Decoder, question: Question, max_new_tokens: int | None = None,
                progress: LiveCount | None = None) -> dict:
         """All turns of one question; a Spec-Bench answer record with token ids and statistics."""
-        max_new_tokens = max_new_tokens or self.max_new_tokens_for(question.category)
-        messages: list[Message] = []
-        turns, steps, new_tokens, wall, accept_lengths, prompts, outputs, stats, margins = ([] for _ in range(9))
-        for turn_index, turn in enumerate(question.turns):
-            messages.append(Message("user", self.user_turn(turn, max_new_tokens)))
-            prompt = self.template.prompt_ids(messages)
-            stop = self.template.stop_condition(max_new_tokens)
-            if progress is not None:
-                progress.start(f"{decoder.name} turn {turn_index + 1}" if len(question.turns) > 1 else decoder.name,
-                               max_new_tokens)
-                stop = dataclasses.replace(stop, progress=progress)
-            seed = zlib.crc32(f"{self.cfg.seed}/{question.question_id}/{turn_index}".encode())
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+        return self.answer_batch(decoder, [question], max_new_tokens, progress)[0]
+
+    def answer_batch(self, decoder: Decoder, questions: list[Question], max_new_tokens: int | None = None,
+                     progress: LiveCount | None = None) -> list[dict]:
+        """All turns of these questions, one answer record each. At `batch_size` 1 one question,
+        one `generate` per turn; above it, turn t of every question that has one is decoded in one
+        batch (`methods/batched.py`) and each record keeps, per turn, the size of its batch and the
+        batch's wall time (its `wall_time` and `ttft` are the request's own: latency and TTFT)."""
+        limits = [max_new_tokens or self.max_new_tokens_for(q.category) for q in questions]
+        messages: list[list[Message]] = [[] for _ in questions]
+        fields = ("turns", "decoding_steps", "new_tokens", "wall_time", "accept_lengths", "ttft", "prompt_ids",
+                  "output_ids", "logit_margins", "stats", *(("batch_size", "batch_wall_time") if self.batch_size > 1 else ()))
+        choices = [{name: [] for name in fields} for _ in questions]
+        for turn_index in range(max(len(q.turns) for q in questions)):
+            group = [i for i, q in enumerate(questions) if turn_index < len(q.turns)]
+            prompts, stops, generators = [], [], []
+            for i in group:
+                messages[i].append(Message("user", self.user_turn(questions[i].turns[turn_index], limits[i])))
+                prompts.append(self.template.prompt_ids(messages[i]))
+                stops.append(self.template.stop_condition(limits[i]))
+                seed = zlib.crc32(f"{self.cfg.seed}/{questions[i].question_id}/{turn_index}".encode())
+                generators.append(torch.Generator(device=self.device).manual_seed(seed))
+            if progress is not None:  # the live count follows the batch's first sequence
+                turn = f" turn {turn_index + 1}" if len(questions[group[0]].turns) > 1 else ""
+                progress.start(decoder.name + turn + (f" (batch of {len(group)})" if self.batch_size > 1 else ""), limits[group[0]])
+                stops[0] = dataclasses.replace(stops[0], progress=progress)
             try:
-                out = decoder.generate(prompt, stop, self.sampling, generator)
+                if self.batch_size > 1:
+                    outs = BatchedDecoder(decoder).generate(prompts, stops, self.sampling, generators)
+                else:
+                    outs = [decoder.generate(prompts[0], stops[0], self.sampling, generators[0])]
             except Exception as err:
-                raise RuntimeError(f"{decoder.name} failed on question {question.question_id} turn {turn_index}: {err}") from err
-            text = self.template.answer_text(out.tokens, stop)
-            messages.append(Message("assistant", text))
-            turn_stats = out.stats.to_dict()
-            del turn_stats["accepted_lengths"]  # per target forward; the record keeps Spec-Bench's per decoding step
-            margins.append(compact_margins(turn_stats.pop("logit_margins")))
-            accept_lengths.extend(out.stats.accept_lengths)
-            turns.append(text)
-            steps.append(out.stats.decoding_steps)
-            new_tokens.append(out.stats.new_tokens)
-            wall.append(out.stats.total_time)
-            prompts.append(prompt)
-            outputs.append(out.tokens)
-            stats.append(turn_stats)
-        return {
+                ids = ", ".join(str(questions[i].question_id) for i in group)
+                raise RuntimeError(f"{decoder.name} failed on question {ids} turn {turn_index}: {err}") from err
+            batch_wall = max(out.stats.total_time for out in outs)
+            for i, prompt, stop, out in zip(group, prompts, stops, outs):
+                text = self.template.answer_text(out.tokens, stop)
+                messages[i].append(Message("assistant", text))
+                turn_stats = out.stats.to_dict()
+                del turn_stats["accepted_lengths"]  # per target forward; the record keeps Spec-Bench's per decoding step
+                choice = choices[i]
+                choice["logit_margins"].append(compact_margins(turn_stats.pop("logit_margins")))
+                choice["accept_lengths"].extend(out.stats.accept_lengths)
+                choice["turns"].append(text)
+                choice["decoding_steps"].append(out.stats.decoding_steps)
+                choice["new_tokens"].append(out.stats.new_tokens)
+                choice["wall_time"].append(out.stats.total_time)
+                choice["ttft"].append(out.stats.ttft)
+                choice["prompt_ids"].append(prompt)
+                choice["output_ids"].append(out.tokens)
+                choice["stats"].append(turn_stats)
+                if self.batch_size > 1:
+                    choice["batch_size"].append(len(group))
+                    choice["batch_wall_time"].append(batch_wall)
+        return [{
             "question_id": question.question_id,
             "category": question.category,
             "answer_id": f"{decoder.name}-{question.question_id}",
             "model_id": f"{self.cfg.model.name}-{decoder.name}",
             "tstamp": time.time(),
             "records_format": RECORDS_FORMAT,
-            "choices": [{
-                "index": 0, "turns": turns, "decoding_steps": steps, "new_tokens": new_tokens,
-                "wall_time": wall, "accept_lengths": accept_lengths,
-                "ttft": [s["ttft"] for s in stats], "prompt_ids": prompts, "output_ids": outputs,
-                "logit_margins": margins, "stats": stats,
-            }],
-        }
+            "choices": [{"index": 0, **choice}],
+        } for question, choice in zip(questions, choices)]
 
     def warm_up(self, question: Question) -> None:
         warm = Question(question.question_id, question.category, question.turns[:1])
         for _ in range(int(self.cfg.warmup)):
             for decoder in self.decoders.values():
-                self.answer(decoder, warm, max_new_tokens=min(32, self.max_new_tokens))
+                self.answer_batch(decoder, [warm] * self.batch_size, max_new_tokens=min(32, self.max_new_tokens))
 
 
 SELECTION_KEYS = ("categories", "sample", "path", "prepare_hint")
@@ -190,15 +211,16 @@ class LogProgress:
     (`LiveCount`) on such a line as often, instead of tqdm's one line of carriage returns that grows
     for the whole run."""
 
-    def __init__(self, items: list, desc: str, every: float = 30.0, emit=None, clock=time.monotonic):
-        self.items, self.desc, self.every, self.clock = items, desc, every, clock
+    def __init__(self, items: list, desc: str, every: float = 30.0, emit=None, clock=time.monotonic,
+                 unit: str = "questions"):
+        self.items, self.desc, self.every, self.clock, self.unit = items, desc, every, clock, unit
         self.emit = emit or (lambda line: log.info("%s", line))
         self.done, self.begin = 0, clock()
         self.last = self.begin
 
     def _line(self, extra: str = "") -> None:
         self.last = self.clock()
-        self.emit(f"{self.desc}: {self.done}/{len(self.items)} questions, {(self.last - self.begin) / 60:.1f} min{extra}")
+        self.emit(f"{self.desc}: {self.done}/{len(self.items)} {self.unit}, {(self.last - self.begin) / 60:.1f} min{extra}")
 
     def __iter__(self):
         for item in self.items:
@@ -212,9 +234,9 @@ class LogProgress:
             self._line(f"; now {text}")
 
 
-def progress(items: list, desc: str):
-    """tqdm's bar on a terminal, else periodic log lines (`LogProgress`)."""
-    return tqdm(items, desc=desc, unit="q") if sys.stderr.isatty() else LogProgress(items, desc)
+def progress(items: list, desc: str, unit: str = "questions"):
+    """tqdm's bar on a terminal, else periodic log lines (`LogProgress`); items counted in `unit`."""
+    return tqdm(items, desc=desc, unit=unit) if sys.stderr.isatty() else LogProgress(items, desc, unit=unit)
 
 
 def run(cfg: DictConfig, started=None) -> dict:
@@ -232,6 +254,8 @@ def run(cfg: DictConfig, started=None) -> dict:
         "engine": OmegaConf.to_container(cfg.engine, resolve=True), "method": OmegaConf.to_container(cfg.method, resolve=True),
         "questions": [q.question_id for q in questions], "baseline": cfg.baseline, "warmup": cfg.warmup,
     }
+    if bench.batch_size > 1:  # its own results folder: a run set never mixes batch sizes (B = 1 keys unchanged)
+        settings["batch_size"] = bench.batch_size
     drafts = drafts_digest(settings["model"], settings["method"])
     if drafts:  # trained drafts' contents: retrained ones get their own folder (training-free methods' keys unchanged)
         settings["drafts"] = drafts
@@ -254,18 +278,23 @@ def run(cfg: DictConfig, started=None) -> dict:
         if todo:
             log.info("warming up: %d untimed generation(s) per decoder", int(cfg.warmup))
             bench.warm_up(todo[0][1])
-        bar = progress(todo, f"{method} on {cfg.dataset.name}")
+        size = bench.batch_size  # questions answered together; a group of one at batch_size 1
+        groups = [todo[i:i + size] for i in range(0, len(todo), size)]
+        bar = progress(groups, f"{method} on {cfg.dataset.name}" + (f" (batches of {size})" if size > 1 else ""),
+                       "batches" if size > 1 else "questions")
         live = LiveCount(bar)
-        for index, question in bar:
+        for group in bar:
             order = list(bench.decoders.items())
-            if index % 2:  # AR first on even questions, the method first on odd ones
+            if group[0][0] // size % 2:  # AR first on even questions (groups), the method first on odd ones
                 order.reverse()
             records = {}
             for name, decoder in order:
                 before = busy.snapshot()
-                record = bench.answer(decoder, question, progress=live)
-                records[name] = {**record, "session": session, "machine": busy.state(before, busy.snapshot())}
-            folder.append({name: records[name] for name in bench.decoders})
+                answers = bench.answer_batch(decoder, [question for _, question in group], progress=live)
+                machine = busy.state(before, busy.snapshot())
+                records[name] = [{**record, "session": session, "machine": machine} for record in answers]
+            for row in range(len(group)):
+                folder.append({name: records[name][row] for name in bench.decoders})
     except KeyboardInterrupt:
         saved = len(folder.records(method, ids))
         raise Interrupted(f"interrupted: {saved} of {len(ids)} questions saved in {folder.path}; "
@@ -274,7 +303,7 @@ def run(cfg: DictConfig, started=None) -> dict:
     meta = {
         "model": cfg.model.name, "dataset": cfg.dataset.name, "dtype": dtype_name,
         "device": str(bench.device), "hardware": hardware_name(env), "environment": env, "engine": engine,
-        "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling),
+        "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling), "batch_size": bench.batch_size,
         "categories": sorted({q.category for q in questions}), "question_ids": ids,
         "lossless": bench.decoders[method].lossless,
         "method_config": bench.decoders[method].describe(), "results": str(folder.path),

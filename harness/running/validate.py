@@ -23,7 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import REPO
 from harness.running.execution import require_sandbox
-from methods.base import check_method_params
+from methods.base import check_method_params, method_settings
+from methods.batched import batchable_methods
 from methods.engine.fused import DECODER_MODES
 from methods.engine.graphs import GRAPH_MODES
 from methods.engine.hardware import SKINNY_GEMM_MODES
@@ -36,6 +37,7 @@ TEXT = Check(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty stri
 SCHEMA: dict[str, Check] = {
     "limit": null() | integer(1),
     "max_new_tokens": null() | integer(1),
+    "batch_size": integer(1),
     "temperature": number(0),
     "top_p": number(0, 1, low_open=True),
     "top_k": integer(0),
@@ -66,10 +68,23 @@ def validate(cfg: DictConfig) -> None:
                           "model's gguf_file) or a Hugging Face Hub id")
     params = OmegaConf.to_container(cfg.method, resolve=True)
     check_method_params(params.get("name"), params)
+    check_batch_size(cfg.batch_size, params)
     quality = OmegaConf.to_container(cfg.dataset.quality, resolve=True) if cfg.dataset.get("quality") else {}
     if "humaneval_pass_at_1" in quality.values():  # runs generated code: only in a sandbox, or opted in
 
         require_sandbox()
+
+
+def check_batch_size(batch_size: int, params: dict) -> None:
+    """batch_size > 1 only for a method that decodes at batch > 1 with these settings (AR, the
+    baseline, always does): ConfigError naming the methods that do."""
+    if batch_size == 1:
+        return
+    name = params.get("name")
+    problem = method_settings(name).from_params(params).batch_problem()
+    if problem:
+        raise ConfigError("batch_size", batch_size, f"1 for method {name} ({problem}); batch_size > 1 runs "
+                          f"{', '.join(batchable_methods())}")
 
 
 def check_group_choices(argv: list[str]) -> None:

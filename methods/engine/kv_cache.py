@@ -180,3 +180,54 @@ class TreeKVCache(Cache):
             if layer.is_initialized:
                 index = torch.tensor(kept, device=layer.device) if index is None or index.device != layer.device else index
                 layer.keep(start, index)
+
+
+class BatchKVCache(TreeKVCache):
+    """The cache of B sequences decoded together (`methods/batched.py`). Every layer's buffers are
+    [B, kv_heads, capacity, head_dim] with one filled length L shared by the batch (the forward
+    appends after it) and a length per sequence, `lengths[b]` <= L: sequence b's KV is slots
+    0 .. lengths[b] - 1 of its row, slot = position. Its slots lengths[b] .. L - 1 hold another
+    sequence's step rows or its own rejected ones: padding, which every mask of the batch hides
+    (`ModelRunner.forward_chains`). A commit moves each sequence's accepted rows to its own length;
+    L is then the longest sequence."""
+
+    def __init__(self, batch: int, capacity: int | None = None):
+        super().__init__(capacity)
+        self.lengths = [0] * batch
+
+    @torch.inference_mode()
+    def commit_batch(self, start: int, paths: Sequence[Sequence[int]]) -> None:
+        """After a forward appended every sequence's rows at `start..`: keep sequence b's rows
+        `paths[b]` (increasing) at lengths[b].., in one gather per layer's keys and values."""
+        if len(paths) != len(self.lengths):
+            raise ValueError(f"{len(paths)} paths for a batch of {len(self.lengths)}")
+        rows, sources, targets = [], [], []
+        for b, path in enumerate(paths):
+            path = list(path)
+            if path and path[-1] >= self.get_seq_length() - start:
+                raise ValueError(f"commit of row {path[-1]} but only {self.get_seq_length() - start} rows follow {start}")
+            if self.lengths[b] != start or path != list(range(len(path))):  # else already in place
+                rows += [b] * len(path)
+                sources += [start + node for node in path]
+                targets += range(self.lengths[b], self.lengths[b] + len(path))
+            self.lengths[b] += len(path)
+        if rows:
+            index = [torch.tensor(v) for v in (rows, sources, targets)]
+            for layer in self.layers:
+                if layer.is_initialized:
+                    b, source, target = (i.to(layer.device) for i in index)
+                    layer._keys[b, :, target] = layer._keys[b, :, source]
+                    layer._values[b, :, target] = layer._values[b, :, source]
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.length = max(self.lengths)
+
+    def keep_sequences(self, kept: Sequence[int]) -> None:
+        """Only sequences `kept` (in this order) stay: the batch shrinks (new buffers, one copy)."""
+        kept = list(kept)
+        self.lengths = [self.lengths[b] for b in kept]
+        for layer in self.layers:
+            if layer.is_initialized and layer._keys is not None:
+                index = torch.tensor(kept, device=layer.device)
+                layer._keys, layer._values = layer._keys.index_select(0, index), layer._values.index_select(0, index)
+                layer.length = max(self.lengths, default=0)

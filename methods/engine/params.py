@@ -16,7 +16,7 @@ import inspect
 import json
 import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 
 class ConfigError(ValueError):
@@ -112,6 +112,14 @@ def setting(default: Any, check: Check, doc: str) -> Any:
 class Settings:
     """A method without settings (subclasses: one `setting(...)` field per key; the docstring is the
     comment at the top of the method's YAML)."""
+
+    # whether `methods/batched.py` decodes the method at batch_size > 1: its drafts are chains and
+    # its drafter's state lives per sequence (`DraftVerifyDecoder.lane`)
+    batchable: ClassVar[bool] = False
+
+    def batch_problem(self) -> str | None:
+        """Why these settings cannot be decoded at batch_size > 1; None when they can."""
+        return None if self.batchable else "it decodes one sequence at a time"
 
     @classmethod
     def schema(cls) -> dict[str, Check]:

@@ -26,7 +26,7 @@ import torch
 from .fused import DECODER_MODES, fused_decoder, unsupported
 from .graphs import BUCKETS, StaticSteps, graph_mode
 from .hardware import linear_path
-from .kv_cache import TreeKVCache
+from .kv_cache import BatchKVCache, TreeKVCache
 from .tree import Tree, attention_mask
 
 # positions reserved past prompt + max new tokens: room for a verification's rows (every default
@@ -145,6 +145,16 @@ class ModelRunner:
         if self.fused is not None:
             self.fused.rope.reserve(needed, self.dtype, self.device)
 
+    def reserve_batch(self, batch: int, positions: int) -> None:
+        """Before decoding `batch` sequences together (`methods/batched.py`), each committing at most
+        `positions` positions: a `BatchKVCache` allocated once at positions + ROOM, the RoPE table
+        as long. The B = 1 path (`reserve`) keeps its own cache for the next answer."""
+        needed = -(-(positions + ROOM) // ROOM) * ROOM
+        self.cache = BatchKVCache(batch, needed)
+        self.forward_passes = 0
+        if self.fused is not None:
+            self.fused.rope.reserve(needed, self.dtype, self.device)
+
     def check_room(self, needed: int) -> None:
         if self.max_positions and needed > self.max_positions:
             raise ValueError(
@@ -208,6 +218,49 @@ class ModelRunner:
             layers = torch.cat([captured[i][0] for i in self.feature_layers], -1) if self.feature_layers else None
         self.forward_passes += 1
         return ForwardOutput(logits=logits, hidden=hidden, layers=layers)
+
+    @torch.inference_mode()
+    def forward_chains(self, chains: Sequence[Sequence[int] | torch.Tensor], last_only: bool = False) -> ForwardOutput:
+        """One forward over B token chains, chain b continuing sequence b of the `BatchKVCache`
+        (`reserve_batch`): causal, at positions lengths[b], lengths[b] + 1, ... Rows [B, R], R the
+        longest chain; a shorter chain is padded with rows that see only themselves, and every
+        sequence's padding slots in the cache are masked out, so each row sees exactly its own
+        prefix and chain. Logits [B, R, V] and hidden [B, R, H]; `last_only`: each chain's last
+        row only, [B, V] and [B, H] (a prefill). Nothing is committed (`BatchKVCache.commit_batch`).
+        It runs the fused forward (the native layer where it applies) or the stock decoder; never
+        a static step."""
+        cache = self.cache
+        if not isinstance(cache, BatchKVCache) or len(chains) != len(cache.lengths):
+            raise RuntimeError("forward_chains needs a BatchKVCache with one sequence per chain; call reserve_batch()")
+        batch, start = len(chains), self.length
+        sizes = torch.tensor([len(chain) for chain in chains])
+        rows = int(sizes.max())
+        lengths = torch.tensor(cache.lengths)
+        self.check_room(int(lengths.max()) + rows)
+        ids = torch.nn.utils.rnn.pad_sequence(
+            [torch.as_tensor(chain, dtype=torch.long, device=self.device) for chain in chains], batch_first=True)
+        offsets = torch.arange(rows)
+        positions = (lengths[:, None] + offsets).to(self.device)  # [B, R]
+        prefix = torch.arange(start)[None, :] < lengths[:, None]  # [B, L]: the sequence's own slots
+        own = torch.ones(rows, rows, dtype=torch.bool).tril_() & (offsets < sizes[:, None])[:, :, None]
+        visible = torch.cat([prefix[:, None, :].expand(batch, rows, start), own | torch.eye(rows, dtype=torch.bool)], -1)
+        mask = torch.zeros(batch, 1, rows, start + rows, dtype=self.dtype)
+        mask.masked_fill_(~visible[:, None], torch.finfo(self.dtype).min)
+        mask = mask.to(self.device)
+        fused = self.fused is not None and (self.fused.window is None or start + rows <= self.fused.window)
+        with self.linear.active():
+            if fused:
+                hidden, _ = self.fused.forward(ids, positions, mask, cache, (), int(lengths.max()) + rows)
+            else:
+                hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=mask,
+                                      past_key_values=cache, use_cache=True).last_hidden_state
+            if last_only:
+                hidden = hidden[torch.arange(batch, device=self.device), (sizes - 1).to(self.device)]  # [B, H]
+                logits = self._logits(hidden, slice(None))
+            else:
+                logits = self._logits(hidden.flatten(0, 1), slice(None)).view(batch, rows, -1)
+        self.forward_passes += 1
+        return ForwardOutput(logits=logits, hidden=hidden)
 
     def _static_forward(self, ids, rows, start: int, logits_for) -> ForwardOutput:
         depths, visible = rows

@@ -27,6 +27,11 @@ class DraftLM:
         self._slots: dict[int, int] = {}  # tree node -> slot after the committed part
         self._base: int | None = None  # committed length when the current tree was drafted
 
+    def another(self) -> "DraftLM":
+        """A draft LM over the same model and vocabulary with its own cache (one per sequence of a batch)."""
+        runner = self.runner
+        return DraftLM(runner.model, self.target_vocab_size, runner.vocabulary, runner.skinny_gemm, runner.decoder_mode)
+
     def reset(self) -> None:
         self.runner.reset()
         self.fed = []

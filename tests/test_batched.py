@@ -1,0 +1,171 @@
+"""Batch > 1 (`methods/batched.py`): each sequence of a batch decodes what it decodes alone.
+
+Greedy tokens equal B = 1's token for token (prompts of different lengths, different stops); the
+cache rows of a batch hold each sequence's B = 1 KV; sampled at B = 4 the first tokens follow the
+target's distribution (chi-square), and a broken acceptor is caught.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from methods.ar import AutoregressiveDecoder
+from methods.batched import BatchedDecoder
+from methods.engine.runner import ModelRunner
+from methods.engine.sampling import SamplingConfig
+from methods.engine.stopping import StopCondition
+from methods.engine.tree import Tree
+from methods.models.loading import truncated_copy
+from methods.pld import PromptLookupDecoder
+from methods.sps import SpeculativeSamplingDecoder
+from tests.conftest import tiny_model
+from tests.stats_util import PROMPT, TEMPERATURE_1, chi_square_pvalue, exact_joint
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama", seed=10, vocab_size=32)  # a small vocabulary: PLD finds matches
+
+
+DECODERS = {
+    "ar": lambda model: AutoregressiveDecoder(ModelRunner(model)),
+    "pld": lambda model: PromptLookupDecoder(ModelRunner(model), num_draft=4),
+    "sps": lambda model: SpeculativeSamplingDecoder(ModelRunner(model), truncated_copy(model, 2), gamma=3),
+}
+
+
+def prompts_and_stops(batch: int, vocab: int = 32):
+    """`batch` prompts of 3 to 30 tokens, each with its own max_new_tokens; one stops at an EOS token."""
+    generator = torch.Generator().manual_seed(batch)
+    lengths = [3, 30, 11, 19][:batch]
+    prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+    limits = [24, 9, 40, 17][:batch]
+    stops = [StopCondition(limit) for limit in limits]
+    return prompts, stops
+
+
+@pytest.mark.parametrize("batch", [2, 4])
+@pytest.mark.parametrize("method", sorted(DECODERS))
+def test_greedy_batch_equals_each_prompt_alone(target, method, batch):
+    prompts, stops = prompts_and_stops(batch)
+    alone = [DECODERS[method](target).generate(p, s) for p, s in zip(prompts, stops)]
+    # the first sequence also stops at an EOS token its answer reaches (before its length limit)
+    eos = alone[0].tokens[len(alone[0].tokens) // 2]
+    stops[0] = StopCondition(stops[0].max_new_tokens, frozenset({eos}))
+    alone[0] = DECODERS[method](target).generate(prompts[0], stops[0])
+    assert alone[0].stats.stop_reason == "eos"
+    outs = BatchedDecoder(DECODERS[method](target)).generate(prompts, stops)
+    for out, reference in zip(outs, alone):
+        assert out.tokens == reference.tokens
+        assert out.stats.stop_reason == reference.stats.stop_reason
+        assert out.stats.accepted_lengths == reference.stats.accepted_lengths
+        assert out.stats.new_tokens == len(out.tokens) == len(out.stats.logit_margins)
+    assert len({out.stats.steps for out in outs}) > 1  # sequences left the batch at different steps
+    if method != "ar":
+        assert sum(out.stats.accepted_drafts for out in outs) > 0  # chains longer than one row were verified
+
+
+@pytest.mark.parametrize("decoder", ["auto", "transformers"])
+def test_qwen2_batch_on_the_fused_and_the_stock_forward(decoder):
+    """Another architecture (q/k/v biases), and the stock `transformers` decoder stack over the same cache."""
+    model = tiny_model("qwen2", seed=10, vocab_size=32)
+    prompts, stops = prompts_and_stops(3)
+    alone = [PromptLookupDecoder(ModelRunner(model, decoder=decoder)).generate(p, s).tokens for p, s in zip(prompts, stops)]
+    outs = BatchedDecoder(PromptLookupDecoder(ModelRunner(model, decoder=decoder))).generate(prompts, stops)
+    assert [out.tokens for out in outs] == alone
+
+
+def test_batch_cache_rows_hold_each_sequence_alone(target):
+    """After a prefill and two verifications of chains of different lengths, each accepting its
+    own path, row b of every layer's cache holds sequence b's KV as the B = 1 cache holds it."""
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
+    steps = [  # per step: each sequence's chain (root first) and the rows it keeps
+        [([3, 4, 5], [0, 1]), ([10], [0]), ([15, 1, 2, 3, 4], [0, 1, 2, 3])],
+        [([5, 6], [0, 1]), ([7, 8, 9, 1], [0]), ([4, 5], [0, 1])],
+    ]
+    batched = ModelRunner(target)
+    batched.reserve_batch(len(prompts), 64)
+    batched.forward_chains(prompts, last_only=True)
+    batched.cache.commit_batch(0, [range(len(p)) for p in prompts])
+    for step in steps:
+        start = batched.length
+        batched.forward_chains([chain for chain, _ in step])
+        batched.cache.commit_batch(start, [kept for _, kept in step])
+    for b, prompt in enumerate(prompts):
+        alone = ModelRunner(target)
+        alone.reserve(64)
+        alone.prefill(prompt)
+        for step in steps:
+            chain, kept = step[b]
+            start = alone.length
+            alone.verify(Tree.chain(torch.tensor(chain)))
+            alone.commit(start, kept)
+        length = alone.length
+        assert batched.cache.lengths[b] == length
+        for mine, theirs in zip(batched.cache.layers, alone.cache.layers):
+            torch.testing.assert_close(mine._keys[b, :, :length], theirs.keys[0])
+            torch.testing.assert_close(mine._values[b, :, :length], theirs.values[0])
+
+
+def test_batch_rejects_a_method_that_decodes_one_sequence(target):
+    from methods.mcsd import MultiCandidateDecoder
+
+    with pytest.raises(ValueError, match="methods that do: .*ar.*pld.*sps"):
+        BatchedDecoder(MultiCandidateDecoder(ModelRunner(target), truncated_copy(target, 1)))
+
+
+@pytest.mark.parametrize("method", ["ar", "sps"])
+def test_sampled_batch_draws_what_each_prompt_draws_alone(target, method):
+    """Each sequence draws from its own generator in the order B = 1 draws: the same tokens."""
+    prompts, stops = prompts_and_stops(4)
+    sampling = SamplingConfig(temperature=0.8, top_k=20)
+    alone = [DECODERS[method](target).generate(p, s, sampling, torch.Generator().manual_seed(b)).tokens
+             for b, (p, s) in enumerate(zip(prompts, stops))]
+    generators = [torch.Generator().manual_seed(b) for b in range(4)]
+    outs = BatchedDecoder(DECODERS[method](target)).generate(prompts, stops, sampling, generators)
+    assert [out.tokens for out in outs] == alone
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling at B = 4: three sequences continue PROMPT, a fourth a longer prompt (padding in the cache)
+
+OTHER = [3, 2, 1, 0, 1, 2, 3, 0, 1]
+
+
+def draw_batched(decoder: BatchedDecoder, n: int, length: int = 3, seed: int = 0) -> list[tuple]:
+    """n samples of the first `length` tokens after PROMPT, three per batch of four."""
+    generators = [torch.Generator().manual_seed(seed * 4 + b) for b in range(4)]
+    prompts, stops = [PROMPT, OTHER, PROMPT, PROMPT], [StopCondition(length), StopCondition(2 * length)] + [StopCondition(length)] * 2
+    samples = []
+    while len(samples) < n:
+        outs = decoder.generate(prompts, stops, TEMPERATURE_1, generators)
+        samples += [tuple(outs[b].tokens) for b in (0, 2, 3)]
+    return samples[:n]
+
+
+def test_ar_batch_sampling_matches_target_distribution(tiny_vocab_pair):
+    target, _ = tiny_vocab_pair
+    expected = exact_joint(target, PROMPT, 3, TEMPERATURE_1)
+    samples = draw_batched(BatchedDecoder(AutoregressiveDecoder(ModelRunner(target))), 1500)
+    assert chi_square_pvalue(samples, expected) > 1e-3
+
+
+def test_sps_batch_sampling_preserves_target_distribution(tiny_vocab_pair):
+    target, draft = tiny_vocab_pair
+    expected = exact_joint(target, PROMPT, 3, TEMPERATURE_1)
+    samples = draw_batched(BatchedDecoder(SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2)), 1500, seed=1)
+    assert chi_square_pvalue(samples, expected) > 1e-3
+
+
+def test_sps_batch_with_broken_residual_is_caught(tiny_vocab_pair):
+    """Resampling from p instead of norm(max(0, p - q)) after a rejection biases the output; the
+    batched test must reject it."""
+    target, draft = tiny_vocab_pair
+    expected = exact_joint(target, PROMPT, 3, TEMPERATURE_1)
+    decoder = BatchedDecoder(SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2))
+    decoder.sample_accept = functools.partial(BatchedDecoder.sample_accept, residual=lambda p, q: p)
+    samples = draw_batched(decoder, 1500, seed=1)
+    assert chi_square_pvalue(samples, expected) < 1e-6
