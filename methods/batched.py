@@ -3,27 +3,28 @@
     prefill(prompts)                         -> ONE forward over the prompts, padded to the longest;
                                                 every sequence's first token (TTFT ends here)
     repeat until every sequence stopped:
-        chains = [lane.propose(...) ...]     # each sequence's own drafter state (`lane`)
-        out    = target.forward_chains(chains)   # ONE forward over [B, R] rows, R the longest chain
-        accept = accept_chains(chains, out)      # per sequence, ONE host read for the whole batch
+        trees  = [lane.propose(...) ...]     # each sequence's own drafter state (`lane`)
+        out    = target.forward_batch(rows)   # ONE forward over [B, R] rows, R the largest tree
+        accept = read_together(decisions)     # each sequence's rule on the device, ONE read for the batch
         target.cache.commit_batch(paths)         # each sequence keeps its own accepted rows
         lane.advance(...)                        # each drafter follows its own path
         sequences that stopped leave the batch
 
 The KV cache (`kv_cache.BatchKVCache`) holds every sequence in a row of [B, kv_heads, capacity,
 head_dim] buffers with its own length; positions and masks are per sequence, padding slots and
-padding rows are masked out and never committed (`ModelRunner.forward_chains`). Acceptance is
-`acceptance.py`'s chain rules over the batch (`engine/batch_acceptance.py`), so a sequence decodes
-the tokens it decodes alone (greedy; sampled, the same law, from its own generator).
+padding rows are masked out and never committed (`ModelRunner.forward_batch`). Acceptance is
+`acceptance.py`'s rules, per sequence, decided on the device (`greedy_pending`, `sample_pending`)
+and read together once (`read_together`), so a sequence decodes the tokens it decodes alone
+(greedy; sampled, from its own generator in the order it draws alone: the same tokens).
 
 Finished sequences: the batch DRAINS. A sequence that stops leaves the batch at the next step (its
 cache row is dropped, the forward shrinks to the sequences still running); no queued prompt joins
 in its place. The caller decodes its prompts B at a time, each group to the end (the harness:
 `batch_size`, docs/batching.md), so the last steps of a group run below B.
 
-Which methods: those whose settings say `batchable` (AR, PLD with one branch, SpS): chains, and a
-drafter whose per-sequence state is its attributes (`DraftVerifyDecoder.lane`; SpS's draft LM
-gets one cache per sequence).
+Which methods: those whose settings say `batchable` (AR, PLD with one branch, SpS, the EAGLE
+family): a drafter whose per-sequence state is its attributes (`DraftVerifyDecoder.lane`; SpS's
+draft LM and the EAGLE head get one cache per sequence, and draft one sequence at a time).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Sequence
 import torch
 
 from .base import DecodeOutput, DecodeStats, DraftVerifyDecoder, _Clock, available_methods, method_settings
-from .engine.batch_acceptance import greedy_accept_chains, sample_accept_chains
+from .engine.acceptance import greedy_pending, read_together, sample_pending
 from .engine.runner import ForwardOutput
 from .engine.sampling import SamplingConfig, logits_to_probs
 from .engine.stopping import StopCondition
@@ -45,11 +46,23 @@ def batchable_methods() -> list[str]:
     return [name for name in available_methods() if method_settings(name).batchable]
 
 
+def causal_rows(tokens: Sequence[int]) -> tuple:
+    """A prompt's rows for `ModelRunner.forward_batch`: positions in order, each seeing those before it."""
+    n = len(tokens)
+    return tokens, range(n), torch.ones(n, n, dtype=torch.bool).tril_()
+
+
+def row_output(out: ForwardOutput, row: int, n: int, logits: torch.Tensor | None = None) -> ForwardOutput:
+    """Sequence `row`'s first `n` rows of a batched forward, as its own forward's output."""
+    return ForwardOutput(out.logits[row, :n] if logits is None else logits, out.hidden[row, :n],
+                         None if out.layers is None else out.layers[row, :n])
+
+
 class BatchedDecoder:
     """Decodes several prompts at once with a `DraftVerifyDecoder` of a batchable method."""
 
     # Swappable so that tests can show a broken acceptor is caught.
-    sample_accept = staticmethod(sample_accept_chains)
+    sample_pending = staticmethod(sample_pending)
 
     def __init__(self, decoder: DraftVerifyDecoder):
         if not isinstance(decoder, DraftVerifyDecoder) or not method_settings(decoder.name).batchable:
@@ -74,9 +87,13 @@ class BatchedDecoder:
             return self._generate(prompts, list(stops), sampling, generators)
 
     def _accept(self, trees: list[Tree], logits: torch.Tensor, sampling: SamplingConfig, generators: list):
-        if sampling.greedy:
-            return greedy_accept_chains(trees, logits)
-        return self.sample_accept(trees, logits_to_probs(logits, sampling), generators, logits)
+        """Each sequence's rule on its own rows of `logits` [B, R, V], then one read for the batch."""
+        pending = []
+        for row, (tree, generator) in enumerate(zip(trees, generators)):
+            rows = logits[row, : len(tree)]
+            pending.append(greedy_pending(tree, rows) if sampling.greedy else
+                           self.sample_pending(tree, logits_to_probs(rows, sampling), generator, logits=rows))
+        return read_together(pending)
 
     def _generate(self, prompts, stops, sampling, generators) -> list[DecodeOutput]:
         decoder, target = self.decoder, self.decoder.target
@@ -90,7 +107,7 @@ class BatchedDecoder:
         stats = [DecodeStats(prefill_step=decoder.prefill_step) for _ in prompts]
         outputs: list[DecodeOutput | None] = [None] * len(prompts)
 
-        first = target.forward_chains(prompts, last_only=True)  # logits [B, V]
+        first = target.forward_batch([causal_rows(prompt) for prompt in prompts], last_logits=True)  # logits [B, V]
         target.cache.commit_batch(0, [range(len(prompt)) for prompt in prompts])
         roots = [Tree(torch.tensor([prompt[-1]]), [-1]) for prompt in prompts]  # the first token: a root's choice
         chosen = self._accept(roots, first.logits[:, None], sampling, generators)
@@ -103,7 +120,7 @@ class BatchedDecoder:
             stats[b].accepted_lengths.append(1)
             lane.sampling, lane.generator = sampling, generators[b]
             lane.sequence = prompt + tokens[b]  # prompt and output; the last token is not in the target KV
-            lane.start(prompt, ForwardOutput(first.logits[b:b + 1], first.hidden[b:b + 1]))
+            lane.start(prompt, row_output(first, b, len(prompt), logits=first.logits[b:b + 1]))
         clock.lap("draft")
 
         def finish(b: int, done: tuple[int, str]) -> None:
@@ -134,7 +151,7 @@ class BatchedDecoder:
             trees = [lanes[b].propose(tokens[b][-1], stops[b].max_new_tokens - len(tokens[b]) - 1) for b in rows]
             clock.lap("draft")
             start = target.length
-            verified = target.forward_chains([tree.tokens for tree in trees])
+            verified = target.forward_batch([tree.forward_rows() for tree in trees])
             clock.lap("verify")
             acceptances = self._accept(trees, verified.logits, sampling, [generators[b] for b in rows])
             clock.lap("accept")
@@ -155,6 +172,6 @@ class BatchedDecoder:
                     finish(b, done)
             clock.lap("other")
             for b, tree, acceptance, row in followed:
-                lanes[b].advance(tree, acceptance, ForwardOutput(verified.logits[row, : len(tree)], verified.hidden[row, : len(tree)]))
+                lanes[b].advance(tree, acceptance, row_output(verified, row, len(tree)))
             clock.lap("draft")
         return outputs

@@ -209,6 +209,16 @@ class _EagleBase(DraftVerifyDecoder):
     def __init__(self, target, head: EagleHead, vocabulary=None):
         super().__init__(target)
         self.drafter = self.make_drafter(head, vocabulary)
+        self.lane_drafters = [self.drafter]  # lane i of a batch drafts with lane_drafters[i] (`lane`)
+
+    def lane(self, index, stop):
+        """Sequence `index` of a batch: its own drafter (the head's cache), drafting eagerly."""
+        lane = super().lane(index, stop)
+        while len(self.lane_drafters) <= index:
+            self.lane_drafters.append(self.make_drafter(self.drafter.head, self.drafter.vocabulary))
+        lane.drafter = self.lane_drafters[index]
+        lane.static = None
+        return lane
 
     def make_drafter(self, head, vocabulary) -> EagleDrafter:
         drafter = EagleDrafter(head, self.target.lm_head, vocabulary)
@@ -250,6 +260,8 @@ class EagleSettings(Settings):
     head: dict | None = head_setting("eagle")
     sampling_rule: str = setting("eagle1", one_of(*SAMPLING_RULES), "temperature > 0 only: eagle1 = EAGLE-1's (children sampled from the head without replacement, multi-candidate verification with the head's q); eagle2 = top-k children, EAGLE-2's rule (accept x with probability p(x)). Greedy: the same")
 
+    batchable = True
+
 
 @dataclass(frozen=True)
 class DynamicTreeSettings(Settings):
@@ -258,6 +270,8 @@ class DynamicTreeSettings(Settings):
     total_tokens: int | str = setting("adaptive", one_of("adaptive", "auto") | integer(2), "adaptive = sized per step from the machine's latency curve and the path probabilities; 60 (upstream's 7B default), or auto (EAGLE-2's -1: times target forwards at 40..60)")
     depth: int = setting(5, integer(0), "expansion steps (up to depth + 1 draft tokens per path)")
     top_k: int = setting(10, integer(1), "children kept per expanded node")
+
+    batchable = True
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ class MCSDSettings(Settings):
     replacement: bool = setting(False, BOOL, "false = sample candidates without replacement (and verify accordingly)")
     draft: dict | None = setting(None, null() | mapping(), "null = the model's drafts.sps; or {path: ...} / {target_layers: k}")
 
+    batchable = True
+
 
 class MultiCandidateDecoder(DraftVerifyDecoder):
     name = "mcsd"

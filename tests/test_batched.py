@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from methods.ar import AutoregressiveDecoder
-from methods.batched import BatchedDecoder
+from methods.batched import BatchedDecoder, causal_rows
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
@@ -68,6 +68,33 @@ def test_greedy_batch_equals_each_prompt_alone(target, method, batch):
         assert sum(out.stats.accepted_drafts for out in outs) > 0  # chains longer than one row were verified
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle2", "eagle2-small", "mcsd"])
+def test_tree_methods_batch_equals_each_prompt_alone(method, tmp_path):
+    """Trees at B = 3 (EAGLE's static tree, EAGLE-2's dynamic one at 60 and 8 tokens, MCSD's
+    multi-candidate tree): padded to the step's largest, each sequence with its own ancestor mask,
+    path commit and drafter (the head's cache, the draft LM's): greedy tokens and accepted lengths
+    as alone, with drafts accepted; sampled, the same tokens from the same generators."""
+    from methods.mcsd import MultiCandidateDecoder
+    from tests.test_tree_methods import decoders
+
+    model = tiny_model("llama", seed=45, vocab_size=16)  # a small vocabulary: trees hold the target's choices
+    make = (lambda: MultiCandidateDecoder(ModelRunner(model), truncated_copy(model, 2), k_config=(3, 2, 1))) \
+        if method == "mcsd" else (lambda: decoders(model, tmp_path)[method])
+    prompts, stops = prompts_and_stops(3, vocab=16)
+    alone = [make().generate(p, s) for p, s in zip(prompts, stops)]
+    outs = BatchedDecoder(make()).generate(prompts, stops)
+    for out, reference in zip(outs, alone):
+        assert out.tokens == reference.tokens
+        assert out.stats.accepted_lengths == reference.stats.accepted_lengths
+        assert out.stats.position_accepted == reference.stats.position_accepted
+    assert sum(out.stats.accepted_drafts for out in outs) > 0
+    sampling = SamplingConfig(temperature=0.8)
+    alone = [make().generate(p, s, sampling, torch.Generator().manual_seed(b)).tokens
+             for b, (p, s) in enumerate(zip(prompts, stops))]
+    outs = BatchedDecoder(make()).generate(prompts, stops, sampling, [torch.Generator().manual_seed(b) for b in range(3)])
+    assert [out.tokens for out in outs] == alone
+
+
 @pytest.mark.parametrize("decoder", ["auto", "transformers"])
 def test_qwen2_batch_on_the_fused_and_the_stock_forward(decoder):
     """Another architecture (q/k/v biases), and the stock `transformers` decoder stack over the same cache."""
@@ -88,11 +115,11 @@ def test_batch_cache_rows_hold_each_sequence_alone(target):
     ]
     batched = ModelRunner(target)
     batched.reserve_batch(len(prompts), 64)
-    batched.forward_chains(prompts, last_only=True)
+    batched.forward_batch([causal_rows(p) for p in prompts], last_logits=True)
     batched.cache.commit_batch(0, [range(len(p)) for p in prompts])
     for step in steps:
         start = batched.length
-        batched.forward_chains([chain for chain, _ in step])
+        batched.forward_batch([Tree.chain(torch.tensor(chain)).forward_rows() for chain, _ in step])
         batched.cache.commit_batch(start, [kept for _, kept in step])
     for b, prompt in enumerate(prompts):
         alone = ModelRunner(target)
@@ -111,10 +138,10 @@ def test_batch_cache_rows_hold_each_sequence_alone(target):
 
 
 def test_batch_rejects_a_method_that_decodes_one_sequence(target):
-    from methods.mcsd import MultiCandidateDecoder
+    from methods.jacobi import JacobiDecoder
 
-    with pytest.raises(ValueError, match="methods that do: .*ar.*pld.*sps"):
-        BatchedDecoder(MultiCandidateDecoder(ModelRunner(target), truncated_copy(target, 1)))
+    with pytest.raises(ValueError, match="methods that do: ar, eagle, eagle2, eagle3, mcsd, pld, sps"):
+        BatchedDecoder(JacobiDecoder(ModelRunner(target)))
 
 
 @pytest.mark.parametrize("method", ["ar", "sps"])
@@ -166,6 +193,6 @@ def test_sps_batch_with_broken_residual_is_caught(tiny_vocab_pair):
     target, draft = tiny_vocab_pair
     expected = exact_joint(target, PROMPT, 3, TEMPERATURE_1)
     decoder = BatchedDecoder(SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2))
-    decoder.sample_accept = functools.partial(BatchedDecoder.sample_accept, residual=lambda p, q: p)
+    decoder.sample_pending = functools.partial(BatchedDecoder.sample_pending, residual=lambda p, q: p)
     samples = draw_batched(decoder, 1500, seed=1)
     assert chi_square_pvalue(samples, expected) < 1e-6

@@ -302,8 +302,8 @@ def test_bad_values_are_named():
     ("engine.cuda_graphs=yes", "engine.cuda_graphs='yes': valid: auto, on, off"),
     ("engine.decoder=fast", "engine.decoder='fast': valid: auto, transformers"),
     ("batch_size=0", "batch_size=0: valid: an integer >= 1"),
-    ("method=eagle2 batch_size=4", "batch_size=4: valid: 1 for method eagle2 (it decodes one sequence at a time); "
-                                   "batch_size > 1 runs ar, pld, sps"),
+    ("method=medusa batch_size=4", "batch_size=4: valid: 1 for method medusa (it decodes one sequence at a time); "
+                                   "batch_size > 1 runs ar, eagle, eagle2, eagle3, mcsd, pld, sps"),
     ("method=pld method.branches=2 batch_size=2", "batch_size=2: valid: 1 for method pld (method.branches > 1"),
 ])
 def test_bad_config_values_are_rejected_before_anything_loads(override, message):

@@ -48,6 +48,30 @@ class Acceptance:
         return len(self.path) - 1
 
 
+@dataclass
+class PendingRead:
+    """An acceptance decided on the device and not read yet: `values` [M] float64 there, and how
+    their host copy becomes the `Acceptance`. `read()` is the step's one read; `read_together` reads
+    a batch's acceptances in one transfer (`methods/batched.py`)."""
+
+    values: torch.Tensor
+    parse: Callable[[list[float]], Acceptance]
+
+    def read(self) -> Acceptance:
+        return self.parse(self.values.tolist())
+
+
+def read_together(pending: list[PendingRead]) -> list[Acceptance]:
+    """Every pending acceptance with ONE read."""
+    values = torch.cat([p.values for p in pending]).tolist()
+    out, at = [], 0
+    for p in pending:
+        n = p.values.numel()
+        out.append(p.parse(values[at:at + n]))
+        at += n
+    return out
+
+
 def greedy_accept(tree: Tree, target_argmax: list[int]) -> Acceptance:
     """`target_argmax[n]`: the target's greedy token after node n."""
     tokens = tree.tokens.tolist()
@@ -67,6 +91,11 @@ def greedy_accept_logits(tree: Tree, logits: torch.Tensor, extra: torch.Tensor |
     form one chain. Argmax, path and margins come back in ONE read (`tolist` of a [3, N] tensor),
     with the argmax of each `extra` row [M, V] (a tree's extra rows) when given, and for a
     `DeviceTree` its depth and which nodes have children."""
+    return greedy_pending(tree, logits, extra).read()
+
+
+def greedy_pending(tree: Tree, logits: torch.Tensor, extra: torch.Tensor | None = None) -> PendingRead:
+    """`greedy_accept_logits`' decision, not read yet."""
     n, device = len(tree), logits.device
     argmax = logits.argmax(-1)
     if logits.shape[-1] > 1:
@@ -88,16 +117,19 @@ def greedy_accept_logits(tree: Tree, logits: torch.Tensor, extra: torch.Tensor |
         parts += [tree.has_children.double(), tree.node_depths.max().double().view(1)]
     if extra is not None:
         parts.append(extra.argmax(-1).double())
-    values = torch.cat(parts).tolist()
-    accepted, chosen, margins = values[:n], values[n:2 * n], values[2 * n:3 * n]
-    path = [node for node in range(n) if accepted[node]]
-    emitted = [int(chosen[node]) for node in path]  # the row of each path node chose the token after it
-    acceptance = Acceptance(path, emitted[-1], emitted, [margins[node] for node in path],
-                            None if extra is None else [int(v) for v in values[len(values) - len(extra):]])
-    if shaped:
-        acceptance.path_children = [bool(values[3 * n + node]) for node in path]
-        acceptance.tree_depth = int(values[4 * n])
-    return acceptance
+
+    def parse(values: list[float]) -> Acceptance:
+        accepted, chosen, margins = values[:n], values[n:2 * n], values[2 * n:3 * n]
+        path = [node for node in range(n) if accepted[node]]
+        emitted = [int(chosen[node]) for node in path]  # the row of each path node chose the token after it
+        acceptance = Acceptance(path, emitted[-1], emitted, [margins[node] for node in path],
+                                None if extra is None else [int(v) for v in values[len(values) - len(extra):]])
+        if shaped:
+            acceptance.path_children = [bool(values[3 * n + node]) for node in path]
+            acceptance.tree_depth = int(values[4 * n])
+        return acceptance
+
+    return PendingRead(torch.cat(parts), parse)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -134,6 +166,13 @@ def sample_accept(
     logits: torch.Tensor | None = None,  # [N, V]: the path rows' margins come back in the same read
     extra: torch.Tensor | None = None,  # [M, V]: a tree's extra rows, whose argmax comes back too
 ) -> Acceptance:
+    return sample_pending(tree, target_probs, generator, residual, logits, extra).read()
+
+
+def sample_pending(tree: Tree, target_probs: torch.Tensor, generator: torch.Generator | None,
+                   residual: ResidualFn = residual_distribution, logits: torch.Tensor | None = None,
+                   extra: torch.Tensor | None = None) -> PendingRead:
+    """`sample_accept`'s decision, not read yet (its draws are made: the generator has moved)."""
     if tree.is_chain:
         return _sample_accept_chain(tree, target_probs, generator, residual, logits, extra)
     n, device = len(tree), target_probs.device
@@ -145,7 +184,7 @@ def sample_accept(
 
 
 def _read_path(on_path: torch.Tensor, token: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor | None,
-               parents: torch.Tensor, end: torch.Tensor, extra: torch.Tensor | None = None) -> Acceptance:
+               parents: torch.Tensor, end: torch.Tensor, extra: torch.Tensor | None = None) -> PendingRead:
     """A sampled step's one read: the path [N] bool, the next token [1] and the tree's tokens [N],
     with logits, each node's margin as its parent's choice and the end row's for the token, and
     with extra rows, their argmax."""
@@ -156,12 +195,15 @@ def _read_path(on_path: torch.Tensor, token: torch.Tensor, tokens: torch.Tensor,
                   chosen_margins(logits.index_select(0, end), token)]
     if extra is not None:
         parts.append(extra.argmax(-1).double())
-    read = torch.cat(parts).tolist()
-    path = [node for node in range(n) if read[node]]
-    emitted = [int(read[n + 1 + node]) for node in path[1:]] + [int(read[n])]
-    margins = None if logits is None else [read[2 * n + 1 + node] for node in path[1:]] + [read[3 * n + 1]]
-    extra_argmax = None if extra is None else [int(v) for v in read[len(read) - len(extra):]]
-    return Acceptance(path, emitted[-1], emitted, margins, extra_argmax)
+
+    def parse(read: list[float]) -> Acceptance:
+        path = [node for node in range(n) if read[node]]
+        emitted = [int(read[n + 1 + node]) for node in path[1:]] + [int(read[n])]
+        margins = None if logits is None else [read[2 * n + 1 + node] for node in path[1:]] + [read[3 * n + 1]]
+        extra_argmax = None if extra is None else [int(v) for v in read[len(read) - len(extra):]]
+        return Acceptance(path, emitted[-1], emitted, margins, extra_argmax)
+
+    return PendingRead(torch.cat(parts), parse)
 
 
 def tree_decisions(tree: Tree, target_probs: torch.Tensor, draws: torch.Tensor,
@@ -219,7 +261,7 @@ def tree_decisions(tree: Tree, target_probs: torch.Tensor, draws: torch.Tensor,
 
 def _sample_accept_chain(tree: Tree, target_probs: torch.Tensor, generator: torch.Generator | None,
                          residual: ResidualFn, logits: torch.Tensor | None = None,
-                         extra: torch.Tensor | None = None) -> Acceptance:
+                         extra: torch.Tensor | None = None) -> PendingRead:
     """`sample_accept` on a chain (AR, SpS, PLD's single match), on the probabilities' device with
     one read: draft i + 1 is accepted with probability min(1, p_i(x) / q_i(x)) (q: the draft's
     distribution, or a point mass at x), the first rejection at node k samples the residual
@@ -275,4 +317,4 @@ def typical_accept(tree: Tree, target_probs: torch.Tensor, epsilon: float = 0.09
     best = (deepest & (score == score.max())).long().argmax()  # the first of the most likely (the walk's strict >)
     token = target_probs.index_select(0, best.view(1))[0].argmax().view(1)
     on_path = tree.ancestors.to(device).index_select(0, best.view(1))[0]
-    return _read_path(on_path, token, tokens, logits, parents, best.view(1))
+    return _read_path(on_path, token, tokens, logits, parents, best.view(1)).read()

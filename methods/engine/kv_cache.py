@@ -188,7 +188,7 @@ class BatchKVCache(TreeKVCache):
     appends after it) and a length per sequence, `lengths[b]` <= L: sequence b's KV is slots
     0 .. lengths[b] - 1 of its row, slot = position. Its slots lengths[b] .. L - 1 hold another
     sequence's step rows or its own rejected ones: padding, which every mask of the batch hides
-    (`ModelRunner.forward_chains`). A commit moves each sequence's accepted rows to its own length;
+    (`ModelRunner.forward_batch`). A commit moves each sequence's accepted rows to its own length;
     L is then the longest sequence."""
 
     def __init__(self, batch: int, capacity: int | None = None):

@@ -220,47 +220,53 @@ class ModelRunner:
         return ForwardOutput(logits=logits, hidden=hidden, layers=layers)
 
     @torch.inference_mode()
-    def forward_chains(self, chains: Sequence[Sequence[int] | torch.Tensor], last_only: bool = False) -> ForwardOutput:
-        """One forward over B token chains, chain b continuing sequence b of the `BatchKVCache`
-        (`reserve_batch`): causal, at positions lengths[b], lengths[b] + 1, ... Rows [B, R], R the
-        longest chain; a shorter chain is padded with rows that see only themselves, and every
-        sequence's padding slots in the cache are masked out, so each row sees exactly its own
-        prefix and chain. Logits [B, R, V] and hidden [B, R, H]; `last_only`: each chain's last
-        row only, [B, V] and [B, H] (a prefill). Nothing is committed (`BatchKVCache.commit_batch`).
-        It runs the fused forward (the native layer where it applies) or the stock decoder; never
-        a static step."""
-        cache = self.cache
-        if not isinstance(cache, BatchKVCache) or len(chains) != len(cache.lengths):
-            raise RuntimeError("forward_chains needs a BatchKVCache with one sequence per chain; call reserve_batch()")
-        batch, start = len(chains), self.length
-        sizes = torch.tensor([len(chain) for chain in chains])
-        rows = int(sizes.max())
-        lengths = torch.tensor(cache.lengths)
-        self.check_room(int(lengths.max()) + rows)
-        ids = torch.nn.utils.rnn.pad_sequence(
-            [torch.as_tensor(chain, dtype=torch.long, device=self.device) for chain in chains], batch_first=True)
-        offsets = torch.arange(rows)
-        positions = (lengths[:, None] + offsets).to(self.device)  # [B, R]
-        prefix = torch.arange(start)[None, :] < lengths[:, None]  # [B, L]: the sequence's own slots
-        own = torch.ones(rows, rows, dtype=torch.bool).tril_() & (offsets < sizes[:, None])[:, :, None]
-        visible = torch.cat([prefix[:, None, :].expand(batch, rows, start), own | torch.eye(rows, dtype=torch.bool)], -1)
-        mask = torch.zeros(batch, 1, rows, start + rows, dtype=self.dtype)
+    def forward_batch(self, rows: Sequence[tuple], last_logits: bool = False) -> ForwardOutput:
+        """One forward over B sequences' new rows, sequence b's continuing row b of the
+        `BatchKVCache` (`reserve_batch`). `rows[b]` = (tokens, depths, visibility among them) as a
+        tree's `forward_rows()` gives them (on the host or, for a `DeviceTree`, the device); a prompt
+        or a chain is the causal case. Sequence b's rows sit at positions lengths[b] + depth and see
+        its own prefix and the rows their visibility names; the batch's rows are padded to the
+        longest, padding rows see only themselves and every sequence's padding slots in the cache are
+        masked out, so each row sees exactly what it sees alone. Logits [B, R, V], hidden [B, R, H]
+        (and the captured layers' inputs [B, R, .]); `last_logits`: logits of each sequence's last
+        row only, [B, V] (a prefill). Nothing is committed (`BatchKVCache.commit_batch`). It runs the
+        fused forward (the native layer where it applies) or the stock decoder; never a static step."""
+        cache, device = self.cache, self.device
+        if not isinstance(cache, BatchKVCache) or len(rows) != len(cache.lengths):
+            raise RuntimeError("forward_batch needs a BatchKVCache with one sequence per row set; call reserve_batch()")
+        batch, start = len(rows), self.length
+        sizes = [len(tokens) for tokens, _, _ in rows]
+        width = max(sizes)
+        self.check_room(max(cache.lengths) + width)
+        ids = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(t, dtype=torch.long, device=device) for t, _, _ in rows], batch_first=True)
+        depths = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(d, dtype=torch.long, device=device) for _, d, _ in rows],
+                                                 batch_first=True)
+        own = torch.eye(width, dtype=torch.bool, device=device).repeat(batch, 1, 1)  # padding rows: themselves
+        for b, (_, _, visible) in enumerate(rows):
+            own[b, : sizes[b], : sizes[b]] = torch.as_tensor(visible, device=device)
+        lengths = torch.tensor(cache.lengths, device=device)
+        positions = lengths[:, None] + depths  # [B, R]
+        prefix = torch.arange(start, device=device)[None, :] < lengths[:, None]  # [B, L]: the sequence's own slots
+        visible = torch.cat([prefix[:, None, :].expand(batch, width, start), own], -1)
+        mask = torch.zeros(batch, 1, width, start + width, dtype=self.dtype, device=device)
         mask.masked_fill_(~visible[:, None], torch.finfo(self.dtype).min)
-        mask = mask.to(self.device)
-        fused = self.fused is not None and (self.fused.window is None or start + rows <= self.fused.window)
-        with self.linear.active():
+        fused = self.fused is not None and (self.fused.window is None or start + width <= self.fused.window)
+        capturing = layer_inputs(self.decoder, self.feature_layers) if self.feature_layers and not fused \
+            else nullcontext({})
+        with self.linear.active(), capturing as captured:
             if fused:
-                hidden, _ = self.fused.forward(ids, positions, mask, cache, (), int(lengths.max()) + rows)
+                hidden, captured = self.fused.forward(ids, positions, mask, cache, self.feature_layers, max(cache.lengths) + width)
             else:
                 hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=mask,
                                       past_key_values=cache, use_cache=True).last_hidden_state
-            if last_only:
-                hidden = hidden[torch.arange(batch, device=self.device), (sizes - 1).to(self.device)]  # [B, H]
-                logits = self._logits(hidden, slice(None))
+            if last_logits:
+                last = hidden[torch.arange(batch, device=device), torch.tensor(sizes, device=device) - 1]  # [B, H]
+                logits = self._logits(last, slice(None))
             else:
-                logits = self._logits(hidden.flatten(0, 1), slice(None)).view(batch, rows, -1)
+                logits = self._logits(hidden.flatten(0, 1), slice(None)).view(batch, width, -1)
+            layers = torch.cat([captured[i] for i in self.feature_layers], -1) if self.feature_layers else None
         self.forward_passes += 1
-        return ForwardOutput(logits=logits, hidden=hidden)
+        return ForwardOutput(logits=logits, hidden=hidden, layers=layers)
 
     def _static_forward(self, ids, rows, start: int, logits_for) -> ForwardOutput:
         depths, visible = rows
