@@ -66,10 +66,10 @@ batch-sweep: setup
 		dataset=$(BATCH_DATASETS) limit=$(BATCH_LIMIT) max_new_tokens=$(BATCH_MAX_NEW_TOKENS) \
 		hydra/launcher=$(LAUNCHER) hydra.sweep.dir=$(SWEEP_DIR)/$(m) $(ARGS) || status=1; \
 	if [ -d $(SWEEP_DIR)/$(m) ]; then $(PY) -m harness.cluster.jobs $(SWEEP_DIR)/$(m) || status=1; fi;) \
-	exit $$status
+	echo "curves: make report RUNS=$(SWEEP_DIR); make figures RUNS=$(SWEEP_DIR)"; exit $$status
 
 # Tables (Markdown, CSV, LaTeX) and figures (PNG, PDF) of one run set: RUNS names results folders,
-# folders holding them or sweep folders (default: everything under results/ except the committed
+# folders holding them, sweep folders or a folder of sweeps (batch-sweep's) (default: everything under results/ except the committed
 # reference run, which RUNS=results/reference reads). Written to results/report/<run set>/ and
 # plots/<run set>/, one table per set of settings and questions.
 RUNS ?= results
