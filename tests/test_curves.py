@@ -27,17 +27,19 @@ def batched(qid, category, batch_size, wall, prompt_len=50):
     return answer
 
 
-def write_batch_runs(root, batch_size, walls, dataset="spec_bench", prompt_len=50, drafts=(2, 4), **settings):
+def write_batch_runs(root, batch_size, walls, dataset="spec_bench", prompt_len=50, drafts=(2, 4), config=None,
+                     **settings):
     categories = ["writing", "writing", "qa", "qa"]
     ar_wall, *method_walls = walls
-    base = root / "tiny" / dataset / "ar" / f"b{batch_size}-{settings.get('max_new_tokens', 128)}"
+    name = f"b{batch_size}-{settings.get('max_new_tokens', 128)}-{'-'.join(map(str, (config or {}).values()))}"
+    base = root / "tiny" / dataset / "ar" / name
     (base / "answers").mkdir(parents=True)
     answers = [batched(q, categories[q], batch_size, ar_wall, prompt_len) for q in range(4)]
     (base / "answers" / "ar.jsonl").write_text("".join(json.dumps(r) + "\n" for r in answers))
     for num_draft, wall in zip(drafts, method_walls):
-        write_run(root, "pld", f"b{batch_size}-d{num_draft}-{settings.get('max_new_tokens', 128)}",
-                  [batched(q, categories[q], batch_size, wall, prompt_len) for q in range(4)], base,
-                  {"num_draft": num_draft}, dataset=dataset, batch_size=batch_size, **settings)
+        write_run(root, "pld", f"{name}-d{num_draft}", [batched(q, categories[q], batch_size, wall, prompt_len)
+                                                         for q in range(4)], base,
+                  {"num_draft": num_draft, **(config or {})}, dataset=dataset, batch_size=batch_size, **settings)
 
 
 @pytest.fixture
@@ -66,6 +68,18 @@ def test_speedup_per_batch_size_is_against_ar_at_that_batch_size(batch_results, 
     # the best draft length per batch size: the argmax of throughput (not of the B = 1 speedup)
     best = [(b["batch_size"], b["best"], round(b["throughput"], 2), round(b["speedup"], 4)) for b in best_draft_lengths(curves)]
     assert best == [(1, 2, 50.0, 2.0), (2, 4, 62.5, 1.5625), (4, 4, 44.44, 0.8889)]
+
+
+def test_the_best_draft_length_never_mixes_other_settings(tmp_path):
+    """PLD at max_ngram 2 and 3: each its own best draft length per batch size."""
+    root = tmp_path / "ngrams"
+    for batch_size, walls in WALLS.items():
+        write_batch_runs(root, batch_size, walls, config={"max_ngram": 3})
+        write_batch_runs(root, batch_size, (walls[0], walls[2], walls[1]), config={"max_ngram": 2})  # the lengths' walls swapped
+    [curves] = find_curves(build_tables(find_runs(root)))
+    best = [(b["setting"], b["batch_size"], b["best"]) for b in best_draft_lengths(curves)]
+    assert best == [("pld (max_ngram=2)", 1, 4), ("pld (max_ngram=3)", 1, 2), ("pld (max_ngram=2)", 2, 2),
+                    ("pld (max_ngram=3)", 2, 4), ("pld (max_ngram=2)", 4, 2), ("pld (max_ngram=3)", 4, 4)]
 
 
 def test_batch_tables_and_figures_are_written(batch_results, tmp_path):

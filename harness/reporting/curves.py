@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.reporting.report import Row, Table, baseline_records, markdown_table, name_uniquely, size_of
+from harness.reporting.report import (
+    SIZE_KEYS, Row, Table, baseline_records, markdown_table, method_label, name_uniquely, size_of)
 from harness.running.metrics import busy_questions, decoder_stats
 
 THROUGHPUT_SPLITS = "speed_bench_throughput_"  # SPEED-Bench's splits by input length
@@ -148,18 +149,21 @@ def table_points(table: Table) -> list[Point]:
 
 
 def best_draft_lengths(curves: Curves) -> list[dict]:
-    """Per batch size and method measured at two draft lengths (or tree sizes) or more: the variant
-    with the highest throughput, its length and its speedup over AR at that batch size."""
-    by_method: dict[tuple, list[Point]] = defaultdict(list)
+    """Per batch size and method variant but its draft length (`setting`: the method with its other
+    settings) measured at two draft lengths (or tree sizes) or more: the length with the highest
+    throughput, its throughput and its speedup over AR at that batch size."""
+    by_setting: dict[tuple, list[Point]] = defaultdict(list)
     for point in curves.points:
         if point.size is not None:
-            by_method[(point.batch_size, point.method)].append(point)
+            others = {k: v for k, v in point.config.items() if k not in SIZE_KEYS}
+            by_setting[(point.batch_size, method_label(point.method, others))].append(point)
     best = []
-    for (batch_size, method), points in sorted(by_method.items()):
+    for (batch_size, setting), points in sorted(by_setting.items()):
         if len({p.size for p in points}) >= 2:
             top = max(points, key=lambda p: p.throughput)
-            best.append({"batch_size": batch_size, "method": method, "parameter": size_of(method, top.config)[0],
-                         "best": top.size, "variant": top.label, "throughput": top.throughput, "speedup": top.speedup,
+            best.append({"batch_size": batch_size, "method": top.method, "setting": setting,
+                         "parameter": size_of(top.method, top.config)[0], "best": top.size, "variant": top.label,
+                         "throughput": top.throughput, "speedup": top.speedup,
                          "tried": ", ".join(f"{p.size:g}" for p in sorted(points, key=lambda p: p.size))})
     return best
 
@@ -210,7 +214,7 @@ def write_curves(curves: Curves, out: Path) -> list[Path]:
     written.append(folder / "points.csv")
     best = best_draft_lengths(curves) if curves.axis == "batch_size" else []
     if best:
-        shown = pd.DataFrame([{"batch size": str(b["batch_size"]), "method": b["method"],
+        shown = pd.DataFrame([{"batch size": str(b["batch_size"]), "method": b["setting"],
                                "best": f"{b['parameter']} = {b['best']:g}", "tok/s": f"{b['throughput']:.1f}",
                                "speedup": f"{b['speedup']:.2f}×" if b["speedup"] else "–", "tried": b["tried"]}
                               for b in best])

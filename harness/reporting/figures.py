@@ -387,31 +387,33 @@ def curve(curves: Curves, metric: str, style, out) -> list[Path]:
 
 
 def best_draft_length(curves: Curves, out) -> list[Path]:
-    """Per method measured at several draft lengths: the one with the highest throughput at each
-    batch size, each point labelled with its speedup over AR; not written when no method was."""
-    by_method = defaultdict(list)
+    """Per method (with its other settings) measured at several draft lengths: the one with the
+    highest throughput at each batch size, each point labelled with its speedup over AR; not
+    written when no method was."""
+    by_setting = defaultdict(list)
     for best in best_draft_lengths(curves):
-        by_method[best["method"]].append(best)
-    if not by_method:
+        by_setting[best["setting"]].append(best)
+    if not by_setting:
         return _nothing_to_show(out, "best_draft_length")
     fig, ax = plt.subplots(layout="constrained", figsize=(COLUMN_WIDTH, 2.6))
-    for i, (method, points) in enumerate(by_method.items()):
-        # methods side by side (a few % of an octave) and their labels stacked: two may share a length
-        xs = [p["batch_size"] * 2 ** (0.04 * (i - (len(by_method) - 1) / 2)) for p in points]
+    for i, (setting, points) in enumerate(by_setting.items()):
+        # side by side (a few % of an octave) and their labels stacked: two may share a length
+        xs = [p["batch_size"] * 2 ** (0.04 * (i - (len(by_setting) - 1) / 2)) for p in points]
         ys = [p["best"] for p in points]
-        ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.1, color=method_colour(method),
-                label=f"{method}: {points[0]['parameter']}")
+        colour = method_colour(points[0]["method"])
+        ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], markersize=3, linewidth=1.1, color=colour,
+                label=f"{setting}: {points[0]['parameter']}")
         for x, y, p in zip(xs, ys, points):
             if p["speedup"]:
                 ax.annotate(f"{p['speedup']:.2f}×", (x, y), textcoords="offset points", xytext=(0, 4 + 7 * i),
-                            ha="center", fontsize=6, color=method_colour(method))
-    _axis_ticks(ax, {p["batch_size"] for points in by_method.values() for p in points})
+                            ha="center", fontsize=6, color=colour)
+    _axis_ticks(ax, {p["batch_size"] for points in by_setting.values() for p in points})
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.margins(y=0.1 + 0.05 * len(by_method))  # room for the labels
+    ax.margins(y=0.1 + 0.05 * len(by_setting))  # room for the labels
     ax.set_xlabel(AXIS_LABELS["batch_size"])
     ax.set_ylabel("best draft length (highest tok/s)")
     ax.set_title(title_of(curves.title_settings, curves.n) + "\nlabels: its throughput speedup over AR")
-    _legend_below(ax, ncols=2)
+    _legend_below(ax)  # a method with its other settings: long names
     return _save(fig, out, "best_draft_length")
 
 

@@ -101,6 +101,9 @@ def _short(value) -> str:
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
+SIZE_KEYS = ("gamma", "num_draft", "k_config", "total_tokens", "tree_nodes", "block_size")  # what size_of reads
+
+
 def size_of(method: str, config: dict) -> tuple[str, float] | None:
     """The draft length / tree size parameter of a method variant, if it has one."""
     if "gamma" in config:
