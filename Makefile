@@ -11,7 +11,7 @@ MAX_NEW_TOKENS ?= 256
 TEMPERATURE ?= 0
 ARGS ?=
 
-.PHONY: setup bench sweep report figures headline perf perf-gpu perf-contention perf-lazyllm train-drafts test
+.PHONY: setup bench sweep batch-sweep report figures headline perf perf-gpu perf-contention perf-lazyllm train-drafts test
 
 setup: $(VENV)/.installed
 
@@ -46,8 +46,30 @@ sweep: setup
 		hydra/launcher=$(LAUNCHER) hydra.sweep.dir=$(SWEEP_DIR) $(ARGS); \
 	status=$$?; if [ -d $(SWEEP_DIR) ]; then $(PY) -m harness.cluster.jobs $(SWEEP_DIR); fi; exit $$status
 
+# Issue 36's curves (docs/batching.md): each method of BATCH_METHODS at every batch size of
+# BATCH_SIZES and every draft length of DRAFT_LENGTHS (its key: DRAFT_KEY_<method>), on each
+# dataset of BATCH_DATASETS; every job runs AR beside its method at the same batch size on the same
+# questions (the speedup's denominator). One sweep per method, in $(SWEEP_DIR)/<method>, launched as
+# `sweep`'s are (LAUNCHER); `make report RUNS=$(SWEEP_DIR)` and `make figures RUNS=$(SWEEP_DIR)`
+# draw the curves. BATCH_LIMIT: a multiple of the largest batch size fills every batch.
+BATCH_METHODS ?= pld sps
+BATCH_SIZES ?= 1,2,4,8,16
+DRAFT_LENGTHS ?= 2,4,8
+DRAFT_KEY_pld := method.num_draft
+DRAFT_KEY_sps := method.gamma
+BATCH_DATASETS ?= spec_bench
+BATCH_LIMIT ?= 16
+BATCH_MAX_NEW_TOKENS ?= 64
+batch-sweep: setup
+	status=0; $(foreach m,$(BATCH_METHODS),\
+	$(PY) -m harness.run -m method=$(m) batch_size=$(BATCH_SIZES) $(if $(DRAFT_KEY_$(m)),$(DRAFT_KEY_$(m))=$(DRAFT_LENGTHS)) \
+		dataset=$(BATCH_DATASETS) limit=$(BATCH_LIMIT) max_new_tokens=$(BATCH_MAX_NEW_TOKENS) \
+		hydra/launcher=$(LAUNCHER) hydra.sweep.dir=$(SWEEP_DIR)/$(m) $(ARGS) || status=1; \
+	if [ -d $(SWEEP_DIR)/$(m) ]; then $(PY) -m harness.cluster.jobs $(SWEEP_DIR)/$(m) || status=1; fi;) \
+	echo "curves: make report RUNS=$(SWEEP_DIR); make figures RUNS=$(SWEEP_DIR)"; exit $$status
+
 # Tables (Markdown, CSV, LaTeX) and figures (PNG, PDF) of one run set: RUNS names results folders,
-# folders holding them or sweep folders (default: everything under results/ except the committed
+# folders holding them, sweep folders or a folder of sweeps (batch-sweep's) (default: everything under results/ except the committed
 # reference run, which RUNS=results/reference reads). Written to results/report/<run set>/ and
 # plots/<run set>/, one table per set of settings and questions.
 RUNS ?= results

@@ -37,14 +37,14 @@ def record(qid, category, tokens, wall, steps, accepted=(), tested=(), prompt_le
 
 
 def write_run(root, method, run, records, baseline_dir, config, hardware="CPU-A", dataset="spec_bench",
-              max_new_tokens=128, mtime=None):
+              max_new_tokens=128, mtime=None, batch_size=1):
     folder = root / "tiny" / dataset / method / run
     (folder / "answers").mkdir(parents=True)
     (folder / "answers" / f"{method}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     summary = {"method": method, "model": "tiny", "dataset": dataset, "hardware": hardware, "dtype": "float32",
                "environment": ENV, "method_config": {"method": method, "lossless": True, **config},
                "max_new_tokens": max_new_tokens, "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": 0},
-               "baseline_results": str(baseline_dir)}
+               "baseline_results": str(baseline_dir), "batch_size": batch_size}
     (folder / "summary.json").write_text(json.dumps(summary))
     if mtime is not None:
         os.utime(folder / "summary.json", (mtime, mtime))
@@ -248,7 +248,8 @@ def test_figures_show_intervals_counts_points_and_busy_marks(busy_results, tmp_p
 
     assert wilson_interval(8, 10) == (pytest.approx(0.4902, abs=1e-4), pytest.approx(0.9433, abs=1e-4))  # Wilson 1927
     drawn = capture_figures(busy_results, tmp_path)
-    assert "size_sweep" not in drawn
+    [sizes] = drawn["size_sweep"].axes[0].lines  # PLD's num_draft is its draft length
+    assert list(sizes.get_xdata()) == [4, 8]
     rates, counts = drawn["acceptance_by_position"].axes[:2]
     first = rates.containers[0]  # pld num_draft=4: 72/120 at position 1, 36/72 at 2
     assert [round(y, 3) for y in first.lines[0].get_ydata()] == [0.6, 0.5]

@@ -17,6 +17,14 @@ the committed reference run) and fall into the same tables: one folder of figure
                           and one for the AR baselines (LazyLLM)
   speedup_vs_tau          speedup (95% interval) against τ, with the ideal line speedup = τ; a red
                           ring marks a method measured partly on a busy machine
+Across tables (`harness/reporting/curves.py`: tables whose settings differ only in batch size, or
+only in the SPEED-Bench throughput split), under `plots/<run set>/<curves>/`:
+  speedup_vs_batch_size   throughput speedup over AR at the same batch size, one line per method
+  / _vs_input_length      variant, against batch size or mean prompt length
+  throughput_vs_batch_size  tokens/s summed over the batch, AR's line too (its paired answers pooled)
+  / _vs_input_length
+  best_draft_length       per method measured at several draft lengths: the one with the highest
+                          throughput at each batch size, labelled with its speedup
 A figure with nothing to show is not written (and an older one of that name is removed). Each
 method has one colour in every figure (its variants differ by marker and line style); legends
 name a method by its name, with the settings that tell its variants apart (the report's tables
@@ -38,7 +46,9 @@ from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormat
 from scipy.stats import binomtest  # noqa: E402
 
 from harness.reporting.report import (  # noqa: E402
-    MIN_INTERVAL_N, OVERALL, Table, build_tables, column_counts, find_runs, group_table, method_label, run_set_arguments, run_set_name)
+    MIN_INTERVAL_N, OVERALL, Table, baseline_records, build_tables, column_counts, find_runs, group_table, method_label,
+    run_set_arguments, run_set_name, size_of)
+from harness.reporting.curves import AR, Curves, best_draft_lengths, find_curves  # noqa: E402
 
 plt.rcParams.update({"font.size": 8, "axes.titlesize": 8, "legend.fontsize": 6.5, "figure.dpi": 150,
                      "axes.spines.top": False, "axes.spines.right": False})
@@ -61,7 +71,7 @@ def method_colour(method: str):
     return PALETTE[len(METHOD_ORDER) + zlib.crc32(method.encode()) % (len(PALETTE) - len(METHOD_ORDER))]
 
 
-def styles(table: Table) -> dict[str, dict]:
+def styles(table: Table | Curves) -> dict[str, dict]:
     """label -> colour (by method), marker and line style (by variant within the method)."""
     seen: dict[str, int] = defaultdict(int)
     out = {}
@@ -73,7 +83,7 @@ def styles(table: Table) -> dict[str, dict]:
     return out
 
 
-def short_labels(table: Table) -> dict[str, str]:
+def short_labels(table: Table | Curves) -> dict[str, str]:
     """label -> the method's name, with only the settings that tell its variants in this table
     apart (`sps (gamma=2)`), and `[lossy]`: full labels (every setting) do not fit a legend."""
     variants = defaultdict(list)
@@ -120,29 +130,11 @@ def _plain_log_axis(axis) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
-def title_of(table: Table) -> str:
-    s = table.settings
-    return (f"{s['model']}, {s['hardware']}, {s['dtype']}\n{s['dataset']}, n = {len(table.questions)}, "
-            f"max_new_tokens {s['max_new_tokens']}, {s['sampling']}")
-
-
-def size_of(method: str, config: dict) -> tuple[str, float] | None:
-    """The draft length / tree size parameter of a method variant, if it has one."""
-    if "gamma" in config:
-        return "draft length γ", config["gamma"]
-    if "k_config" in config:
-        nodes, width = 0, 1
-        for k in config["k_config"]:
-            width *= k
-            nodes += width
-        return "draft tree nodes", nodes
-    if "total_tokens" in config:
-        return "tree size (total tokens)", config["total_tokens"]
-    if "tree_nodes" in config:
-        return "tree size (nodes)", config["tree_nodes"]
-    if "block_size" in config:
-        return "Jacobi block size n", config["block_size"]
-    return None
+def title_of(settings: dict, n) -> str:
+    """The settings a figure's points share (a table's, or a curve's: `curves.Curves.shared`)."""
+    batch = f", batch size {settings['batch_size']}" if settings.get("batch_size", 1) > 1 else ""
+    return (f"{settings['model']}, {settings['hardware']}, {settings['dtype']}\n{settings['dataset']}, n = {n}, "
+            f"max_new_tokens {settings['max_new_tokens']}, {settings['sampling']}{batch}")
 
 
 def _legend_below(ax, ncols: int = 1) -> None:
@@ -205,7 +197,7 @@ def speedup_by_dataset(table: Table, columns, cells, style, out) -> list[Path]:
     ax.axhline(1.0, color="black", linewidth=0.6, linestyle="--")
     ax.set_xticks(range(len(columns)), [f"{c} (n={counts.get(c, 0)})" for c in columns], rotation=30, ha="right")
     ax.set_ylabel("speedup over AR (×)")
-    ax.set_title(title_of(table) + f"; bars: 95% intervals where n >= {MIN_INTERVAL_N}")
+    ax.set_title(title_of(table.settings, len(table.questions)) + f"; bars: 95% intervals where n >= {MIN_INTERVAL_N}")
     _legend_below(ax, ncols=4)
     return _save(fig, out, "speedup_by_dataset")
 
@@ -245,7 +237,7 @@ def size_sweep(table: Table, cells, style, out) -> list[Path]:
         else:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     _legend_below(ax_tau, ncols=2)
-    fig.suptitle(title_of(table) + f"; bars: 95% intervals where n >= {MIN_INTERVAL_N}", fontsize=8)
+    fig.suptitle(title_of(table.settings, len(table.questions)) + f"; bars: 95% intervals where n >= {MIN_INTERVAL_N}", fontsize=8)
     return _save(fig, out, "size_sweep")
 
 
@@ -269,7 +261,7 @@ def acceptance_by_position(table: Table, cells, style, out) -> list[Path]:
         ax_n.plot(xs, [p[4] for p in points], markersize=2.5, linewidth=0.9, **look)
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.02)
-    ax.set_title(title_of(table) + "\nbars: Wilson 95% intervals")
+    ax.set_title(title_of(table.settings, len(table.questions)) + "\nbars: Wilson 95% intervals")
     ax_n.set_yscale("log")
     _plain_log_axis(ax_n.yaxis)
     ax_n.set_ylabel("times tested")
@@ -284,11 +276,7 @@ def ttft_vs_prompt_length(table: Table, style, out) -> list[Path]:
     one for the AR baselines the methods were paired with."""
     names = short_labels(table)
     series = {names[label]: (style[label], _turn_ttfts(row.records.values())) for label, row in table.rows.items()}
-    measured = {}  # the AR answers of every row, each once (runs that share a baseline folder share its records)
-    for row in table.rows.values():
-        for record in row.baseline.values():
-            measured[(record["question_id"], *_turn_ttfts([record]))] = record
-    baseline = _turn_ttfts(measured.values())
+    baseline = _turn_ttfts(baseline_records(table))
     if not baseline and not any(points for _, points in series.values()):
         return _nothing_to_show(out, "ttft_vs_prompt_length")
     fig, ax = plt.subplots(layout="constrained", figsize=(COLUMN_WIDTH, 2.4))
@@ -304,7 +292,7 @@ def ttft_vs_prompt_length(table: Table, style, out) -> list[Path]:
     ax.set_yscale("log")
     _plain_log_axis(ax.xaxis)
     _plain_log_axis(ax.yaxis)
-    ax.set_title(title_of(table))
+    ax.set_title(title_of(table.settings, len(table.questions)))
     _legend_below(ax, ncols=3)
     return _save(fig, out, "ttft_vs_prompt_length")
 
@@ -346,14 +334,93 @@ def speedup_vs_tau(table: Table, cells, style, out) -> list[Path]:
     ax.set_ylabel("speedup over AR (×)")
     ax.set_xlim(min(0.9, min(cell["tau"] for _, cell in points) - 0.1), top)
     ax.set_ylim(bottom, top)
-    ax.set_title(title_of(table) + f"\nbars: 95% intervals where n >= {MIN_INTERVAL_N}")
+    ax.set_title(title_of(table.settings, len(table.questions)) + f"\nbars: 95% intervals where n >= {MIN_INTERVAL_N}")
     _legend_below(ax, ncols=2)
     return _save(fig, out, "speedup_vs_tau")
 
 
+AR_STYLE = {"color": method_colour("ar"), "marker": "o", "linestyle": "-"}
+AXIS_LABELS = {"batch_size": "batch size B (sequences decoded together)",
+               "dataset": "input length (mean prompt tokens per turn)"}
+
+
+def _axis_ticks(ax, values) -> None:
+    """A log axis (base 2) with a tick at each measured value, labelled plainly."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(values), [f"{v:.0f}" for v in sorted(values)])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _busy_rings(ax, points: list[tuple[float, float]]) -> None:
+    if points:
+        ax.scatter([x for x, _ in points], [y for _, y in points], s=60, facecolors="none", edgecolors=BUSY_COLOUR,
+                   linewidths=0.8, label="measured partly on a busy machine", zorder=3)
+
+
+def curve(curves: Curves, metric: str, style, out) -> list[Path]:
+    """Throughput speedup over AR at the same batch size (`speedup`), or throughput with AR's line
+    (`throughput`), against batch size or input length: one line per method variant; a red ring
+    marks a point measured partly on a busy machine."""
+    names = {**short_labels(curves), AR: "AR (its paired answers, pooled)"}
+    along = "batch_size" if curves.axis == "batch_size" else "input_length"
+    fig, ax = plt.subplots(layout="constrained", figsize=(COLUMN_WIDTH, 2.6))
+    values, busy = set(), []
+    for label, points in curves.series(with_ar=metric == "throughput").items():
+        xs = [curves.value(p) for p in points]
+        ys = [p.speedup if metric == "speedup" else p.throughput for p in points]
+        look = AR_STYLE if label == AR else {k: style[label][k] for k in ("color", "marker", "linestyle")}
+        ax.plot(xs, ys, markersize=3, linewidth=1.1, label=names[label], **look)
+        values.update(xs)
+        busy += [(x, y) for x, y, p in zip(xs, ys, points) if p.busy]
+    _busy_rings(ax, busy)
+    _axis_ticks(ax, values)
+    if metric == "speedup":
+        ax.axhline(1.0, color="black", linewidth=0.6, linestyle="--")
+        ax.set_ylabel("throughput speedup over AR (×)")
+    else:
+        ax.set_ylabel("throughput (tokens/s, batch summed)")
+        ax.set_ylim(bottom=0)
+    ax.set_xlabel(AXIS_LABELS[curves.axis])
+    ax.set_title(title_of(curves.title_settings, curves.n) + "\nAR at the same batch size, same questions")
+    _legend_below(ax, ncols=2)
+    return _save(fig, out, f"{metric}_vs_{along}")
+
+
+def best_draft_length(curves: Curves, out) -> list[Path]:
+    """Per method (with its other settings) measured at several draft lengths: the one with the
+    highest throughput at each batch size, each point labelled with its speedup over AR; not
+    written when no method was."""
+    by_setting = defaultdict(list)
+    for best in best_draft_lengths(curves):
+        by_setting[best["setting"]].append(best)
+    if not by_setting:
+        return _nothing_to_show(out, "best_draft_length")
+    fig, ax = plt.subplots(layout="constrained", figsize=(COLUMN_WIDTH, 2.6))
+    for i, (setting, points) in enumerate(by_setting.items()):
+        # side by side (a few % of an octave) and their labels stacked: two may share a length
+        xs = [p["batch_size"] * 2 ** (0.04 * (i - (len(by_setting) - 1) / 2)) for p in points]
+        ys = [p["best"] for p in points]
+        colour = method_colour(points[0]["method"])
+        ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], markersize=3, linewidth=1.1, color=colour,
+                label=f"{setting}: {points[0]['parameter']}")
+        for x, y, p in zip(xs, ys, points):
+            if p["speedup"]:
+                ax.annotate(f"{p['speedup']:.2f}×", (x, y), textcoords="offset points", xytext=(0, 4 + 7 * i),
+                            ha="center", fontsize=6, color=colour)
+    _axis_ticks(ax, {p["batch_size"] for points in by_setting.values() for p in points})
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.margins(y=0.1 + 0.05 * len(by_setting))  # room for the labels
+    ax.set_xlabel(AXIS_LABELS["batch_size"])
+    ax.set_ylabel("best draft length (highest tok/s)")
+    ax.set_title(title_of(curves.title_settings, curves.n) + "\nlabels: its throughput speedup over AR")
+    _legend_below(ax)  # a method with its other settings: long names
+    return _save(fig, out, "best_draft_length")
+
+
 def figures(paths, out: Path, select: str | None = None) -> list[Path]:
     written = []
-    for table in build_tables(find_runs(paths, select)):
+    tables = build_tables(find_runs(paths, select))
+    for table in tables:
         folder = out / table.slug
         columns, cells = group_table(table)
         style = styles(table)
@@ -362,6 +429,12 @@ def figures(paths, out: Path, select: str | None = None) -> list[Path]:
         written += acceptance_by_position(table, cells, style, folder)
         written += ttft_vs_prompt_length(table, style, folder)
         written += speedup_vs_tau(table, cells, style, folder)
+    for curves in find_curves(tables):
+        folder = out / curves.slug
+        style = styles(curves)
+        written += curve(curves, "speedup", style, folder) + curve(curves, "throughput", style, folder)
+        if curves.axis == "batch_size":
+            written += best_draft_length(curves, folder)
     return written
 
 

@@ -18,6 +18,11 @@ bootstrap intervals where a cell has at least `MIN_INTERVAL_N` questions), τ, a
 TTFT; each as Markdown, CSV and LaTeX, with a caption naming every setting and, per method, a
 last column of caveats (`metrics.caveat_note`: n, busy questions, outputs that differ from AR's,
 a speedup above τ, a wide interval; in the CSV per cell, also as numbers).
+
+Across tables whose settings differ only in batch size (or only in SPEED-Bench's throughput split),
+the curves of `harness/reporting/curves.py`: throughput and its speedup over AR at the same batch
+size, per batch size (or input length), and the best draft length per batch size, each under
+`by-batch-size-…/` (`by-input-length-…/`).
 """
 
 from __future__ import annotations
@@ -96,15 +101,39 @@ def _short(value) -> str:
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
+SIZE_KEYS = ("gamma", "num_draft", "k_config", "total_tokens", "tree_nodes", "block_size")  # what size_of reads
+
+
+def size_of(method: str, config: dict) -> tuple[str, float] | None:
+    """The draft length / tree size parameter of a method variant, if it has one."""
+    if "gamma" in config:
+        return "draft length γ", config["gamma"]
+    if "num_draft" in config:  # PLD: the longest draft it copies
+        return "draft length γ", config["num_draft"]
+    if "k_config" in config:
+        nodes, width = 0, 1
+        for k in config["k_config"]:
+            width *= k
+            nodes += width
+        return "draft tree nodes", nodes
+    if "total_tokens" in config:
+        return "tree size (total tokens)", config["total_tokens"]
+    if "tree_nodes" in config:
+        return "tree size (nodes)", config["tree_nodes"]
+    if "block_size" in config:
+        return "Jacobi block size n", config["block_size"]
+    return None
+
+
 def run_folders(paths: list[Path]) -> list[Path]:
     """The run folders (holding summary.json) that the given paths name: a run folder itself, a
-    folder holding runs (the committed reference run is skipped unless named), or a sweep folder
-    (its jobs' results folders)."""
+    folder holding runs (the committed reference run is skipped unless named), a sweep folder (its
+    jobs' results folders) or a folder of sweeps (`make batch-sweep`: one per method)."""
     found = []
     for path in map(Path, paths):
         if not path.exists():
             raise FileNotFoundError(f"no results at {path}")
-        jobs = job_status(path)
+        jobs = job_status(path) or [job for sweep in sorted(path.iterdir()) if sweep.is_dir() for job in job_status(sweep)]
         if jobs:  # a sweep: its jobs' results folders, those that finished (a summary written)
             found += [Path(job["results"]) for job in jobs
                       if job.get("results") and (Path(job["results"]) / "summary.json").is_file()]
@@ -209,17 +238,37 @@ def build_tables(runs: list[Run]) -> list[Table]:
         for questions, same in by_questions.items():
             tables.append(Table(dict(zip(SETTING_NAMES, settings)), dict(sorted(same.items()))))
     tables.sort(key=lambda t: ([str(v) for v in t.settings.values()], -len(t.questions)))
-    names = defaultdict(list)
-    for table in tables:
+
+    def name(table: Table) -> str:
         s = table.settings
         batch = f"-b{s['batch_size']}" if s["batch_size"] > 1 else ""
-        names[slugify(f"{s['model']}-{s['dataset']}-n{len(table.questions)}-{s['max_new_tokens']}tok-{s['sampling']}{batch}-"
-                      f"{s['dtype']}-{s['hardware']}")].append(table)
-    for name, same in names.items():
-        for table in same:  # two question sets of one size, or two engines: their hash tells them apart
-            digest = hashlib.sha256(json.dumps([sorted(map(str, table.questions)), table.settings["engine"]]).encode()).hexdigest()[:6]
-            table.slug = name if len(same) == 1 else f"{name}-{digest}"
+        return f"{s['model']}-{s['dataset']}-n{len(table.questions)}-{s['max_new_tokens']}tok-{s['sampling']}{batch}-{s['dtype']}-{s['hardware']}"
+    # two question sets of one size, or two engines: their hash tells them apart
+    name_uniquely(tables, name, lambda table: [sorted(map(str, table.questions)), table.settings["engine"]])
     return tables
+
+
+def name_uniquely(items: list, name, identity) -> None:
+    """Sets each item's `slug` to its slugified name, with a digest of its identity (JSON) where
+    two items share a name."""
+    named = defaultdict(list)
+    for item in items:
+        named[slugify(name(item))].append(item)
+    for slug, same in named.items():
+        for item in same:
+            digest = hashlib.sha256(json.dumps(identity(item), default=str).encode()).hexdigest()[:6]
+            item.slug = slug if len(same) == 1 else f"{slug}-{digest}"
+
+
+def baseline_records(table: Table) -> list[dict]:
+    """The AR answers every row of a table was paired with, each once (runs that share a baseline
+    folder share its records): AR's measurements at the table's settings, pooled."""
+    measured = {}
+    for row in table.rows.values():
+        for record in row.baseline.values():
+            choice = record["choices"][0]
+            measured[(record["question_id"], tuple(choice["wall_time"]), *(turn["ttft"] for turn in choice["stats"]))] = record
+    return list(measured.values())
 
 
 def slugify(text: str) -> str:
@@ -438,6 +487,9 @@ def report(paths, out: Path, select: str | None = None) -> dict[str, tuple]:
         if beside:
             (out / table.slug / "published.md").write_text(beside + "\n")
             index.append(beside)
+    from harness.reporting.curves import find_curves, write_curves  # it builds on this module's tables
+    for curves in find_curves(tables):
+        index += [path.read_text() for path in write_curves(curves, out) if path.suffix == ".md"]
     (out / "report.md").write_text("\n\n".join(index) + "\n" if index else "No runs with a baseline found.\n")
     return written
 
