@@ -52,17 +52,22 @@ sweep: setup
 # questions (the speedup's denominator). One sweep per method, in $(SWEEP_DIR)/<method>, launched as
 # `sweep`'s are (LAUNCHER); `make report RUNS=$(SWEEP_DIR)` and `make figures RUNS=$(SWEEP_DIR)`
 # draw the curves. BATCH_LIMIT: a multiple of the largest batch size fills every batch.
-BATCH_METHODS ?= pld sps
+BATCH_METHODS ?= pld sps eagle2
 BATCH_SIZES ?= 1,2,4,8,16
 DRAFT_LENGTHS ?= 2,4,8
 DRAFT_KEY_pld := method.num_draft
 DRAFT_KEY_sps := method.gamma
+DRAFT_KEY_eagle2 := method.total_tokens
+DRAFT_KEY_eagle3 := method.total_tokens
+# a tree's size in tokens (root included) instead of a chain's length
+DRAFT_LENGTHS_eagle2 ?= 4,8,16
+DRAFT_LENGTHS_eagle3 ?= 4,8,16
 BATCH_DATASETS ?= spec_bench
 BATCH_LIMIT ?= 16
 BATCH_MAX_NEW_TOKENS ?= 64
 batch-sweep: setup
 	status=0; $(foreach m,$(BATCH_METHODS),\
-	$(PY) -m harness.run -m method=$(m) batch_size=$(BATCH_SIZES) $(if $(DRAFT_KEY_$(m)),$(DRAFT_KEY_$(m))=$(DRAFT_LENGTHS)) \
+	$(PY) -m harness.run -m method=$(m) batch_size=$(BATCH_SIZES) $(if $(DRAFT_KEY_$(m)),$(DRAFT_KEY_$(m))=$(or $(DRAFT_LENGTHS_$(m)),$(DRAFT_LENGTHS))) \
 		dataset=$(BATCH_DATASETS) limit=$(BATCH_LIMIT) max_new_tokens=$(BATCH_MAX_NEW_TOKENS) \
 		hydra/launcher=$(LAUNCHER) hydra.sweep.dir=$(SWEEP_DIR)/$(m) $(ARGS) || status=1; \
 	if [ -d $(SWEEP_DIR)/$(m) ]; then $(PY) -m harness.cluster.jobs $(SWEEP_DIR)/$(m) || status=1; fi;) \
