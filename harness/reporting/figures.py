@@ -17,7 +17,7 @@ the committed reference run) and fall into the same tables: one folder of figure
                           and one for the AR baselines (LazyLLM)
   speedup_vs_tau          speedup (95% interval) against τ, with the ideal line speedup = τ; a red
                           ring marks a method measured partly on a busy machine
-Across tables (`harness/reporting/curves.py`: tables whose settings differ only in batch size, or
+Across tables (`report.py`'s curves: tables whose settings differ only in batch size, or
 only in the SPEED-Bench throughput split), under `plots/<run set>/<curves>/`:
   speedup_vs_batch_size   throughput speedup over AR at the same batch size, one line per method
   / _vs_input_length      variant, against batch size or mean prompt length
@@ -46,9 +46,8 @@ from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormat
 from scipy.stats import binomtest  # noqa: E402
 
 from harness.reporting.report import (  # noqa: E402
-    MIN_INTERVAL_N, OVERALL, Table, baseline_records, build_tables, column_counts, find_runs, group_table, method_label,
-    run_set_arguments, run_set_name, size_of)
-from harness.reporting.curves import AR, Curves, best_draft_lengths, find_curves  # noqa: E402
+    AR, MIN_INTERVAL_N, OVERALL, Curves, Table, baseline_records, best_draft_lengths, build_tables, column_counts,
+    find_curves, find_runs, group_table, method_label, run_set_arguments, run_set_name, size_of)
 
 plt.rcParams.update({"font.size": 8, "axes.titlesize": 8, "legend.fontsize": 6.5, "figure.dpi": 150,
                      "axes.spines.top": False, "axes.spines.right": False})
@@ -131,7 +130,7 @@ def _plain_log_axis(axis) -> None:
 
 
 def title_of(settings: dict, n) -> str:
-    """The settings a figure's points share (a table's, or a curve's: `curves.Curves.shared`)."""
+    """The settings a figure's points share (a table's, or a curve's: `report.Curves.shared`)."""
     batch = f", batch size {settings['batch_size']}" if settings.get("batch_size", 1) > 1 else ""
     return (f"{settings['model']}, {settings['hardware']}, {settings['dtype']}\n{settings['dataset']}, n = {n}, "
             f"max_new_tokens {settings['max_new_tokens']}, {settings['sampling']}{batch}")
