@@ -19,9 +19,9 @@ true features, so the head's cache always equals the one built along the accepte
   forward's cost grows with its tokens (CPUs) it keeps small trees; where it is flat, large ones.
   On the device: the expansion, the rerank and, at a fixed size, the tree's structure
   (`tree.DeviceTree`) never come back to the host, so a greedy step reads once (the acceptance);
-  the adaptive size is the host's choice, from one more read. Under `engine.cuda_graphs` the
-  depth loop runs over the head's reserved cache at device positions (`StaticDraft`), captured as
-  one CUDA graph on a GPU.
+  the adaptive size is the host's choice, from one more read.
+Under `engine.cuda_graphs` both depth loops (EAGLE-1's template, EAGLE-2's expansion) run over the
+head's reserved cache at device positions (`StaticDraft`), captured as one CUDA graph on a GPU.
 Sampling (temperature > 0), `method.sampling_rule`:
 * `eagle1` (`eagle`'s default), EAGLE-1's own (SafeAILab/EAGLE v1: `cnets.py` `Model.sample` /
   `topK_genrate`, `utils.py` `evaluate_posterior`): each expanded node's children are *sampled*
@@ -161,24 +161,26 @@ class EagleDrafter:
 
 
 class StaticDraft:
-    """EAGLE-2's expansion (`Eagle2Decoder._expand`) as one static computation over the head's
-    reserved cache, under `engine.cuda_graphs` on / auto on a GPU: the root's hidden state and
-    logits and the committed count are copied into buffers of fixed address, and every level is fed
-    at device positions (`EagleDrafter.feed_static`), so the whole depth loop reads nothing back. On
-    a GPU the full depth is captured as one CUDA graph (a shorter one, near an answer's end, runs the
-    same computation eagerly); on a CPU it runs eagerly, which is what the CPU tests compare."""
+    """A decoder's draft levels (`draft_levels`: EAGLE-2's expansion, EAGLE-1's template) as one
+    static computation over the head's reserved cache, under `engine.cuda_graphs` on / auto on a
+    GPU: the root's hidden state and logits and the committed count are copied into buffers of
+    fixed address, and every level is fed at device positions (`EagleDrafter.feed_static`), so the
+    whole depth loop reads nothing back. `key`: the loop's depth (levels for EAGLE-2, the depth
+    limit for EAGLE-1). On a GPU the full depth is captured as one CUDA graph (a shorter one, near
+    an answer's end, runs the same computation eagerly); on a CPU it runs eagerly, which is what the
+    CPU tests compare."""
 
-    def __init__(self, decoder: "Eagle2Decoder", graphed: bool):
+    def __init__(self, decoder: "_EagleBase", graphed: bool):
         self.decoder, self.graphed = decoder, graphed
         self.hidden = self.logits = self.start = None
         self.graph, self.outputs, self.addresses = None, None, []
         self.captures = 0
 
-    def ready(self, levels: int) -> bool:
-        return self.decoder.drafter.static_room((levels - 1) * self.decoder.branching())
+    def ready(self, key: int) -> bool:
+        return self.decoder.drafter.static_room(self.decoder.drafted_entries(key))
 
     @torch.inference_mode()
-    def run(self, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(self, key: int) -> tuple[torch.Tensor, ...]:
         drafter = self.decoder.drafter
         if self.hidden is None or self.hidden.shape != drafter.root_hidden.shape or self.logits.shape != drafter.root_logits.shape:
             self.hidden, self.logits = torch.empty_like(drafter.root_hidden), torch.empty_like(drafter.root_logits)
@@ -187,22 +189,40 @@ class StaticDraft:
         self.hidden.copy_(drafter.root_hidden)
         self.logits.copy_(drafter.root_logits)
         self.start.fill_(drafter.committed)
-        if not self.graphed or levels != self.decoder.depth + 1:
-            return self.compute(levels)
+        if not self.graphed or key != self.decoder.full_depth():
+            return self.compute(key)
         rope = drafter.fused[1]
         addresses = [drafter.cache.layers[0]._keys.data_ptr(), drafter.cache.layers[0]._values.data_ptr(),
                      rope._cos.data_ptr(), rope._sin.data_ptr()]
         if self.graph is None or addresses != self.addresses:  # a new cache or table: capture again
-            self.graph, self.outputs = capture(lambda: self.compute(levels))
+            self.graph, self.outputs = capture(lambda: self.compute(key))
             self.addresses = addresses
             self.captures += 1
         self.graph.replay()
         return self.outputs
 
-    def compute(self, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def compute(self, key: int) -> tuple[torch.Tensor, ...]:
         drafter = self.decoder.drafter
-        return self.decoder._expand(self.hidden, self.logits, levels,
-                                    lambda tokens, hidden, depth, seen: drafter.feed_static(tokens, hidden, depth, seen, self.start))
+        return self.decoder.draft_levels(self.hidden, self.logits, key,
+                                         lambda tokens, hidden, depth, seen: drafter.feed_static(tokens, hidden, depth, seen, self.start))
+
+
+@dataclass(frozen=True)
+class TemplateLevel:
+    """One depth of EAGLE-1's template tree, as index tensors on the head's device (made once per
+    depth limit: `EagleDecoder.plan`), so that filling it reads and sends nothing."""
+
+    depth: int
+    rows: torch.Tensor  # the parents of this level's nodes, each once (node ids)
+    nodes: torch.Tensor  # this level's nodes
+    row_of: torch.Tensor  # each node's parent's place in `rows`
+    rank: torch.Tensor  # each node's rank in its parent's top-k (greedy)
+    draw: torch.Tensor  # each node's place among its parent's children (its draw, sampled)
+    top_k: int
+    width: int  # the most children of one parent
+    expand: torch.Tensor | None  # the nodes fed to the head after this level (those with children)
+    expand_parents: torch.Tensor | None
+    visible: torch.Tensor | None  # [expand, fed so far] bool: each fed node's ancestors among the fed nodes
 
 
 class _EagleBase(DraftVerifyDecoder):
@@ -210,6 +230,19 @@ class _EagleBase(DraftVerifyDecoder):
         super().__init__(target)
         self.drafter = self.make_drafter(head, vocabulary)
         self.lane_drafters = [self.drafter]  # lane i of a batch drafts with lane_drafters[i] (`lane`)
+        # `engine.cuda_graphs`: the draft depth loop as a static computation (a CUDA graph on a GPU)
+        self.static = None if target.graph_mode == "off" else StaticDraft(self, target.graph_mode == "graphs")
+
+    # the draft loop a `StaticDraft` runs: its levels from the root's state, fed by `feed`; the head
+    # entries a loop of depth `key` feeds; the depth a graph is captured at
+    def draft_levels(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, key: int, feed) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def drafted_entries(self, key: int) -> int:
+        raise NotImplementedError
+
+    def full_depth(self) -> int:
+        raise NotImplementedError
 
     def lane(self, index, stop):
         """Sequence `index` of a batch: its own drafter (the head's cache), drafting eagerly."""
@@ -293,6 +326,7 @@ class EagleDecoder(_EagleBase):
         super().__init__(target, head, vocabulary)
         self.tree = tree
         self.sampling_rule = sampling_rule
+        self._plans: dict[int, tuple] = {}  # depth limit -> the template's levels on the device (`plan`)
 
     def describe(self):
         return {**super().describe(), "tree_nodes": len(self.tree), "tree_depth": self.tree.max_depth,
@@ -304,57 +338,96 @@ class EagleDecoder(_EagleBase):
         return self.sampling_rule == "eagle1" and sampling is not None and not sampling.greedy
 
     def propose(self, root: int, budget: int) -> Tree:
-        tree = self.tree
-        depth_limit = min(tree.max_depth, budget)
+        depth_limit = min(self.tree.max_depth, budget)
+        sampled = self._sampled()
+        drafter = self.drafter
+        if not sampled and self.static is not None and self.static.ready(depth_limit):
+            tokens, _ = self.static.run(depth_limit)
+            draft_probs = None
+        else:
+            with torch.inference_mode():
+                tokens, draft_probs = self._fill(drafter.root_hidden, drafter.root_logits, depth_limit, drafter.feed_level, sampled)
+        count, parents, _ = self.plan(depth_limit)
+        tokens = torch.cat([tokens.new_tensor([root]), tokens[1:]])
+        return Tree(tokens, parents, draft_probs, without_replacement=sampled)
+
+    def plan(self, depth_limit: int) -> tuple[int, list[int], list[TemplateLevel]]:
+        """The template cut at `depth_limit`: its node count, parents and levels (made once)."""
+        plans = self._plans
+        if depth_limit in plans:
+            return plans[depth_limit]
+        tree, device = self.tree, self.drafter.device
         count = sum(1 for d in tree.depths if d <= depth_limit)
         parents = tree.parents[:count]
         children = [[] for _ in range(count)]
         for node in range(1, count):
             children[parents[node]].append(node)  # in rank order: the template lists paths by (depth, ranks)
-        return self._template_tree(root, count, parents, children, depth_limit, self._sampled())
+        levels, slot_of = [], {}
 
-    @torch.inference_mode()
-    def _template_tree(self, root: int, count: int, parents: list[int], children: list[list[int]], depth_limit: int,
-                       sampled: bool) -> Tree:
-        """The template filled level by level on the head's device, the tokens never coming back to
-        the host (the verification's read brings the accepted ones). Greedy (or the `eagle2` rule):
-        each parent's top-k children by rank. EAGLE-1 sampling: each parent's children drawn from its
-        q without replacement, in draw order (`sampling.draw_children`; where q has fewer tokens than
-        children, the extra ones hold tokens of probability 0 and are never accepted), q kept for
-        verification. Rows are in node order: node n's hidden state and logits are row n."""
-        tree, drafter = self.tree, self.drafter
-        device = drafter.root_hidden.device
-        tokens = torch.empty(count, dtype=torch.long, device=device)
-        tokens[0] = root
-        hidden = drafter.root_hidden.new_empty(count, drafter.root_hidden.shape[-1])
-        hidden[0] = drafter.root_hidden
-        logits = drafter.root_logits.new_empty(count, drafter.root_logits.shape[-1])
-        logits[0] = drafter.root_logits
-        draft_probs = torch.zeros(count, logits.shape[-1], device=device) if sampled else None
-        slot_of: dict[int, int] = {}
+        def index(values):
+            return torch.tensor(values, dtype=torch.long, device=device)
+
         for depth in range(1, depth_limit + 1):
             level = [n for n in range(1, count) if tree.depths[n] == depth]
             if not level:
                 break
-            row = {p: i for i, p in enumerate(dict.fromkeys(parents[n] for n in level))}
-            if sampled:  # a child's place among its parent's children is its draw
-                q = logits_to_probs(logits[list(row)], self.sampling)
-                draft_probs[list(row)] = q
-                drawn = draw_children(q, max(len(children[p]) for p in row), True, self.generator)
-                tokens[level] = drawn[[row[parents[n]] for n in level], [children[parents[n]].index(n) for n in level]]
-            else:
-                ranked = torch.topk(logits[list(row)], tree.top_k(depth)).indices  # [parents, k]
-                tokens[level] = ranked[[row[parents[n]] for n in level], [tree.ranks[n] for n in level]]
-            expand = [n for n in level if children[n]]
-            if not expand or depth == depth_limit:
-                break
-            visible = [[slot_of[a] for a in ancestors_of(parents, n)] for n in expand]
-            out = drafter.feed_level(tokens[expand], hidden[[parents[n] for n in expand]], depth, visible)
-            base = len(slot_of)
+            rows = list(dict.fromkeys(parents[n] for n in level))
+            expand = [n for n in level if children[n]] if depth < depth_limit else []
+            visible = torch.zeros(len(expand), len(slot_of), dtype=torch.bool)
             for i, node in enumerate(expand):
-                slot_of[node] = base + i
-            hidden[expand], logits[expand] = out, drafter.logits(out)
-        return Tree(tokens, parents, draft_probs, without_replacement=sampled)
+                visible[i, [slot_of[a] for a in ancestors_of(parents, node)]] = True
+            for node in expand:
+                slot_of[node] = len(slot_of)
+            levels.append(TemplateLevel(
+                depth, index(rows), index(level), index([rows.index(parents[n]) for n in level]),
+                index([tree.ranks[n] for n in level]), index([children[parents[n]].index(n) for n in level]),
+                tree.top_k(depth), max(len(children[p]) for p in rows),
+                index(expand) if expand else None, index([parents[n] for n in expand]) if expand else None,
+                visible.to(device) if expand else None))
+        plans[depth_limit] = count, parents, levels
+        return plans[depth_limit]
+
+    def _fill(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, depth_limit: int, feed,
+              sampled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The template filled level by level on the head's device (`plan`'s index tensors: nothing
+        read, nothing sent), the tokens never coming back to the host (the verification's read
+        brings the accepted ones). Greedy (or the `eagle2` rule): each parent's top-k children by
+        rank. EAGLE-1 sampling: each parent's children drawn from its q without replacement, in draw
+        order (`sampling.draw_children`; where q has fewer tokens than children, the extra ones
+        hold tokens of probability 0 and are never accepted), q kept for verification. Rows are in
+        node order: node n's token, hidden state and logits are row n (row 0's token: the root's,
+        set by the caller). Returns the tokens and, sampled, each node's q."""
+        count, _, levels = self.plan(depth_limit)
+        tokens = torch.zeros(count, dtype=torch.long, device=root_logits.device)
+        hidden = torch.cat([root_hidden[None], root_hidden.new_empty(count - 1, root_hidden.shape[-1])])
+        logits = torch.cat([root_logits[None], root_logits.new_empty(count - 1, root_logits.shape[-1])])
+        draft_probs = torch.zeros(count, logits.shape[-1], device=logits.device) if sampled else None
+        for level in levels:
+            parent_logits = logits.index_select(0, level.rows)
+            if sampled:  # a child's place among its parent's children is its draw
+                q = logits_to_probs(parent_logits, self.sampling)
+                draft_probs.index_copy_(0, level.rows, q)
+                drawn = draw_children(q, level.width, True, self.generator)
+                tokens.index_copy_(0, level.nodes, drawn[level.row_of, level.draw])
+            else:
+                ranked = torch.topk(parent_logits, level.top_k).indices  # [parents, k]
+                tokens.index_copy_(0, level.nodes, ranked[level.row_of, level.rank])
+            if level.expand is None:
+                break
+            out = feed(tokens.index_select(0, level.expand), hidden.index_select(0, level.expand_parents), level.depth,
+                       level.visible)
+            hidden.index_copy_(0, level.expand, out)
+            logits.index_copy_(0, level.expand, self.drafter.logits(out))
+        return tokens, draft_probs
+
+    def draft_levels(self, root_hidden, root_logits, key, feed):
+        return self._fill(root_hidden, root_logits, key, feed, False)
+
+    def drafted_entries(self, key: int) -> int:
+        return sum(len(level.expand) for level in self.plan(key)[2] if level.expand is not None)
+
+    def full_depth(self) -> int:
+        return self.tree.max_depth
 
 
 class Eagle2Decoder(_EagleBase):
@@ -370,8 +443,6 @@ class Eagle2Decoder(_EagleBase):
         self.verify_seconds: dict[int, float] | None = None  # adaptive sizing: target forward seconds by tokens
         self.draft_seconds = 0.0  # adaptive sizing: running mean of one step's drafting time
         self._follow_seconds = 0.0
-        # `engine.cuda_graphs`: the depth loop as a static computation (a CUDA graph on a GPU)
-        self.static = None if target.graph_mode == "off" else StaticDraft(self, target.graph_mode == "graphs")
 
     def describe(self):
         return {**super().describe(), "total_tokens": "adaptive" if self.verify_seconds else self.total_tokens,
@@ -389,6 +460,15 @@ class Eagle2Decoder(_EagleBase):
         started = time.perf_counter()
         super().advance(tree, acceptance, verified)
         self._follow_seconds = time.perf_counter() - started
+
+    def draft_levels(self, root_hidden, root_logits, key, feed):
+        return self._expand(root_hidden, root_logits, key, feed)
+
+    def drafted_entries(self, key: int) -> int:
+        return (key - 1) * self.branching()
+
+    def full_depth(self) -> int:
+        return self.depth + 1
 
     def branching(self) -> int:
         """Children per expanded node: top_k, or the whole draft vocabulary when it is smaller."""

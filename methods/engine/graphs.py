@@ -17,7 +17,7 @@ padding rows at the root's position seeing only themselves) over a reserved KV c
   * the output (the last hidden state after the final norm, and the inputs of the layers a runner
     captures for EAGLE-3) lands in buffers the graph owns; the LM head runs after it.
 
-The same pieces (`static_mask`, `static_layer`, `capture`) make EAGLE-2/3's draft depth loop one
+The same pieces (`static_mask`, `static_layer`, `capture`) make the EAGLE family's draft depth loop one
 graph over the head's reserved cache (`methods/eagle.py`, `StaticDraft`).
 
 `engine.cuda_graphs`: `auto` (= `on` on a GPU, `off` on a CPU), `on`, `off`. On a GPU `on`
