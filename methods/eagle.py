@@ -347,7 +347,7 @@ class EagleDecoder(_EagleBase):
         else:
             with torch.inference_mode():
                 tokens, draft_probs = self._fill(drafter.root_hidden, drafter.root_logits, depth_limit, drafter.feed_level, sampled)
-        count, parents, _ = self.plan(depth_limit)
+        _, parents, _ = self.plan(depth_limit)
         tokens = torch.cat([tokens.new_tensor([root]), tokens[1:]])
         return Tree(tokens, parents, draft_probs, without_replacement=sampled)
 
