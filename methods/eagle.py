@@ -70,6 +70,7 @@ class EagleDrafter:
         # the head's layer on the engine's fused forward where it runs (EAGLE's and EAGLE-3's)
         self.fused = head.fused()
         self.linears = [self.fused[0].qkv, self.fused[0].gate_up] if self.fused else []
+        self._reserved: TreeKVCache | None = None  # the last reserved head cache, reused while large enough
         self.reset()
 
     def reset(self, capacity: int | None = None) -> None:
@@ -77,17 +78,12 @@ class EagleDrafter:
         and a tree's entries), its buffers are allocated once at that size and the RoPE table as long,
         and the next answer reuses them while they are large enough (as `ModelRunner.reserve`)."""
         self.committed = 0
-        reserved = getattr(self, "_reserved", None)
         if capacity is None:
             self.cache = TreeKVCache()
-        elif reserved is not None and reserved.capacity >= capacity:
-            reserved.clear()
-            reserved.regrowths = 0
-            self.cache = reserved
-        else:
-            self.cache = self._reserved = TreeKVCache(capacity)
-            if self.fused is not None:
-                self.fused[1].reserve(capacity, self.dtype, self.device)
+            return
+        self.cache = self._reserved = TreeKVCache.reserved(self._reserved, capacity)
+        if self.fused is not None:
+            self.fused[1].reserve(self.cache.capacity, self.dtype, self.device)  # (a table already that long is kept)
 
     @torch.inference_mode()
     def _feed(self, tokens: Sequence[int] | torch.Tensor, features: torch.Tensor, positions: torch.Tensor,

@@ -151,6 +151,16 @@ class TreeKVCache(Cache):
         for layer in self.layers:
             if layer.is_initialized:
                 layer.length = 0
+        self.regrowths = 0
+
+    @classmethod
+    def reserved(cls, previous: "TreeKVCache | None", capacity: int) -> "TreeKVCache":
+        """An empty cache of at least `capacity` positions: `previous` cleared while it is large
+        enough (the same buffers and addresses, so captured graphs stay valid), else a new one."""
+        if previous is not None and previous.capacity >= capacity:
+            previous.clear()
+            return previous
+        return cls(capacity)
 
     def rollback(self, length: int) -> None:
         """Drop everything after the first `length` positions."""

@@ -134,26 +134,23 @@ class ModelRunner:
         long, so that nothing the forward reads or writes moves during the answer."""
         if self.length:
             raise RuntimeError("reserve on a non-empty cache; call reset() first")
-        needed = -(-(positions + ROOM) // ROOM) * ROOM  # a multiple of ROOM: the next answer likely fits too
-        reserved = self._reserved
-        if reserved is not None and reserved.capacity >= needed:
-            reserved.clear()  # the same buffers (and captured steps) for the next answer
-            reserved.regrowths = 0
-            self.cache = reserved
-            return
-        self.cache = self._reserved = TreeKVCache(needed)
+        # the same buffers (and captured steps) for the next answer while they are large enough
+        self.cache = self._reserved = TreeKVCache.reserved(self._reserved, self._capacity(positions))
+
+    def _capacity(self, positions: int) -> int:
+        """The capacity reserved for `positions` committed positions: positions + ROOM, rounded up to
+        a multiple of ROOM (the next answer likely fits too); the RoPE table made as long."""
+        needed = -(-(positions + ROOM) // ROOM) * ROOM
         if self.fused is not None:
-            self.fused.rope.reserve(needed, self.dtype, self.device)
+            self.fused.rope.reserve(needed, self.dtype, self.device)  # (a table already that long is kept)
+        return needed
 
     def reserve_batch(self, batch: int, positions: int) -> None:
         """Before decoding `batch` sequences together (`methods/batched.py`), each committing at most
         `positions` positions: a `BatchKVCache` allocated once at positions + ROOM, the RoPE table
         as long. The B = 1 path (`reserve`) keeps its own cache for the next answer."""
-        needed = -(-(positions + ROOM) // ROOM) * ROOM
-        self.cache = BatchKVCache(batch, needed)
+        self.cache = BatchKVCache(batch, self._capacity(positions))
         self.forward_passes = 0
-        if self.fused is not None:
-            self.fused.rope.reserve(needed, self.dtype, self.device)
 
     def check_room(self, needed: int) -> None:
         if self.max_positions and needed > self.max_positions:

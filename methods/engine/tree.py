@@ -88,9 +88,7 @@ class Tree:
     def earlier_siblings(self) -> torch.Tensor:
         """[N, N] bool: entry (i, j) is True when j < i and j has i's parent (greedy acceptance
         takes the first matching child)."""
-        parents = torch.tensor(self.parents)
-        n = len(self.parents)
-        return (parents[:, None] == parents[None, :]) & torch.ones(n, n, dtype=torch.bool).tril(-1)
+        return earlier_siblings(torch.tensor(self.parents))
 
     def paths(self) -> list[list[int]]:
         """Root-to-leaf node paths."""
@@ -158,11 +156,8 @@ class DeviceTree(Tree):
 
     @cached_property
     def earlier_siblings(self) -> torch.Tensor:
-        rows, n = self.parent_rows, len(self)
-        same = (rows[:, None] == rows[None, :]) & torch.ones(n, n, dtype=torch.bool, device=rows.device).tril(-1)
-        same[0] = False  # the root's parent row is its own: it has no siblings
-        same[:, 0] = False
-        return same
+        rows = self.parent_rows
+        return earlier_siblings(torch.cat([rows.new_full((1,), -1), rows[1:]]))  # the root's parent: none
 
     @cached_property
     def has_children(self) -> torch.Tensor:
@@ -194,6 +189,13 @@ class ExtraRows:
                              f"expected [{m}, {nodes + m}] for a tree of {nodes} nodes")
         if not bool(self.visible[:, nodes:].diagonal().all()):
             raise ValueError("extra rows must see themselves")
+
+
+def earlier_siblings(parents: torch.Tensor) -> torch.Tensor:
+    """[N, N] bool on the parents' device, from each node's parent [N] (the root's: -1): entry
+    (i, j) is True when j < i and j has i's parent."""
+    n = parents.numel()
+    return (parents[:, None] == parents[None, :]) & torch.ones(n, n, dtype=torch.bool, device=parents.device).tril(-1)
 
 
 def ancestor_matrix(parents: Sequence[int]) -> torch.Tensor:
