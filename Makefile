@@ -11,7 +11,7 @@ MAX_NEW_TOKENS ?= 256
 TEMPERATURE ?= 0
 ARGS ?=
 
-.PHONY: setup bench sweep batch-sweep report figures headline perf perf-gpu perf-contention perf-lazyllm train-drafts test
+.PHONY: setup bench sweep batch-sweep report figures headline docs perf perf-gpu perf-contention perf-lazyllm train-drafts test
 
 setup: $(VENV)/.installed
 
@@ -89,6 +89,12 @@ figures: setup
 HEADLINE ?= smollm2-135m
 headline: setup
 	$(PY) -m harness.headline --config conf/headline/$(HEADLINE).yaml $(ARGS)
+
+# Every generated part of README.md and docs/headline.md (the run figures, from the committed results
+# under results/reference/; the model and method tables), conf/method/*.yaml and docs/methods.md's
+# settings table (scripts/generate_docs.py; tests/test_generated_docs.py fails when one is stale).
+docs: setup
+	$(PY) scripts/generate_docs.py
 
 perf: setup
 	$(PY) -m harness.perf $(ARGS)

@@ -23,6 +23,8 @@ from .engine.tree import Tree
 class ARSettings(Settings):
     """Autoregressive decoding: one target forward per token. The baseline of every speedup."""
 
+    paper = "the baseline"
+
     batchable = True
 
 

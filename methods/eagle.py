@@ -284,6 +284,9 @@ SAMPLING_RULES = ("eagle1", "eagle2")
 class EagleSettings(Settings):
     """EAGLE (EAGLE-1): the EAGLE head drafts a static tree from the target's features."""
 
+    paper = "Li et al. 2024 (SafeAILab/EAGLE)"
+    draft_kind = "eagle"
+
     tree: str | list = setting("auto", one_of("auto", *NAMED_TREES) | paths(), "auto = EAGLE's own 25-node tree cut to what this machine verifies nearly free; eagle_mc_sim_7b_63 (upstream's, whole); or a list of paths")
     draft_vocab: int | str = draft_vocab_setting()
     head: dict | None = head_setting("eagle")
@@ -307,6 +310,9 @@ class DynamicTreeSettings(Settings):
 class Eagle2Settings(DynamicTreeSettings):
     """EAGLE-2: the EAGLE head drafts a dynamic tree (expand the top-k frontier by cumulative
     log-probability, then keep the best total_tokens - 1 nodes)."""
+
+    paper = "Li et al. 2024 (SafeAILab/EAGLE)"
+    draft_kind = "eagle"
 
     draft_vocab: int | str = draft_vocab_setting()
     head: dict | None = head_setting("eagle")

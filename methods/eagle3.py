@@ -46,6 +46,9 @@ class Eagle3Settings(DynamicTreeSettings):
     """EAGLE-3: the EAGLE-3 head (fc over the inputs of the target's layers 2, L//2 and L-3, one decoder
     layer, its own lm_head over a reduced draft vocabulary mapped by d2t) drafts EAGLE-2's dynamic tree."""
 
+    paper = "Li et al. 2025 (SafeAILab/EAGLE)"
+    draft_kind = "eagle3"
+
     depth: int = setting(7, integer(0), "expansion steps (up to depth + 1 draft tokens per path); upstream's EAGLE-3 default")
     head: dict | None = head_setting("eagle3")
 

@@ -46,6 +46,10 @@ class HydraSettings(Settings):
     """Hydra / Hydra++ (zankner/Hydra): Medusa-style heads on the target's last hidden state, each grounded on
     the tokens drafted before it on its path; the static tree is drafted level by level, verified in one forward."""
 
+    paper = "Ankner et al. 2024 (zankner/Hydra)"
+    draft_kind = "hydra"
+    lossless = "yes (not `acceptance=typical`)"
+
     tree: str | list = setting("auto", one_of("auto", *NAMED_TREES) | paths(), "auto = Hydra's mc_sim_7b_63 (upstream's default; listed by estimated acceptance) cut to what this machine verifies nearly free; hydra_mc_sim_7b_63 (whole); or a list of paths")
     draft_vocab: int | str = draft_vocab_setting(" (heads saved with their own reduced projection, `draft_ids`, use theirs)")
     head: dict | None = head_setting("hydra")

@@ -37,6 +37,9 @@ from .engine.sampling import SamplingConfig
 class LazyLLMSettings(Settings):
     """LazyLLM: progressive prompt-token pruning in prefill (LOSSY), composed with AR decoding."""
 
+    paper = "Fu et al. 2024 (no official code)"
+    lossless = "no: prunes the prefill"
+
     schedule: list = setting(((0.25, 0.70), (0.50, 0.50), (0.75, 0.35)), Check(
         lambda v: len(v) > 0 and all(len(p) == 2 and 0 <= p[0] and 0 < p[1] <= 1 for p in v),
         "a list of [layer, keep] pairs: layer an index or a fraction of the depth, keep in (0, 1]"),

@@ -54,6 +54,8 @@ class LookaheadSettings(Settings):
     N-1 levels of Jacobi guesses, whose trajectories feed an n-gram pool) and the verification
     branch (up to G pool n-grams starting with the last token), with the paper's combined mask."""
 
+    paper = "Fu et al. 2024 (hao-ai-lab)"
+
     level: int = setting(5, integer(3), "N (n-gram size); upstream's 7B setting (applications/run_mtbench.sh: LEVEL=5 WIN=15 GUESS=15)")
     window: int | str = setting(15, AUTO | integer(1), "W; auto = W and G sharing this machine's verify budget, (N-1)(W+G) rows")
     guess: int | str = setting(15, AUTO | integer(0), "G, n-grams kept (LRU) per first token and verified per step; 0 = window only; auto as above")

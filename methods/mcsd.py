@@ -28,6 +28,9 @@ class MCSDSettings(Settings):
     """MCSD: a draft LM proposes a multi-candidate tree (k_config children per depth), verified in one
     target forward with multi-candidate speculative sampling."""
 
+    paper = "Yang et al. 2024 (NJUNLP/MCSD)"
+    draft_kind = "sps"
+
     k_config: list | int | str = setting("auto", one_of("auto") | int_list(1) | integer(1), "children per node at each depth, e.g. [4, 2, 1]; auto = the largest tree this machine verifies nearly free")
     draft_vocab: int | str = draft_vocab_setting()
     replacement: bool = setting(False, BOOL, "false = sample candidates without replacement (and verify accordingly)")

@@ -30,6 +30,10 @@ ACCEPTANCE = ("exact", "typical")
 class MedusaSettings(Settings):
     """Medusa: heads on the target's last hidden state propose a static tree, verified in one forward."""
 
+    paper = "Cai et al. 2024 (FasterDecoding/Medusa)"
+    draft_kind = "medusa"
+    lossless = "yes (not `acceptance=typical`)"
+
     tree: str | list = setting("auto", one_of("auto", *NAMED_TREES) | paths(), "auto = Medusa's mc_sim_7b_63 (listed by estimated acceptance) cut to what this machine verifies nearly free; medusa_mc_sim_7b_63 (whole); or a list of paths, e.g. [[0], [1], [0, 0]]")
     draft_vocab: int | str = draft_vocab_setting()
     acceptance: str = setting("exact", one_of(*ACCEPTANCE), "exact (greedy / lossless sampling) | typical (Medusa's, LOSSY: marked in results)")

@@ -36,6 +36,8 @@ class PLDSettings(Settings):
     prompt + output (n = max_ngram .. 1) is found earlier in the text (leftmost occurrence first, as
     transformers' PromptLookupCandidateGenerator); the up to num_draft tokens after it are the draft."""
 
+    paper = "Saxena 2023 (apoorvumang/prompt-lookup-decoding)"
+
     max_ngram: int = setting(3, integer(1), "longest n-gram looked up; Spec-Bench's draft_matching_window_size (transformers' own default is 2)")
     num_draft: int = setting(10, integer(1), "tokens per draft; transformers' prompt_lookup_num_tokens in its docs, Spec-Bench's draft_num_candidate_tokens")
     branches: int = setting(1, integer(1), "upstream proposes one match (a chain); b > 1 adds the next matches as branches of a trie")

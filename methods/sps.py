@@ -39,6 +39,9 @@ class SpSSettings(Settings):
     """SpS: a draft LM proposes a chain of `gamma` tokens; the target verifies them in one forward
     (speculative sampling with the residual distribution; greedy acceptance at temperature 0)."""
 
+    paper = "Leviathan et al. 2023; Chen et al. 2023"
+    draft_kind = "sps"
+
     gamma: int | str = setting("auto", one_of("auto", "heuristic") | integer(1), "draft length; auto = the most expected tokens per second on this machine (hardware profile); heuristic = Spec-Bench's (transformers 4.37.1 assisted generation: 5, +2 / -1); or N")
     draft_vocab: int | str = draft_vocab_setting()
     draft: dict | None = setting(None, null() | mapping(), "null = the model's own drafts.sps; or {path: <hub id or folder>} / {target_layers: k}")

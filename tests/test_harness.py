@@ -247,7 +247,7 @@ def test_missing_draft_is_a_clear_error(tiny_model_dir, questions_file, tmp_path
     cfg = config(f"model.path={tiny_model_dir}", "model.gguf_file=null", "model.gguf_package=null",
                  "model.name=tiny", "model.drafts.sps=null", "dtype=float32", f"dataset.path={questions_file}",
                  f"results_dir={tmp_path}")
-    with pytest.raises(ValueError, match="needs a sps draft.*method.draft.path"):
+    with pytest.raises(ValueError, match=r"model='tiny': valid: a model with drafts\.sps .*method\.draft\.path"):
         run(cfg)
 
 
@@ -305,6 +305,11 @@ def test_bad_values_are_named():
     ("method=medusa batch_size=4", "batch_size=4: valid: 1 for method medusa (it decodes one sequence at a time); "
                                    "batch_size > 1 runs ar, eagle, eagle2, eagle3, mcsd, pld, sps"),
     ("method=pld method.branches=2 batch_size=2", "batch_size=2: valid: 1 for method pld (method.branches > 1"),
+    ("method=eagle3 model=vicuna-7b", "model='vicuna-7b': valid: a model with drafts.eagle3 (method eagle3 drafts "
+                                      "with it): deepseek-r1-distill-llama-8b, llama3.1-8b-instruct, "
+                                      "llama3.3-70b-instruct, smollm2-135m, vicuna-13b (or give method.head.path="),
+    ("method=mcsd model=cllm-7b-math", "model='cllm-7b-math': valid: a model with drafts.sps (method mcsd drafts "
+                                       "with it): llama2-chat-7b, "),
 ])
 def test_bad_config_values_are_rejected_before_anything_loads(override, message):
     from harness.running.validate import validate
@@ -312,6 +317,14 @@ def test_bad_config_values_are_rejected_before_anything_loads(override, message)
     with pytest.raises(ValueError) as error:
         validate(config(*override.split()))
     assert str(error.value).startswith(message)
+
+
+def test_a_model_without_the_draft_runs_with_the_methods_own():
+    """method.head / method.draft stand in for the model's drafts.<kind>: no refusal then."""
+    from harness.running.validate import validate
+
+    validate(config("method=eagle3", "model=vicuna-7b", "method.head={path: yuhuili/EAGLE3-Vicuna1.3-13B}"))
+    validate(config("method=sps", "model=cllm-7b-math", "method.draft={target_layers: 2}"))
 
 
 def test_a_bad_value_exits_2_with_one_line_and_no_traceback():

@@ -68,11 +68,31 @@ def validate(cfg: DictConfig) -> None:
                           "model's gguf_file) or a Hugging Face Hub id")
     params = OmegaConf.to_container(cfg.method, resolve=True)
     check_method_params(params.get("name"), params)
+    check_draft(params, OmegaConf.to_container(cfg.model, resolve=True))
     check_batch_size(cfg.batch_size, params)
     quality = OmegaConf.to_container(cfg.dataset.quality, resolve=True) if cfg.dataset.get("quality") else {}
     if "humaneval_pass_at_1" in quality.values():  # runs generated code: only in a sandbox, or opted in
 
         require_sandbox()
+
+
+def models_with_draft(kind: str) -> list[str]:
+    """The model configs (conf/model/*.yaml) that name a `drafts.<kind>`."""
+    return sorted(path.stem for path in (CONF / "model").glob("*.yaml")
+                  if (OmegaConf.load(path).get("drafts") or {}).get(kind))
+
+
+def check_draft(params: dict, model: dict) -> None:
+    """A method that drafts with a trained draft (`Settings.draft_kind`) needs the model's
+    `drafts.<kind>`, or its own `method.draft` / `method.head`: ConfigError naming the models that
+    have one, before anything loads or downloads."""
+    kind = method_settings(params.get("name")).draft_kind
+    if kind is None or params.get("draft") or params.get("head") or (model.get("drafts") or {}).get(kind):
+        return
+    key = "draft" if kind == "sps" else "head"
+    raise ConfigError("model", model.get("name"),
+                      f"a model with drafts.{kind} (method {params.get('name')} drafts with it): "
+                      f"{', '.join(models_with_draft(kind))} (or give method.{key}.path=<hub id or folder>)")
 
 
 def check_batch_size(batch_size: int, params: dict) -> None:

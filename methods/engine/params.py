@@ -116,6 +116,13 @@ class Settings:
     # whether `methods/batched.py` decodes the method at batch_size > 1: its drafts are chains and
     # its drafter's state lives per sequence (`DraftVerifyDecoder.lane`)
     batchable: ClassVar[bool] = False
+    # the paper and upstream code the method follows (README's and docs/methods.md's tables)
+    paper: ClassVar[str] = ""
+    # the model config's `drafts.<kind>` the method drafts with (None: it needs no trained draft);
+    # a run whose model names none is refused before anything loads (harness/running/validate.py)
+    draft_kind: ClassVar[str | None] = None
+    # whether the method reproduces AR's greedy tokens and sampling distribution, in words
+    lossless: ClassVar[str] = "yes"
 
     def batch_problem(self) -> str | None:
         """Why these settings cannot be decoded at batch_size > 1; None when they can."""

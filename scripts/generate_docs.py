@@ -1,0 +1,325 @@
+"""Writes every generated part of the docs: the blocks of README.md and docs/headline.md that hold
+run figures (from the committed results under results/reference/), the model and method tables
+(from conf/model/*.yaml and the methods' settings classes), and what scripts/method_configs.py
+writes (conf/method/*.yaml, the settings table of docs/methods.md).
+
+    make docs                                  # write them
+    python scripts/generate_docs.py --check    # exit 1, naming the stale files (tests/test_generated_docs.py)
+
+A generated block sits between `<!-- generated: NAME ... -->` and `<!-- end generated: NAME -->`;
+everything outside the markers is prose, which carries no run figure. A number typed by hand
+inside a block makes the check fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from omegaconf import OmegaConf  # noqa: E402
+
+import method_configs  # noqa: E402  (scripts/ is on sys.path when this runs as a script)
+from harness.reporting.report import breakdown_rows, build_tables, find_runs  # noqa: E402
+from harness.running.metrics import decoder_stats  # noqa: E402
+from methods.base import method_settings  # noqa: E402
+
+REFERENCE = REPO / "results" / "reference"
+HEADLINE = REPO / "conf" / "headline" / "smollm2-135m.yaml"
+QUICKSTART = REFERENCE / "quickstart"  # `make bench` as the README runs it, committed for its sample output
+BLOCK = re.compile(r"(?P<open><!-- generated: (?P<name>[\w-]+)[^>]*-->\n)(?P<body>.*?)(?P<close><!-- end generated: "
+                   r"(?P=name) -->)", re.S)
+DOCUMENTS = (REPO / "README.md", REPO / "docs" / "headline.md")
+
+
+# ------------------------------------------------------------------------------------------
+# The committed run sets
+
+
+def run_date(records) -> str:
+    """The day (UTC) a run set's last answer was recorded."""
+    stamp = max(record["tstamp"] for record in records)
+    return datetime.fromtimestamp(stamp, timezone.utc).strftime("%Y-%m-%d")
+
+
+def environment(run_folder: str) -> dict:
+    path = Path(run_folder) / "environment.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def run_sets(paths=(REFERENCE,)) -> list[dict]:
+    """Every table of the committed results with what the docs say of it, newest first."""
+    sets = []
+    with contextlib.chdir(REPO):  # a run's summary names its AR answers relative to the repository
+        tables = build_tables(find_runs(list(paths)))
+    for table in tables:
+        records = [r for row in table.rows.values() for r in row.records.values()]
+        runs = sorted({REPO / run for row in table.rows.values() for run in row.runs})
+        envs = [environment(run) for run in runs]
+        rows = breakdown_rows(table.rows, table.settings)
+        for row, (label, table_row) in zip(rows, sorted(table.rows.items())):
+            row["name"] = table_row.method
+            ttft, base = (decoder_stats(list(side.values()))["mean_ttft"] for side in (table_row.records, table_row.baseline))
+            row["ttft_speedup"] = base / ttft if ttft else None
+        sets.append({
+            "table": table, "slug": table.slug, "rows": rows, "date": run_date(records),
+            "questions": len(table.questions), "settings": table.settings,
+            "commits": sorted({env.get("git", {}).get("commit", "")[:7] for env in envs} - {""}),
+            "cores": sorted({env.get("cpu_count") for env in envs} - {None}),
+        })
+    return sorted(sets, key=lambda s: (s["date"], s["slug"]), reverse=True)
+
+
+def headline_sets(sets: list[dict]) -> list[dict]:
+    """The run sets made with `make headline`'s settings (conf/headline/smollm2-135m.yaml)."""
+    config = OmegaConf.load(HEADLINE)
+    return [s for s in sets if s["settings"]["model"] == config.model and s["settings"]["dataset"] == config.dataset
+            and s["questions"] == config.limit and s["settings"]["max_new_tokens"] == config.max_new_tokens]
+
+
+def machine(s: dict) -> str:
+    cores = "/".join(map(str, s["cores"])) or "?"
+    return f"{s['settings']['hardware']}, {cores} cores"
+
+
+def describe(s: dict) -> str:
+    """One line: the run set's setting, machine, engine, commit, date and AR's speed."""
+    st = s["settings"]
+    ar = [row["ar_tokens_per_second"] for row in s["rows"]]
+    commits = ", ".join(s["commits"]) or "unrecorded"
+    return (f"{st['model']}, {st['dataset']}, {s['questions']} questions, {st['max_new_tokens']} new tokens, "
+            f"{st['sampling']}, {st['dtype']}; {machine(s)}; engine `{st['engine']}` (commit {commits}); "
+            f"{s['date']}; AR {min(ar):.1f}–{max(ar):.1f} tokens/s")
+
+
+def speedup_cell(row: dict, interval: bool = True) -> str:
+    text = f"{row['speedup']:.2f}×"
+    if interval and row["ci_low"] is not None:
+        text += f" [{row['ci_low']:.2f}, {row['ci_high']:.2f}]"
+    if not row["lossless"] and row["ttft_speedup"]:
+        text += f", TTFT {row['ttft_speedup']:.2f}×"
+    return text
+
+
+def differ_cell(row: dict) -> str:
+    return f"{row['differ_from_ar']}/{row['questions']}" + ("" if row["lossless"] else " (lossy)")
+
+
+def per_step(row: dict) -> str:
+    if row["step_verify"] is None:
+        return "–"
+    return " / ".join(f"{row[f'step_{k}']:.2f}" for k in ("verify", "draft", "other"))
+
+
+def results_table(s: dict, labels: bool) -> str:
+    """The run set's rows by speedup; with `labels`, each method's label (its settings) and whether
+    its outputs differ from AR's, else the method's name alone."""
+    head = "| method | speedup [95% CI] | τ | verify / draft / other |" + (" differ from AR |" if labels else "")
+    lines = [head, "|---|---|---|---|" + ("---|" if labels else "")]
+    for row in sorted(s["rows"], key=lambda r: -r["speedup"]):
+        name = row["method"] if labels else f"`{row['name']}`"
+        line = f"| {name} | {speedup_cell(row)} | {row['tau']:.2f} | {per_step(row)} |"
+        lines.append(line + (f" {differ_cell(row)} |" if labels else ""))
+    return "\n".join(lines)
+
+
+def fidelity_line(s: dict) -> str:
+    """Whether every lossless method's outputs equal AR's, counted."""
+    lossless = [row for row in s["rows"] if row["lossless"]]
+    differ = [row["name"] for row in lossless if row["differ_from_ar"]]
+    if not differ:
+        return f"every lossless method's {s['questions']} outputs equal AR's"
+    return f"outputs that differ from AR's: {', '.join(differ)} (docs/headline.md)"
+
+
+def report_links(s: dict, up: str) -> str:
+    folder = REFERENCE / "report" / s["slug"]
+    plots = REPO / "plots" / "reference" / s["slug"]
+    links = [f"[tables]({up}{folder.relative_to(REPO)}/breakdown.md)" if folder.is_dir() else None,
+             f"[figures]({up}{plots.relative_to(REPO)}/)" if plots.is_dir() else None]
+    return ", ".join(link for link in links if link) or "no report committed"
+
+
+# ------------------------------------------------------------------------------------------
+# The blocks
+
+
+def block_reference(sets) -> str:
+    """README: the newest `make headline` run set."""
+    latest = headline_sets(sets)[0]
+    return f"{describe(latest)}; {fidelity_line(latest)}.\n\n{results_table(latest, labels=False)}\n"
+
+
+def block_figure(sets) -> str:
+    """README: the newest `make headline` run set's speedup against τ."""
+    latest = headline_sets(sets)[0]
+    figure = REPO / "plots" / "reference" / latest["slug"] / "speedup_vs_tau.png"
+    if not figure.is_file():
+        raise SystemExit(f"{figure}: missing (make figures RUNS=results/reference)")
+    return (f"![speedup against τ]({figure.relative_to(REPO)})\n\n"
+            f"*`make headline`, {machine(latest)}, {latest['date']}; dashed: speedup = τ, free drafts and "
+            "verification.*\n")
+
+
+def block_latest(sets) -> str:
+    """docs/headline.md: the newest `make headline` run set of each CPU class."""
+    seen, parts = set(), []
+    for s in headline_sets(sets):
+        if s["settings"]["hardware"] in seen:
+            continue
+        seen.add(s["settings"]["hardware"])
+        parts.append(f"### {machine(s)}, {s['date']}\n\n{describe(s)}; {report_links(s, '../')}.\n\n"
+                     f"{results_table(s, labels=True)}\n")
+    return "\n".join(parts)
+
+
+def block_run_sets(sets) -> str:
+    """docs/headline.md: every committed run set."""
+    lines = ["| run set | date | machine | questions | engine | methods | report |", "|---|---|---|---|---|---|---|"]
+    for s in sets:
+        methods = ", ".join(sorted({row["name"] for row in s["rows"]}))
+        lines.append(f"| `{s['slug']}` | {s['date']} | {machine(s)} | {s['questions']} | `{s['settings']['engine']}` "
+                     f"| {methods} | {report_links(s, '../')} |")
+    return "\n".join(lines) + "\n"
+
+
+def block_quickstart(_sets) -> str:
+    """README: what `make bench` printed when its committed run was made (results/reference/quickstart/),
+    and how long its questions took."""
+    from harness.running.metrics import format_summary
+    from harness.running.results import read_answers
+
+    summaries = sorted(QUICKSTART.rglob("summary.json"))
+    if len(summaries) != 1:
+        raise SystemExit(f"{QUICKSTART}: expected one committed `make bench` run, found {len(summaries)}")
+    summary = json.loads(summaries[0].read_text())
+    records = [r for name in ("ar", summary["method"]) for r in read_answers(summaries[0].parent / "answers" / f"{name}.jsonl")]
+    seconds = sum(sum(r["choices"][0]["wall_time"]) for r in records)
+    printed = format_summary(summary).splitlines()
+    end = next((i for i, line in enumerate(printed) if line.startswith("why, per decoding step")), 8)
+    keep = ("caveats:", "tok/s:", "BUSY", "  ")  # dropped: the caveats in full, the tok/s footnote
+    shown = "\n".join(line for line in printed[: end + 1] if not line.startswith(keep) or line.startswith("BUSY 0"))
+    return (f"```text\n{shown}\n…\n```\n\n({seconds / 60:.1f} min of answering, {summary['hardware']}, "
+            f"{run_date(records)}.)\n")
+
+
+DRAFT_COLUMNS = {"sps": "draft LM", "eagle": "EAGLE head", "eagle3": "EAGLE-3 head", "medusa": "Medusa heads",
+                 "hydra": "Hydra heads"}  # a model config's drafts.<kind>, in the order of the README's columns
+
+
+def block_models(_sets) -> str:
+    """README: every model config, its target and the drafts it names (Hub ids; `ours`: trained by
+    the suite, in drafts/), each column naming the methods that draft with it."""
+    from methods.base import available_methods
+
+    methods = [m for m in available_methods() if method_settings(m).__module__.startswith("methods.")]
+    users = {kind: [m for m in methods if method_settings(m).draft_kind == kind] for kind in DRAFT_COLUMNS}
+    unknown = {method_settings(m).draft_kind for m in methods} - set(DRAFT_COLUMNS) - {None}
+    if unknown:
+        raise SystemExit(f"draft kinds without a README column: {sorted(unknown)} (DRAFT_COLUMNS)")
+    header = " | ".join(f"{name} ({', '.join(users[kind])})" for kind, name in DRAFT_COLUMNS.items())
+    lines = [f"| `model=` | target | {header} |", "|" + "---|" * (2 + len(DRAFT_COLUMNS))]
+    without = []  # models that name no draft: one line under the table
+    for path in sorted((REPO / "conf" / "model").glob("*.yaml")):
+        config = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        drafts = config.get("drafts") or {}
+        if not any((drafts.get(kind) or {}).get("path") for kind in DRAFT_COLUMNS):
+            without.append((path.stem, config.get("path") or "embedded"))
+            continue
+        cells = [config.get("path") or "embedded"]
+        for kind in DRAFT_COLUMNS:
+            spec = (drafts.get(kind) or {}).get("path")
+            cells.append("–" if not spec else "ours" if (REPO / spec).is_dir() else spec)
+        lines.append(f"| `{path.stem}` | " + " | ".join(cells) + " |")
+    free = ", ".join(f"`{m}`" for m in methods if method_settings(m).draft_kind is None)
+    return "\n".join(lines) + (f"\n\nWithout drafts: {name_list(without)}. Every model runs {free}; ours: "
+                               "`drafts/<model>/`.\n")
+
+
+def name_list(pairs: list[tuple[str, str]]) -> str:
+    """`name` = target for each model; models whose names and targets end alike share one entry,
+    e.g. `cllm-7b-{math,spider}` = cllm/consistency-llm-7b-{…}."""
+    ends = {}
+    for name, target in pairs:
+        cut = name.rfind("-") + 1
+        if cut and target.endswith(name[cut:]):
+            ends.setdefault((name[:cut], target[: len(target) - len(name) + cut]), []).append(name[cut:])
+    if len(ends) == 1 and len(pairs) > 1:
+        (name, target), tails = next(iter(ends.items()))
+        return f"`{name}{{{','.join(tails)}}}` = {target}{{…}}"
+    return ", ".join(f"`{name}` = {target}" for name, target in pairs)
+
+
+def block_methods(_sets) -> str:
+    """README: each method's paper, whether it is lossless, whether it batches (its draft: the models table)."""
+    from methods.base import available_methods
+
+    lines = ["| `method=` | paper (upstream code) | lossless | batch > 1 |", "|---|---|---|---|"]
+    for m in available_methods():
+        settings = method_settings(m)
+        if not settings.__module__.startswith("methods."):
+            continue
+        lines.append(f"| `{m}` | {settings.paper} | {settings.lossless} | {'yes' if settings.batchable else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+BLOCKS = {"figure": block_figure, "reference": block_reference, "latest": block_latest, "run-sets": block_run_sets,
+          "quickstart": block_quickstart, "models": block_models, "methods": block_methods}
+
+
+def fill(text: str, blocks: dict[str, str], where: Path) -> str:
+    """The text with every generated block's body replaced by what the generator writes."""
+    def body(match):
+        name = match["name"]
+        if name not in blocks:
+            raise SystemExit(f"{where}: unknown generated block {name!r}; known: {', '.join(blocks)}")
+        return match["open"] + blocks[name] + match["close"]
+
+    return BLOCK.sub(body, text)
+
+
+def expected_files() -> dict[Path, str]:
+    """Every generated file and the text it should hold."""
+    sets = run_sets()
+    blocks: dict[str, str] = {}
+    files = {}
+    for document in DOCUMENTS:
+        text = document.read_text()
+        for name in {m["name"] for m in BLOCK.finditer(text)} - set(blocks):
+            if name in BLOCKS:
+                blocks[name] = BLOCKS[name](sets)
+        files[document] = fill(text, blocks, document)
+    return files | method_configs.expected_files()
+
+
+def stale_files(files: dict[Path, str]) -> list[Path]:
+    """The files whose text differs from what the generator writes."""
+    return [path for path, text in files.items() if not path.is_file() or path.read_text() != text]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only check that the files are up to date")
+    args = parser.parse_args()
+    files = expected_files()
+    stale = stale_files(files)
+    if args.check:
+        if stale:
+            print("stale (run `make docs`): " + ", ".join(str(p.relative_to(REPO)) for p in stale), file=sys.stderr)
+            raise SystemExit(1)
+        print(f"{len(files)} generated files up to date")
+        return
+    for path in stale:
+        path.write_text(files[path])
+        print(f"wrote {path.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
