@@ -139,7 +139,7 @@ def broken_references(doc) -> list[str]:
     broken += [f"make {target}: no such Makefile target" for target in sorted(named - targets)]
 
     everything = "\n".join([*code, prose])
-    for module in sorted(set(re.findall(r"\bpython[\d.]*\s+-m\s+([A-Za-z_][\w.]*)", everything))):
+    for module in sorted(set(re.findall(r"\b(?:python[\d.]*|torchrun(?:\s+--?[\w-]+(?:=\S+)?)*)\s+-m\s+([A-Za-z_][\w.]*)", everything))):
         module = module.rstrip(".")
         top = module.split(".")[0]
         if (REPO / top).is_dir() or (REPO / f"{top}.py").is_file():
