@@ -156,7 +156,7 @@ def find_runs(paths, select: str | None = None) -> list[Run]:
             continue
         summary_file = folder / "summary.json"
         summary = json.loads(summary_file.read_text())
-        # records of an older format are read as today's (harness/results.py, `upgrade_record`)
+        # records of an older format are read as today's (harness/running/results.py, `upgrade_record`)
         records = read_answers(folder / "answers" / f"{summary['method']}.jsonl")
         baseline = []
         if summary.get("baseline_results"):  # the paired AR answers (in the run's own folder since pairing)
