@@ -214,6 +214,18 @@ def test_figures_are_written_and_none_without_data(results, tmp_path):
     assert all(p.stat().st_size > 1000 for p in written)
 
 
+def test_figures_drawn_twice_from_the_same_runs_are_the_same_bytes(results, tmp_path, monkeypatch):
+    """No date in a figure: drawn again (at another time: SOURCE_DATE_EPOCH is the date matplotlib would
+    write), every PNG and PDF is byte-identical, so redrawing unchanged runs leaves `git status` clean."""
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1000000000")
+    first = {p.relative_to(tmp_path / "a"): p.read_bytes() for p in figures(results, tmp_path / "a")}
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1800000000")
+    second = {p.relative_to(tmp_path / "b"): p.read_bytes() for p in figures(results, tmp_path / "b")}
+    assert {p.suffix for p in first} == {".png", ".pdf"} and len(first) >= 8
+    assert second == first
+    assert not [p for p, data in first.items() if (b"/CreationDate" if p.suffix == ".pdf" else b"tIME") in data]
+
+
 def test_size_sweep_of_a_method_at_two_sizes_skips_sizes_that_are_not_numbers(results, tmp_path):
     """EAGLE-2 at total_tokens 30 and 60 is a sweep; its run sized `adaptive` has no point on the axis."""
     base = next((results / "tiny" / "spec_bench" / "ar").iterdir())

@@ -29,6 +29,7 @@ A figure with nothing to show is not written (and an older one of that name is r
 method has one colour in every figure (its variants differ by marker and line style); legends
 name a method by its name, with the settings that tell its variants apart (the report's tables
 name every setting); titles name the model, hardware, dtype, dataset, n and max_new_tokens.
+The files are reproducible: the same runs draw the same bytes (no date in them).
 """
 
 from __future__ import annotations
@@ -147,11 +148,15 @@ def _legend_below(ax, ncols: int = 1) -> None:
     fig.legend(handles, labels, loc="outside lower center", ncols=ncols, frameon=False)
 
 
+# No creation date in a PDF (PNGs carry none): drawn again from the same runs, a figure is the same bytes
+METADATA = {".png": None, ".pdf": {"CreationDate": None}}
+
+
 def _save(fig, out: Path, name: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.png", out / f"{name}.pdf"]
     for path in paths:
-        fig.savefig(path, bbox_inches="tight")
+        fig.savefig(path, bbox_inches="tight", metadata=METADATA[path.suffix])
     plt.close(fig)
     return paths
 
