@@ -226,6 +226,34 @@ def test_figures_drawn_twice_from_the_same_runs_are_the_same_bytes(results, tmp_
     assert not [p for p, data in first.items() if (b"/CreationDate" if p.suffix == ".pdf" else b"tIME") in data]
 
 
+def test_the_headline_reports_and_draws_only_the_tables_of_its_own_runs(results, tmp_path):
+    """`make headline --only pld` on CPU-A: its report and figures rewrite CPU-A's table of those questions
+    only; the run set's other tables (another machine class, another question count) keep their files as they
+    are, and report.md indexes them as their files stand."""
+    from harness.reporting.headline import report_and_draw
+
+    plots, out = tmp_path / "plots", results / "report"
+    report(results, out)
+    figures(results, plots)
+    ours = "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a"
+    others = [path for folder in (out, plots) for path in folder.rglob("*.*")
+              if ours not in path.parts and path.name != "report.md"]
+    assert {path.parent.name for path in others} == {"tiny-spec-bench-n1-128tok-greedy-float32-cpu-a",
+                                                     "tiny-spec-bench-n1-128tok-greedy-float32-gpu-b"}
+    before = {path: path.read_bytes() for path in (out / ours / "speedup.csv", plots / ours / "speedup_vs_tau.pdf")}
+    for path in others:  # as another machine, or an older version, left them
+        path.write_bytes(b"left as it was: " + path.name.encode() + b"\n")
+    base = next((results / "tiny" / "spec_bench" / "ar").iterdir())
+    pld = write_run(results, "pld", "new", [record(q, "writing" if q < 3 else "qa", 100 - 10 * q, 1.0, 40, [30], [40])
+                                            for q in (1, 2, 3, 4)], base, {"num_draft": 4})
+    report_and_draw(results, [pld], plots)
+    assert all(path.read_bytes() == b"left as it was: " + path.name.encode() + b"\n" for path in others)
+    assert "pld (num_draft=4)" in (out / ours / "speedup.md").read_text()
+    assert all(path.read_bytes() != data for path, data in before.items())  # its own table: redrawn with pld
+    index = (out / "report.md").read_text()
+    assert "pld (num_draft=4)" in index and "left as it was: speedup.md" in index
+
+
 def test_size_sweep_of_a_method_at_two_sizes_skips_sizes_that_are_not_numbers(results, tmp_path):
     """EAGLE-2 at total_tokens 30 and 60 is a sweep; its run sized `adaptive` has no point on the axis."""
     base = next((results / "tiny" / "spec_bench" / "ar").iterdir())
