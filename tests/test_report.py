@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -393,6 +394,32 @@ def test_a_sweeps_status_lines_and_job_list_carry_the_caveats(tmp_path, capsys):
         (folder / "answers" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     running = {"job": 2, "job_id": "7_2", "status": "running", "method": "pld", "results": str(folder), "questions": 5}
     assert describe(FinishedJob("7_2", "RUNNING"), running)[1] == "running: 3/5 questions, BUSY 2/3 (log: /logs/7_2.err)"
+
+
+@pytest.mark.parametrize("target, limit, tokens", [("sweep", "SWEEP_LIMIT", "SWEEP_MAX_NEW_TOKENS"),
+                                                    ("batch-sweep", "BATCH_LIMIT", "BATCH_MAX_NEW_TOKENS")])
+def test_a_sweep_says_what_each_job_answers_and_an_empty_limit_means_all(target, limit, tokens, tmp_path):
+    """`make sweep` / `make batch-sweep` (dry run: `make -n`) print the per-job limits they pass first; an
+    empty SWEEP_LIMIT / SWEEP_MAX_NEW_TOKENS passes null (all questions / the dataset's own), as `make bench`."""
+    if not shutil.which("make"):
+        pytest.skip("no make here")
+
+    def dry_run(*variables) -> tuple[str, str]:
+        done = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}", "BATCH_METHODS=pld", *variables],
+                              cwd=REPO, capture_output=True, text=True, check=True)
+        [said] = [line for line in done.stdout.splitlines() if line.startswith(f'echo "{target}: ')]
+        [run] = [line for line in done.stdout.replace("\\\n", " ").splitlines() if "harness.run -m" in line]
+        return said, " ".join(run.split())
+
+    said, run = dry_run()
+    assert f"answers {'3' if target == 'sweep' else '16'} questions ({limit}=" in said and f"{limit}= for all" in said
+    assert "limit=null" not in run and "max_new_tokens=64 " in run
+    said, run = dry_run(f"{limit}=", f"{tokens}=")
+    assert f"all questions ({limit}=) with the dataset's max_new_tokens ({tokens}=)" in said
+    assert "limit=null max_new_tokens=null " in run
+    said, run = dry_run(f"{limit}=7", f"{tokens}=12")
+    assert f"7 questions ({limit}=7) with max_new_tokens=12 ({tokens})" in said
+    assert "limit=7 max_new_tokens=12 " in run
 
 
 def test_slurm_launcher_config_composes():
