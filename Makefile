@@ -35,14 +35,20 @@ bench: setup
 # ARGS="hydra.launcher.partition=..." (each job gets its node to itself); LAUNCHER=basic runs the
 # jobs inside this process. One status line per job as it changes (pending, running with questions
 # done, done, failed with its error and log), then the status of every job. Every job writes its
-# own results folder; re-running the same sweep resumes them.
+# own results folder; re-running the same sweep resumes them. Each job answers SWEEP_LIMIT questions
+# with SWEEP_MAX_NEW_TOKENS, as the sweep says first; empty means all questions / the dataset's own setting.
 SWEEP ?= method=sps,mcsd,jacobi dataset.categories=writing,math_reasoning
 SWEEP_LIMIT ?= 3
 SWEEP_MAX_NEW_TOKENS ?= 64
 LAUNCHER ?= local
 SWEEP_DIR := results/.multirun/$(shell date +%Y%m%d-%H%M%S)
+# The line a sweep prints first: $(1) the target, $(2) / $(3) the names of its limit / max_new_tokens variables
+per_job = $(1): each job answers $(if $($(2)),$($(2)) questions ($(2)=$($(2))),all questions ($(2)=)) with \
+	$(if $($(3)),max_new_tokens=$($(3)) ($(3)),the dataset's max_new_tokens ($(3)=))$(if $($(2)),; $(2)= for all)
 sweep: setup
-	$(PY) -m harness.run -m $(SWEEP) limit=$(SWEEP_LIMIT) max_new_tokens=$(SWEEP_MAX_NEW_TOKENS) \
+	@echo "$(call per_job,sweep,SWEEP_LIMIT,SWEEP_MAX_NEW_TOKENS)"
+	$(PY) -m harness.run -m $(SWEEP) limit=$(if $(SWEEP_LIMIT),$(SWEEP_LIMIT),null) \
+		max_new_tokens=$(if $(SWEEP_MAX_NEW_TOKENS),$(SWEEP_MAX_NEW_TOKENS),null) \
 		hydra/launcher=$(LAUNCHER) hydra.sweep.dir=$(SWEEP_DIR) $(ARGS); \
 	status=$$?; if [ -d $(SWEEP_DIR) ]; then $(PY) -m harness.cluster.jobs $(SWEEP_DIR); fi; exit $$status
 
@@ -51,7 +57,8 @@ sweep: setup
 # dataset of BATCH_DATASETS; every job runs AR beside its method at the same batch size on the same
 # questions (the speedup's denominator). One sweep per method, in $(SWEEP_DIR)/<method>, launched as
 # `sweep`'s are (LAUNCHER); `make report RUNS=$(SWEEP_DIR)` and `make figures RUNS=$(SWEEP_DIR)`
-# draw the curves. BATCH_LIMIT: a multiple of the largest batch size fills every batch.
+# draw the curves. BATCH_LIMIT: a multiple of the largest batch size fills every batch; an empty BATCH_LIMIT /
+# BATCH_MAX_NEW_TOKENS means all questions / the dataset's own setting (the sweep says which first).
 BATCH_METHODS ?= pld sps eagle2
 BATCH_SIZES ?= 1,2,4,8,16
 DRAFT_LENGTHS ?= 2,4,8
@@ -66,9 +73,11 @@ BATCH_DATASETS ?= spec_bench
 BATCH_LIMIT ?= 16
 BATCH_MAX_NEW_TOKENS ?= 64
 batch-sweep: setup
+	@echo "$(call per_job,batch-sweep,BATCH_LIMIT,BATCH_MAX_NEW_TOKENS)"
 	status=0; $(foreach m,$(BATCH_METHODS),\
 	$(PY) -m harness.run -m method=$(m) batch_size=$(BATCH_SIZES) $(if $(DRAFT_KEY_$(m)),$(DRAFT_KEY_$(m))=$(or $(DRAFT_LENGTHS_$(m)),$(DRAFT_LENGTHS))) \
-		dataset=$(BATCH_DATASETS) limit=$(BATCH_LIMIT) max_new_tokens=$(BATCH_MAX_NEW_TOKENS) \
+		dataset=$(BATCH_DATASETS) limit=$(if $(BATCH_LIMIT),$(BATCH_LIMIT),null) \
+		max_new_tokens=$(if $(BATCH_MAX_NEW_TOKENS),$(BATCH_MAX_NEW_TOKENS),null) \
 		hydra/launcher=$(LAUNCHER) hydra.sweep.dir=$(SWEEP_DIR)/$(m) $(ARGS) || status=1; \
 	if [ -d $(SWEEP_DIR)/$(m) ]; then $(PY) -m harness.cluster.jobs $(SWEEP_DIR)/$(m) || status=1; fi;) \
 	echo "curves: make report RUNS=$(SWEEP_DIR); make figures RUNS=$(SWEEP_DIR)"; exit $$status

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -214,6 +215,46 @@ def test_figures_are_written_and_none_without_data(results, tmp_path):
     assert all(p.stat().st_size > 1000 for p in written)
 
 
+def test_figures_drawn_twice_from_the_same_runs_are_the_same_bytes(results, tmp_path, monkeypatch):
+    """No date in a figure: drawn again (at another time: SOURCE_DATE_EPOCH is the date matplotlib would
+    write), every PNG and PDF is byte-identical, so redrawing unchanged runs leaves `git status` clean."""
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1000000000")
+    first = {p.relative_to(tmp_path / "a"): p.read_bytes() for p in figures(results, tmp_path / "a")}
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1800000000")
+    second = {p.relative_to(tmp_path / "b"): p.read_bytes() for p in figures(results, tmp_path / "b")}
+    assert {p.suffix for p in first} == {".png", ".pdf"} and len(first) >= 8
+    assert second == first
+    assert not [p for p, data in first.items() if (b"/CreationDate" if p.suffix == ".pdf" else b"tIME") in data]
+
+
+def test_the_headline_reports_and_draws_only_the_tables_of_its_own_runs(results, tmp_path):
+    """`make headline --only pld` on CPU-A: its report and figures rewrite CPU-A's table of those questions
+    only; the run set's other tables (another machine class, another question count) keep their files as they
+    are, and report.md indexes them as their files stand."""
+    from harness.reporting.headline import report_and_draw
+
+    plots, out = tmp_path / "plots", results / "report"
+    report(results, out)
+    figures(results, plots)
+    ours = "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a"
+    others = [path for folder in (out, plots) for path in folder.rglob("*.*")
+              if ours not in path.parts and path.name != "report.md"]
+    assert {path.parent.name for path in others} == {"tiny-spec-bench-n1-128tok-greedy-float32-cpu-a",
+                                                     "tiny-spec-bench-n1-128tok-greedy-float32-gpu-b"}
+    before = {path: path.read_bytes() for path in (out / ours / "speedup.csv", plots / ours / "speedup_vs_tau.pdf")}
+    for path in others:  # as another machine, or an older version, left them
+        path.write_bytes(b"left as it was: " + path.name.encode() + b"\n")
+    base = next((results / "tiny" / "spec_bench" / "ar").iterdir())
+    pld = write_run(results, "pld", "new", [record(q, "writing" if q < 3 else "qa", 100 - 10 * q, 1.0, 40, [30], [40])
+                                            for q in (1, 2, 3, 4)], base, {"num_draft": 4})
+    report_and_draw(results, [pld], plots)
+    assert all(path.read_bytes() == b"left as it was: " + path.name.encode() + b"\n" for path in others)
+    assert "pld (num_draft=4)" in (out / ours / "speedup.md").read_text()
+    assert all(path.read_bytes() != data for path, data in before.items())  # its own table: redrawn with pld
+    index = (out / "report.md").read_text()
+    assert "pld (num_draft=4)" in index and "left as it was: speedup.md" in index
+
+
 def test_size_sweep_of_a_method_at_two_sizes_skips_sizes_that_are_not_numbers(results, tmp_path):
     """EAGLE-2 at total_tokens 30 and 60 is a sweep; its run sized `adaptive` has no point on the axis."""
     base = next((results / "tiny" / "spec_bench" / "ar").iterdir())
@@ -353,6 +394,32 @@ def test_a_sweeps_status_lines_and_job_list_carry_the_caveats(tmp_path, capsys):
         (folder / "answers" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     running = {"job": 2, "job_id": "7_2", "status": "running", "method": "pld", "results": str(folder), "questions": 5}
     assert describe(FinishedJob("7_2", "RUNNING"), running)[1] == "running: 3/5 questions, BUSY 2/3 (log: /logs/7_2.err)"
+
+
+@pytest.mark.parametrize("target, limit, tokens", [("sweep", "SWEEP_LIMIT", "SWEEP_MAX_NEW_TOKENS"),
+                                                    ("batch-sweep", "BATCH_LIMIT", "BATCH_MAX_NEW_TOKENS")])
+def test_a_sweep_says_what_each_job_answers_and_an_empty_limit_means_all(target, limit, tokens, tmp_path):
+    """`make sweep` / `make batch-sweep` (dry run: `make -n`) print the per-job limits they pass first; an
+    empty SWEEP_LIMIT / SWEEP_MAX_NEW_TOKENS passes null (all questions / the dataset's own), as `make bench`."""
+    if not shutil.which("make"):
+        pytest.skip("no make here")
+
+    def dry_run(*variables) -> tuple[str, str]:
+        done = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}", "BATCH_METHODS=pld", *variables],
+                              cwd=REPO, capture_output=True, text=True, check=True)
+        [said] = [line for line in done.stdout.splitlines() if line.startswith(f'echo "{target}: ')]
+        [run] = [line for line in done.stdout.replace("\\\n", " ").splitlines() if "harness.run -m" in line]
+        return said, " ".join(run.split())
+
+    said, run = dry_run()
+    assert f"answers {'3' if target == 'sweep' else '16'} questions ({limit}=" in said and f"{limit}= for all" in said
+    assert "limit=null" not in run and "max_new_tokens=64 " in run
+    said, run = dry_run(f"{limit}=", f"{tokens}=")
+    assert f"all questions ({limit}=) with the dataset's max_new_tokens ({tokens}=)" in said
+    assert "limit=null max_new_tokens=null " in run
+    said, run = dry_run(f"{limit}=7", f"{tokens}=12")
+    assert f"7 questions ({limit}=7) with max_new_tokens=12 ({tokens})" in said
+    assert "limit=7 max_new_tokens=12 " in run
 
 
 def test_slurm_launcher_config_composes():

@@ -1,10 +1,11 @@
 """`make figures`: paper figures from one explicit set of runs (PNG and PDF, sized for a column).
 
-    python -m harness.reporting.figures [RUNS ...] [--out DIR] [--select GLOB]
+    python -m harness.reporting.figures [RUNS ...] [--out DIR] [--select GLOB] [--tables-of RUN ...]
 
 The runs are chosen as `make report` chooses them (by default every run under `results/` except
 the committed reference run) and fall into the same tables: one folder of figures per table
-(same settings, same questions) under `plots/<run set>/<table>/`:
+(same settings, same questions) under `plots/<run set>/<table>/` (with `--tables-of`, only the tables
+holding those runs' answers, as `make report`'s):
   speedup_by_dataset      speedup per column (category / dataset) per method, 95% interval bars
                           where a column has at least report.MIN_INTERVAL_N questions; a red x
                           over a bar measured partly on a busy machine
@@ -29,6 +30,7 @@ A figure with nothing to show is not written (and an older one of that name is r
 method has one colour in every figure (its variants differ by marker and line style); legends
 name a method by its name, with the settings that tell its variants apart (the report's tables
 name every setting); titles name the model, hardware, dtype, dataset, n and max_new_tokens.
+The files are reproducible: the same runs draw the same bytes (no date in them).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from scipy.stats import binomtest  # noqa: E402
 
 from harness.reporting.report import (  # noqa: E402
     AR, MIN_INTERVAL_N, OVERALL, Curves, Table, baseline_records, best_draft_lengths, build_tables, column_counts,
-    find_curves, find_runs, group_table, method_label, run_set_arguments, run_set_name, size_of)
+    find_curves, find_runs, group_table, method_label, run_set_arguments, run_set_name, size_of, tables_holding)
 
 plt.rcParams.update({"font.size": 8, "axes.titlesize": 8, "legend.fontsize": 6.5, "figure.dpi": 150,
                      "axes.spines.top": False, "axes.spines.right": False})
@@ -147,11 +149,15 @@ def _legend_below(ax, ncols: int = 1) -> None:
     fig.legend(handles, labels, loc="outside lower center", ncols=ncols, frameon=False)
 
 
+# No creation date in a PDF (PNGs carry none): drawn again from the same runs, a figure is the same bytes
+METADATA = {".png": None, ".pdf": {"CreationDate": None}}
+
+
 def _save(fig, out: Path, name: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.png", out / f"{name}.pdf"]
     for path in paths:
-        fig.savefig(path, bbox_inches="tight")
+        fig.savefig(path, bbox_inches="tight", metadata=METADATA[path.suffix])
     plt.close(fig)
     return paths
 
@@ -416,10 +422,14 @@ def best_draft_length(curves: Curves, out) -> list[Path]:
     return _save(fig, out, "best_draft_length")
 
 
-def figures(paths, out: Path, select: str | None = None) -> list[Path]:
+def figures(paths, out: Path, select: str | None = None, tables_of=None) -> list[Path]:
+    """The figures of the run set's tables (with `tables_of`, run folders: of the tables holding their answers,
+    and the curves through those) under `out`; every other table's figures stay as they are."""
     written = []
     tables = build_tables(find_runs(paths, select))
-    for table in tables:
+    drawn = set()
+    for table in tables_holding(tables, tables_of):
+        drawn.add(table.slug)
         folder = out / table.slug
         columns, cells = group_table(table)
         style = styles(table)
@@ -429,6 +439,8 @@ def figures(paths, out: Path, select: str | None = None) -> list[Path]:
         written += ttft_vs_prompt_length(table, style, folder)
         written += speedup_vs_tau(table, cells, style, folder)
     for curves in find_curves(tables):
+        if not any(table.slug in drawn for table in curves.tables):
+            continue
         folder = out / curves.slug
         style = styles(curves)
         written += curve(curves, "speedup", style, folder) + curve(curves, "throughput", style, folder)
@@ -440,7 +452,7 @@ def figures(paths, out: Path, select: str | None = None) -> list[Path]:
 def main(argv=None) -> int:
     args = run_set_arguments(__doc__, argv, "plots/<run set>")
     out = args.out or Path("plots") / run_set_name(args.runs)
-    written = figures(args.runs, out, args.select)
+    written = figures(args.runs, out, args.select, args.tables_of)
     for path in written:
         print(path)
     print(f"{len(written)} files from {', '.join(map(str, args.runs))} written under {out}")

@@ -87,6 +87,17 @@ def compose(overrides: list[str]):
         return hydra_compose("config", overrides=overrides)
 
 
+def report_and_draw(results: Path, runs: list, figures_dir) -> None:
+    """The report (`results/report/`) and the figures of the tables holding the answers of `runs` (the
+    headline's run folders): the other run sets under `results` (another CPU class, another number of
+    questions) keep their files as they are."""
+    from harness.reporting import figures, report  # lazy: torch (via methods) after the GPU check
+
+    ran = ["--tables-of", *map(str, runs)]
+    report.main([str(results), "--out", str(results / "report"), *ran])  # the comparison with a published setting too
+    figures.main([str(results), "--out", str(figures_dir), *ran])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=REPO / "conf" / "headline" / "smollm2-135m.yaml")
@@ -124,7 +135,6 @@ def main(argv=None) -> int:
         if unmet:
             print(f"(--check only) {unmet}", file=sys.stderr)
         return 0
-    from harness.reporting import figures, report  # lazy: torch (via methods) after the GPU check
     from harness.running.metrics import fidelity_failure  # lazy: torch (via methods) after the GPU check
     from harness.running.results import FolderMismatch  # lazy: torch (via methods) after the GPU check
     from harness.running.run import run  # lazy: torch (via methods) after the GPU check
@@ -140,11 +150,7 @@ def main(argv=None) -> int:
             return 2
         folders[method] = summary["results"]
         failures += [failure] if (failure := fidelity_failure(summary)) else []
-    results = Path(configs[method].results_dir)
-    report.main([str(results), "--out", str(results / "report")])
-    for beside in sorted((results / "report").glob("*/published.md")):  # where a published setting matches
-        print(beside.read_text())
-    figures.main([str(results), "--out", str(args.figures or config.figures_dir)])
+    report_and_draw(Path(configs[method].results_dir), list(folders.values()), args.figures or config.figures_dir)
     print(json.dumps(folders, indent=2))
     for failure in failures:  # every run, report and figure is written first; then the headline fails
         print(failure, file=sys.stderr)

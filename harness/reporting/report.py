@@ -1,11 +1,13 @@
 """`make report`: tables from one explicit set of runs, recomputed from their answer records.
 
-    python -m harness.reporting.report [RUNS ...] [--out DIR] [--select GLOB]
+    python -m harness.reporting.report [RUNS ...] [--out DIR] [--select GLOB] [--tables-of RUN ...]
 
 RUNS are results folders, folders holding them, or sweep folders (each job's results folder is
 read); by default every run under `results/` except the committed reference run
 (`results/reference/`), which is read only when named. The output goes to
-`results/report/<run set>/` (`--out` to choose), so no report overwrites another's files.
+`results/report/<run set>/` (`--out` to choose), so no report overwrites another's files; with
+`--tables-of`, only the tables holding those runs' answers are written (`make headline`: the tables of
+its own runs, never another CPU class's), and report.md indexes every table as its files stand.
 
 Runs land in the same table only when their settings agree: model, dataset, max_new_tokens,
 sampling, batch size, dtype, hardware, torch and transformers, and the questions answered: rows are method
@@ -472,26 +474,50 @@ def write_breakdown(table: Table, folder: Path) -> list[Path]:
     return [folder / "breakdown.md", folder / "breakdown.csv"]
 
 
-def report(paths, out: Path, select: str | None = None) -> dict[str, tuple]:
-    """Writes every table of the run set under `out`; returns table slug -> (columns, cells)."""
+def report(paths, out: Path, select: str | None = None, tables_of=None) -> dict[str, tuple]:
+    """Writes the tables of the run set under `out` (with `tables_of`, run folders: only the tables holding their
+    answers and the curves through those; every other table's files stay as they are) and report.md, the index of
+    every table and curves of the run set as their files stand; returns table slug -> (columns, cells) of those
+    written."""
     tables = build_tables(find_runs(paths, select))
+    curves = find_curves(tables)
     out.mkdir(parents=True, exist_ok=True)
-    index, written = [], {}
-    for table in tables:
+    written = {}
+    for table in tables_holding(tables, tables_of):
         columns, cells = group_table(table)
         written[table.slug] = (columns, cells)
         write_tables(table, columns, cells, out)
         write_breakdown(table, out / table.slug)
-        for name in ("breakdown", "speedup", "tau"):
-            index.append((out / table.slug / f"{name}.md").read_text())
         beside = published.markdown(table)  # where the table's settings are a published setting
         if beside:
             (out / table.slug / "published.md").write_text(beside + "\n")
-            index.append(beside)
-    for curves in find_curves(tables):
-        index += [path.read_text() for path in write_curves(curves, out) if path.suffix == ".md"]
+        else:  # one an earlier run set left
+            (out / table.slug / "published.md").unlink(missing_ok=True)
+    for each in curves:
+        if any(table.slug in written for table in each.tables):
+            write_curves(each, out)
+    index = sections(out, [item.slug for item in [*tables, *curves]])
     (out / "report.md").write_text("\n\n".join(index) + "\n" if index else "No runs with a baseline found.\n")
     return written
+
+
+def tables_holding(tables: list[Table], runs=None) -> list[Table]:
+    """The tables holding answers of any of `runs` (run folders): those a new run changed; every table when
+    `runs` is None."""
+    if runs is None:
+        return tables
+    wanted = {Path(run).resolve() for run in runs}
+    return [table for table in tables
+            if any(Path(path).resolve() in wanted for row in table.rows.values() for path in row.runs)]
+
+
+# report.md's sections of a table's folder, or a set of curves' folder, in this order (those that exist)
+SECTIONS = ("breakdown", "speedup", "tau", "published", "throughput_speedup", "throughput", "best_draft_length")
+
+
+def sections(out: Path, slugs: list[str]) -> list[str]:
+    """The Markdown sections of these tables' and curves' folders under `out`, as their files stand."""
+    return [path.read_text() for slug in slugs for name in SECTIONS if (path := out / slug / f"{name}.md").is_file()]
 
 
 def run_set_name(paths: list[Path]) -> str:
@@ -512,6 +538,9 @@ def run_set_arguments(description: str, argv, out_default: str) -> argparse.Name
                              "without the committed reference run)")
     parser.add_argument("--out", type=Path, default=None, help=f"default: {out_default}")
     parser.add_argument("--select", help="glob over <model>/<dataset>/<method>/<run> folders")
+    parser.add_argument("--tables-of", nargs="+", type=Path, metavar="RUN",
+                        help="only the tables (and curves) holding these run folders' answers; the files of the "
+                             "run set's other tables are left as they are (`make headline`: its own runs)")
     return parser.parse_args(argv)
 
 
@@ -729,14 +758,17 @@ def write_curves(curves: Curves, out: Path) -> list[Path]:
             shown, f"**Best draft length per batch size (highest throughput)** — {caption(curves)}"))
         pd.DataFrame([{**curves.shared, **b} for b in best], dtype=object).to_csv(folder / "best_draft_length.csv", index=False)
         written += [folder / "best_draft_length.md", folder / "best_draft_length.csv"]
+    else:  # none an earlier run set left
+        for stale in (folder / "best_draft_length.md", folder / "best_draft_length.csv"):
+            stale.unlink(missing_ok=True)
     return written
 
 
 def main(argv=None) -> int:
     args = run_set_arguments(__doc__, argv, "results/report/<run set>")
     out = args.out or Path("results") / "report" / run_set_name(args.runs)
-    tables = report(args.runs, out, args.select)
-    print((out / "report.md").read_text())
+    tables = report(args.runs, out, args.select, args.tables_of)
+    print("\n\n".join(sections(out, list(tables))) if args.tables_of else (out / "report.md").read_text())
     print(f"{len(tables)} table(s) from {', '.join(map(str, args.runs))} written under {out}")
     return 0
 
