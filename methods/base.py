@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import copy
 import importlib
-from importlib.metadata import entry_points
 import pkgutil
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Sequence
 

@@ -20,8 +20,8 @@ import torch
 from .base import BuildContext, register
 from .eagle import DynamicTreeSettings, Eagle2Decoder, EagleDrafter, build_dynamic
 from .engine.params import integer, setting
-from .models.heads.source import head_setting, head_spec
 from .models.heads.eagle3 import Eagle3Head, load_eagle3_head
+from .models.heads.source import head_setting, head_spec
 
 
 class Eagle3Drafter(EagleDrafter):

@@ -33,10 +33,9 @@ from .engine.sampling import logits_to_probs
 from .engine.static_trees import NAMED_TREES, StaticTree, template_tokens
 from .engine.tree import Tree, attention_mask
 from .engine.vocab import draft_vocab_setting
-from .models.heads.source import head_setting, head_spec
 from .models.heads.hydra import HydraHeads, load_hydra_heads
+from .models.heads.source import head_setting, head_spec
 from .models.specs import PROJECT_ROOT, ModelUnavailableError
-
 
 ACCEPTANCE = ("exact", "typical")
 

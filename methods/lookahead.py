@@ -44,7 +44,6 @@ from .engine.sampling import SamplingConfig
 from .engine.tree import ExtraRows, Tree
 from .pld import trie
 
-
 AUTO = one_of("auto")
 
 

@@ -16,11 +16,11 @@ from typing import Sequence
 import torch
 
 from .base import BuildContext, DraftVerifyDecoder, register
-from .models.draft_lm import DraftLM
-from .models.loading import load_draft_lm
 from .engine.params import BOOL, Settings, int_list, integer, mapping, null, one_of, setting
 from .engine.tree import Tree
 from .engine.vocab import draft_vocab_setting
+from .models.draft_lm import DraftLM
+from .models.loading import load_draft_lm
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine.acceptance import typical_accept
 from .base import BuildContext, DraftVerifyDecoder, register
+from .engine.acceptance import typical_accept
+from .engine.params import Settings, number, one_of, paths, setting
+from .engine.sampling import logits_to_probs
+from .engine.static_trees import NAMED_TREES, StaticTree, template_tokens
+from .engine.tree import Tree
+from .engine.vocab import draft_vocab_setting
 from .models.heads.medusa import MedusaHeads, load_medusa_heads
 from .models.heads.source import head_setting, head_spec
-from .engine.sampling import logits_to_probs
-from .engine.params import Settings, number, one_of, paths, setting
-from .engine.static_trees import NAMED_TREES, StaticTree, template_tokens
-from .engine.vocab import draft_vocab_setting
-from .engine.tree import Tree
 
 ACCEPTANCE = ("exact", "typical")
 

@@ -25,10 +25,9 @@ from .base import BuildContext, Decoder, register
 from .engine.params import Settings, integer, mapping, null, one_of, setting
 from .engine.sizing import chain_length, draft_cost, held_out_acceptance, relative
 from .engine.vocab import draft_vocab_setting
-from .models.specs import ModelSpec
-from .models.loading import load_draft_lm
 from .mcsd import MultiCandidateDecoder
-
+from .models.loading import load_draft_lm
+from .models.specs import ModelSpec
 
 PRIOR_TESTS = 20  # weight of the model card's acceptance in the running estimate, in tested positions
 HEURISTIC_START = 5  # transformers 4.37.1's num_assistant_tokens default (Spec-Bench's SpS)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from methods.engine.acceptance import residual_distribution
 from methods.ar import AutoregressiveDecoder
-from methods.models.loading import truncated_copy
+from methods.engine.acceptance import residual_distribution
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
-from methods.sps import SpeculativeSamplingDecoder
 from methods.engine.stopping import StopCondition
+from methods.models.loading import truncated_copy
+from methods.sps import SpeculativeSamplingDecoder
 from tests.conftest import hf_greedy, tiny_model
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 

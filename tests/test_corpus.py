@@ -10,7 +10,14 @@ from collections import Counter
 import pytest
 import torch
 
-from harness.training.distill import KINDS, SAMPLED_SHARE, check_disjoint, evaluation_texts, self_distill, training_prompts
+from harness.training.distill import (
+    KINDS,
+    SAMPLED_SHARE,
+    check_disjoint,
+    evaluation_texts,
+    self_distill,
+    training_prompts,
+)
 from tests.conftest import SPEC_BENCH, hf_greedy
 
 

@@ -19,10 +19,10 @@ from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
 from methods.engine.vocab import DraftVocabulary
-from methods.models.heads.source import head_spec
 from methods.models.heads.eagle3 import load_eagle3_head
+from methods.models.heads.source import head_spec
 from methods.models.specs import ModelSpec
-from tests.conftest import write_checkpoint, tiny_config, tiny_model
+from tests.conftest import tiny_config, tiny_model, write_checkpoint
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 from tests.test_tree_methods import assert_committed_cache_equals
 

@@ -10,12 +10,12 @@ import copy
 import pytest
 import torch
 
+from methods.ar import AutoregressiveDecoder
 from methods.engine.fused import FusedDecoder, fused_decoder
 from methods.engine.kv_cache import TreeKVCache
 from methods.engine.runner import ModelRunner
-from methods.engine.tree import attention_mask
-from methods.ar import AutoregressiveDecoder
 from methods.engine.stopping import StopCondition
+from methods.engine.tree import attention_mask
 from tests.conftest import hf_greedy, tiny_model
 
 CASES = {

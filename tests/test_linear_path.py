@@ -9,7 +9,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from methods.engine import identity
-from methods.engine.linear import NATIVE_SLACK, choose, BUCKETS, KERNELS, LinearPath, LinearPlan, measure_plan, onednn_available, prepack, run_kernel, shape_key
+from methods.engine.linear import (
+    BUCKETS,
+    KERNELS,
+    NATIVE_SLACK,
+    LinearPath,
+    LinearPlan,
+    choose,
+    measure_plan,
+    onednn_available,
+    prepack,
+    run_kernel,
+    shape_key,
+)
 from methods.engine.runner import ModelRunner
 from tests.conftest import tiny_model
 

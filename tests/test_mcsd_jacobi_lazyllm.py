@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from methods.ar import AutoregressiveDecoder
-from methods.jacobi import JacobiDecoder
-from methods.lazyllm import LazyLLMDecoder, LazyRunner, resolve_schedule
-from methods.models.loading import truncated_copy
-from methods.mcsd import MultiCandidateDecoder, parse_k_config
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
+from methods.jacobi import JacobiDecoder
+from methods.lazyllm import LazyLLMDecoder, LazyRunner, resolve_schedule
+from methods.mcsd import MultiCandidateDecoder, parse_k_config
+from methods.models.loading import truncated_copy
 from tests.conftest import tiny_model
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from methods.ar import AutoregressiveDecoder
 from methods.engine import hardware, native
 from methods.engine.linear import BUCKETS, KERNELS, LinearPath, LinearPlan, linear_shapes, measure_plan
 from methods.engine.runner import ModelRunner
-from methods.engine.tree import attention_mask
-from methods.ar import AutoregressiveDecoder
 from methods.engine.stopping import StopCondition
+from methods.engine.tree import attention_mask
 from tests.conftest import hf_greedy, tiny_model
 
 needs_native = pytest.mark.skipif(native.unavailable_reason() is not None,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.running.metrics import decoder_stats
 from harness.reporting.report import OVERALL, report
+from harness.running.metrics import decoder_stats
 from harness.running.results import RECORDS_FORMAT, read_answers, read_jsonl, upgrade_record
 from harness.running.run import run
 from methods.base import DecodeStats

@@ -12,17 +12,17 @@ from safetensors.torch import save_file
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
 from methods.eagle import Eagle2Decoder, EagleDecoder
-from methods.models.heads.eagle import load_eagle_head
-from methods.models.heads.medusa import load_medusa_heads
-from methods.models.heads.source import head_spec
-from methods.models.specs import ModelSpec
-from methods.medusa import MedusaDecoder
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.static_trees import StaticTree
 from methods.engine.stopping import StopCondition
 from methods.engine.tree import Tree
-from tests.conftest import write_checkpoint, tiny_model
+from methods.medusa import MedusaDecoder
+from methods.models.heads.eagle import load_eagle_head
+from methods.models.heads.medusa import load_medusa_heads
+from methods.models.heads.source import head_spec
+from methods.models.specs import ModelSpec
+from tests.conftest import tiny_model, write_checkpoint
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 
 # ---------------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from harness.perf.host_reads import counting_host_reads
-from methods.engine.acceptance import residual_distribution, sample_accept, tree_decisions
 from methods.base import logit_margins
+from methods.engine.acceptance import residual_distribution, sample_accept, tree_decisions
 from methods.engine.tree import Tree
 
 

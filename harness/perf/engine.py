@@ -34,9 +34,9 @@ from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.perf import peers
+from harness.perf.workload import greedy_generate, spec_bench_prompts, timed_generations
 from harness.running.environment import environment, hardware_name, hardware_slug
 from harness.running.prompts import ChatTemplate
-from harness.perf.workload import greedy_generate, spec_bench_prompts, timed_generations
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
 from methods.eagle import EagleDrafter
@@ -45,10 +45,10 @@ from methods.engine import native
 from methods.engine.hardware import forward_latencies, forward_latency, read_bandwidth, weight_bytes
 from methods.engine.linear import gemms_skipped
 from methods.engine.runner import ModelRunner
-from methods.models.heads.source import head_spec
 from methods.models.heads.eagle import load_eagle_head
 from methods.models.heads.eagle3 import load_eagle3_head
-from methods.models.loading import load_draft_lm, load_model, load_tokenizer, choose_dtype, resolve_device
+from methods.models.heads.source import head_spec
+from methods.models.loading import choose_dtype, load_draft_lm, load_model, load_tokenizer, resolve_device
 from methods.models.specs import ModelSpec, model_config
 from methods.sps import SpeculativeSamplingDecoder
 

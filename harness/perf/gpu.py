@@ -157,7 +157,7 @@ def measure_shape(shape: str, dtype: torch.dtype, device: torch.device, new_toke
         run(prompts[0])
     rates, same = ar_tokens_per_second(contenders, prompts, device)
     print(f"  AR, {len(prompts)} prompts x {new_tokens} tokens, tokens/s (median): " +
-          ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items()) + f"; tokens equal to the first's before the first difference: " +
+          ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items()) + "; tokens equal to the first's before the first difference: " +
           ", ".join(f"{name} {share:.0%}" for name, share in same.items()))
     step = 1 / rates["ar, graphs"]
     print(f"  AR step with graphs {1000 * step:.3f} ms = {step / roofline:.2f}x the roofline; "

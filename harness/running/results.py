@@ -38,7 +38,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-
 RECORDS_FORMAT = 2  # answer records: 2 = Spec-Bench's decoding steps and accept lengths, logit margins
 # Format 1 decoders whose prefill was (and is) a decoding step: AR, and LazyLLM (AR with a pruned prefill)
 FORMAT1_PREFILL_STEP = ("ar", "lazyllm")

@@ -27,21 +27,28 @@ from tqdm.auto import tqdm
 from harness import REPO
 from harness.cluster.slurm import slurm_job
 from harness.running import busy
-from harness.running.execution import SandboxUnavailable
 from harness.running.datasets import Question, load_questions, truncate_middle
 from harness.running.environment import drafts_digest, environment, hardware_key, hardware_name, hardware_slug
+from harness.running.execution import SandboxUnavailable
 from harness.running.metrics import fidelity_failure, format_summary, summarize
-from harness.running.quality import score_records
 from harness.running.prompts import ChatTemplate, Message
-from harness.running.results import RECORDS_FORMAT, FolderMismatch, RunFolder, compact_margins, settings_hash, write_json
-from harness.running.validate import validate, check_group_choices
+from harness.running.quality import score_records
+from harness.running.results import (
+    RECORDS_FORMAT,
+    FolderMismatch,
+    RunFolder,
+    compact_margins,
+    settings_hash,
+    write_json,
+)
+from harness.running.validate import check_group_choices, validate
 from methods.base import BuildContext, Decoder, get_method
 from methods.batched import BatchedDecoder
-from methods.models.loading import load_model, load_tokenizer, choose_dtype, resolve_device
-from methods.models.specs import ModelSpec, ModelUnavailableError
 from methods.engine.hardware import profiles_used
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
+from methods.models.loading import choose_dtype, load_model, load_tokenizer, resolve_device
+from methods.models.specs import ModelSpec, ModelUnavailableError
 
 log = logging.getLogger("harness")
 # Errors that a user's setting or missing file causes: one line and exit code 2, not a traceback

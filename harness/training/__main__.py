@@ -11,20 +11,21 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from . import __doc__ as RECIPES_DOC
-from .distill import corpus
-from .distributed import context, is_main, place, launched
-from .draft_lm import DraftLMRecipe
-from .eagle import EagleRecipe
-from .eagle3 import Eagle3Recipe, attach_cached_features, attach_features
-from .examples import attach_hidden, feature_spread, load_examples, split
-from .loop import ROOT, evaluate, load_target, model_card, train
-from .hydra import HydraRecipe
-from .medusa import MedusaRecipe
 from methods.base import BuildContext
 from methods.engine.vocab import token_frequencies
 from methods.models.heads.eagle3 import feature_layers
 from methods.models.loading import resolve_device
+
+from . import __doc__ as RECIPES_DOC
+from .distill import corpus
+from .distributed import context, is_main, launched, place
+from .draft_lm import DraftLMRecipe
+from .eagle import EagleRecipe
+from .eagle3 import Eagle3Recipe, attach_cached_features, attach_features
+from .examples import attach_hidden, feature_spread, load_examples, split
+from .hydra import HydraRecipe
+from .loop import ROOT, evaluate, load_target, model_card, train
+from .medusa import MedusaRecipe
 
 
 def training_device(name: str) -> torch.device:

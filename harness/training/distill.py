@@ -33,9 +33,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from harness.running.datasets import _FILLER
-from harness.running.prompts import Message, ChatTemplate
+from harness.running.prompts import ChatTemplate, Message
 from harness.running.results import read_jsonl, rewrite_jsonl
-from harness.training.loop import ROOT, load_target, _machine
+from harness.training.loop import ROOT, _machine, load_target
 from methods.engine.identity import native_bf16
 
 # the subjects and templates the prompts are drawn from (data, written for this suite; order matters)

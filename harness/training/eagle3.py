@@ -42,10 +42,11 @@ from pathlib import Path
 
 import torch
 
-from .examples import Example, _attach_from, attach_states, offset_mask, pad_batch
 from methods.engine.runner import layer_inputs
 from methods.models.heads.eagle3 import Eagle3Head, eagle3_head_config, feature_layers
 from methods.models.heads.random_init import eagle3_config
+
+from .examples import Example, _attach_from, attach_states, offset_mask, pad_batch
 
 
 def _feature_rows(layers: tuple[int, ...]):

@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 
-from .examples import Example, answer_mask
 from methods.models.heads.hydra import HydraHeads
+
+from .examples import Example, answer_mask
 
 
 class HydraRecipe:

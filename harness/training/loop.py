@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import distributed
-from .examples import Example
 from methods.engine.identity import cpu_isa, cpu_model
 from methods.models.loading import load_model, load_tokenizer
 from methods.models.specs import ModelSpec, model_config
+
+from . import distributed
+from .examples import Example
 
 ROOT = Path(__file__).resolve().parents[2]
 # conversations per forward on a CPU (a GPU takes its whole share of the step); why 4: docs/drafts.md

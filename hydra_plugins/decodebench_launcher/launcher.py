@@ -36,6 +36,8 @@ import submitit
 from hydra.core.config_store import ConfigStore
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, filter_overrides
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf
 from submitit.slurm.slurm import SlurmInfoWatcher
 
@@ -43,8 +45,6 @@ from harness.cluster.slurm import job_states
 from harness.running.busy import is_busy
 from harness.running.metrics import speedup_status
 from harness.running.results import read_jsonl
-from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 
 log = logging.getLogger(__name__)
 TERMINAL = ("done", "failed")

@@ -29,7 +29,6 @@ import torch
 from . import load, native
 from .identity import l3_bytes, machine, profile_dir
 from .linear import KERNELS, LinearPath, LinearPlan, linear_shapes, measure_plan
-from .tree import attention_mask
 
 SKINNY_GEMM_MODES = ("auto", "off")
 log = logging.getLogger(__name__)
