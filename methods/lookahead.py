@@ -192,7 +192,7 @@ class LookaheadDecoder(DraftVerifyDecoder):
             root = self.sequence[-len(acceptance.path) - 1]  # the step's root: the token before the emitted ones
             for column in range(self.window):
                 first = root if column == 0 else self.levels[0][column - 1]
-                self._remember(first, tuple(self.levels[l][column] for l in range(1, self.level - 1)) + (newest[column],))
+                self._remember(first, tuple(self.levels[row][column] for row in range(1, self.level - 1)) + (newest[column],))
             self.levels[0] = self.levels[1][1:]
             for level in range(1, self.level - 2):
                 self.levels[level] = self.levels[level + 1]

@@ -128,7 +128,7 @@ def test_speedup_by_input_length_over_the_throughput_splits(tmp_path):
     assert "best_draft_length" not in drawn
 
 
-def test_runs_without_batches_draw_no_curves(results, tmp_path):
+def test_runs_without_batches_draw_no_curves(results, tmp_path):  # noqa: F811 (the fixture imported above)
     report(results, tmp_path / "report")
     written = figures(results, tmp_path / "plots")
     assert not [p for p in written if p.parent.name.startswith("by-")]

@@ -173,7 +173,8 @@ def measure_shape(shape: str, dtype: torch.dtype, device: torch.device, new_toke
               "one_token_step": inside,
               "oracle_tokens_per_second_by_gamma": oracle, "captures": runners["graphs"].static.captures,
               "static_step_rows": sorted(runners["graphs"].static.steps)}
-    del model, runners, ar
+    # frees them before empty_cache (rebound, not deleted: generate and the contenders close over model and ar)
+    model = runners = ar = None
     torch.cuda.empty_cache()
     return result
 

@@ -290,7 +290,6 @@ class ModelRunner:
     def verify(self, tree: Tree) -> ForwardOutput:
         """One forward over all tree nodes; node i sees the prefix, its ancestors and itself. A tree's
         `extra_rows` follow its nodes in the same forward (their logits after the nodes')."""
-        start = self.length
         tokens, depths, visible = tree.forward_rows()
         rows = len(tokens)
         padded = self._bucket(rows)
