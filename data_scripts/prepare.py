@@ -224,11 +224,17 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dataset", help=f"one of {', '.join(sorted(DATASETS))}, or all")
     parser.add_argument("--n", type=int, default=None, help="questions to keep (per task for longbench); default all")
-    parser.add_argument("--seed", type=int, default=None, help="draw the sample with this seed instead of taking the first n")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="draw the sample with this seed instead of taking the first n")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tasks", default=",".join(LONGBENCH_TASKS), help="longbench tasks, comma-separated")
-    parser.add_argument("--local-files", nargs="+", default=None, metavar="FILE",
-                        help="read the split from these files (json, jsonl or parquet, in the Hub's format) instead of the Hub")
+    parser.add_argument(
+        "--local-files",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="read the split from these files (json, jsonl or parquet, in the Hub's format) instead of the Hub",
+    )
     args = parser.parse_args(argv)
     names = sorted(n for n, d in DATASETS.items() if d.in_all) if args.dataset == "all" else [args.dataset]
     if args.local_files and len(names) > 1:

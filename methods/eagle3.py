@@ -46,7 +46,8 @@ class Eagle3Settings(DynamicTreeSettings):
     """EAGLE-3: the EAGLE-3 head (fc over the inputs of the target's layers 2, L//2 and L-3, one decoder
     layer, its own lm_head over a reduced draft vocabulary mapped by d2t) drafts EAGLE-2's dynamic tree."""
 
-    depth: int = setting(7, integer(0), "expansion steps (up to depth + 1 draft tokens per path); upstream's EAGLE-3 default")
+    depth: int = setting(7, integer(0),
+                         "expansion steps (up to depth + 1 draft tokens per path); upstream's EAGLE-3 default")
     head: dict | None = head_setting("eagle3")
 
 
@@ -73,5 +74,6 @@ class Eagle3Decoder(Eagle2Decoder):
 
 @register("eagle3", settings=Eagle3Settings)
 def build_eagle3(target, settings: Eagle3Settings, context: BuildContext) -> Eagle3Decoder:
-    head = load_eagle3_head(head_spec({"name": "eagle3", **settings.to_dict()}, context, "eagle3"), context.target_model)
+    head = load_eagle3_head(head_spec({"name": "eagle3", **settings.to_dict()}, context, "eagle3"),
+                            context.target_model)
     return build_dynamic(Eagle3Decoder, target, head, settings, context)

@@ -28,10 +28,13 @@ class MCSDSettings(Settings):
     """MCSD: a draft LM proposes a multi-candidate tree (k_config children per depth), verified in one
     target forward with multi-candidate speculative sampling."""
 
-    k_config: list | int | str = setting("auto", one_of("auto") | int_list(1) | integer(1), "children per node at each depth, e.g. [4, 2, 1]; auto = the largest tree this machine verifies nearly free")
+    k_config: list | int | str = setting("auto", one_of("auto") | int_list(1) | integer(1),
+                                         "children per node at each depth, e.g. [4, 2, 1]; auto = the largest tree "
+                                         "this machine verifies nearly free")
     draft_vocab: int | str = draft_vocab_setting()
     replacement: bool = setting(False, BOOL, "false = sample candidates without replacement (and verify accordingly)")
-    draft: dict | None = setting(None, null() | mapping(), "null = the model's drafts.sps; or {path: ...} / {target_layers: k}")
+    draft: dict | None = setting(None, null() | mapping(),
+                                 "null = the model's drafts.sps; or {path: ...} / {target_layers: k}")
 
     batchable = True
 
@@ -39,7 +42,8 @@ class MCSDSettings(Settings):
 class MultiCandidateDecoder(DraftVerifyDecoder):
     name = "mcsd"
 
-    def __init__(self, target, draft_model, k_config: Sequence[int] = (4, 2, 1), replacement: bool = MCSDSettings.replacement,
+    def __init__(self, target, draft_model, k_config: Sequence[int] = (4, 2, 1),
+                 replacement: bool = MCSDSettings.replacement,
                  vocabulary=None):
         super().__init__(target)
         k_config = tuple(int(k) for k in k_config)
@@ -111,6 +115,7 @@ def build(target, settings: MCSDSettings, context: BuildContext) -> MultiCandida
     draft = load_draft_lm(spec, context.target_model)
     decoder = MultiCandidateDecoder(target, draft, k_config=parse_k_config(choice),
                                     replacement=settings.replacement,
-                                    vocabulary=context.draft_vocabulary(settings.to_dict(), draft.get_output_embeddings().out_features))
+                                    vocabulary=context.draft_vocabulary(settings.to_dict(),
+                                                                        draft.get_output_embeddings().out_features))
     decoder.sizing = sizing
     return decoder

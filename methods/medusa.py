@@ -30,9 +30,15 @@ ACCEPTANCE = ("exact", "typical")
 class MedusaSettings(Settings):
     """Medusa: heads on the target's last hidden state propose a static tree, verified in one forward."""
 
-    tree: str | list = setting("auto", one_of("auto", *NAMED_TREES) | paths(), "auto = Medusa's mc_sim_7b_63 (listed by estimated acceptance) cut to what this machine verifies nearly free; medusa_mc_sim_7b_63 (whole); or a list of paths, e.g. [[0], [1], [0, 0]]")
+    tree: str | list = setting(
+        "auto",
+        one_of("auto", *NAMED_TREES) | paths(),
+        "auto = Medusa's mc_sim_7b_63 (listed by estimated acceptance) cut to what this machine "
+        "verifies nearly free; medusa_mc_sim_7b_63 (whole); or a list of paths, e.g. [[0], [1], [0, 0]]",
+    )
     draft_vocab: int | str = draft_vocab_setting()
-    acceptance: str = setting("exact", one_of(*ACCEPTANCE), "exact (greedy / lossless sampling) | typical (Medusa's, LOSSY: marked in results)")
+    acceptance: str = setting("exact", one_of(*ACCEPTANCE),
+                              "exact (greedy / lossless sampling) | typical (Medusa's, LOSSY: marked in results)")
     typical_epsilon: float = setting(0.09, number(0, 1), "typical acceptance's epsilon (Medusa's)")
     typical_delta: float = setting(0.3, number(0), "typical acceptance's delta (Medusa's)")
     head: dict | None = head_setting("medusa")
@@ -42,7 +48,8 @@ class MedusaDecoder(DraftVerifyDecoder):
     name = "medusa"
 
     def __init__(self, target, heads: MedusaHeads, tree: StaticTree, acceptance: str = MedusaSettings.acceptance,
-                 typical_epsilon: float = MedusaSettings.typical_epsilon, typical_delta: float = MedusaSettings.typical_delta,
+                 typical_epsilon: float = MedusaSettings.typical_epsilon,
+                 typical_delta: float = MedusaSettings.typical_delta,
                  vocabulary=None):
         super().__init__(target)
         self.vocabulary = vocabulary
@@ -50,7 +57,8 @@ class MedusaDecoder(DraftVerifyDecoder):
         if acceptance not in ACCEPTANCE:
             raise ValueError(f"unknown medusa acceptance {acceptance!r}; valid: {', '.join(ACCEPTANCE)}")
         if tree.max_depth > len(heads):
-            raise ValueError(f"tree of depth {tree.max_depth} needs {tree.max_depth} Medusa heads; these weights have {len(heads)}")
+            raise ValueError(f"tree of depth {tree.max_depth} needs {tree.max_depth} Medusa heads; these weights have "
+                             f"{len(heads)}")
         self.heads, self.tree = heads, tree
         self.acceptance = acceptance
         self.lossless = acceptance == "exact"
@@ -90,7 +98,8 @@ def build(target, settings: MedusaSettings, context: BuildContext) -> MedusaDeco
     # auto: Medusa's tree (listed by estimated acceptance) cut to the machine's verify budget
     tree, sizing = context.static_tree(params, target, "medusa_mc_sim_7b_63", max_depth=len(heads))
     decoder = MedusaDecoder(target, heads, tree, acceptance=settings.acceptance,
-                            typical_epsilon=float(settings.typical_epsilon), typical_delta=float(settings.typical_delta),
+                            typical_epsilon=float(settings.typical_epsilon),
+                            typical_delta=float(settings.typical_delta),
                             vocabulary=context.draft_vocabulary(params))
     decoder.sizing = sizing
     return decoder

@@ -38,9 +38,16 @@ class SpSSettings(Settings):
     """SpS: a draft LM proposes a chain of `gamma` tokens; the target verifies them in one forward
     (speculative sampling with the residual distribution; greedy acceptance at temperature 0)."""
 
-    gamma: int | str = setting("auto", one_of("auto", "heuristic") | integer(1), "draft length; auto = the most expected tokens per second on this machine (hardware profile); heuristic = Spec-Bench's (transformers 4.37.1 assisted generation: 5, +2 / -1); or N")
+    gamma: int | str = setting("auto", one_of("auto", "heuristic") | integer(1),
+                               "draft length; auto = the most expected tokens per second on this machine (hardware "
+                               "profile); heuristic = Spec-Bench's (transformers 4.37.1 assisted generation: 5, +2 / "
+                               "-1); or N")
     draft_vocab: int | str = draft_vocab_setting()
-    draft: dict | None = setting(None, null() | mapping(), "null = the model's own drafts.sps; or {path: <hub id or folder>} / {target_layers: k}")
+    draft: dict | None = setting(
+        None,
+        null() | mapping(),
+        "null = the model's own drafts.sps; or {path: <hub id or folder>} / {target_layers: k}",
+    )
 
     batchable = True
 
@@ -108,8 +115,12 @@ def build(target, settings: SpSSettings, context: BuildContext) -> SpeculativeSa
     gamma = settings.gamma
     spec = settings.draft or context.draft_spec("sps", "sps")
     draft = load_draft_lm(spec, context.target_model)
-    decoder = SpeculativeSamplingDecoder(target, draft, gamma=1 if gamma == "auto" else gamma,
-                                         vocabulary=context.draft_vocabulary(settings.to_dict(), draft.get_output_embeddings().out_features))
+    decoder = SpeculativeSamplingDecoder(
+        target,
+        draft,
+        gamma=1 if gamma == "auto" else gamma,
+        vocabulary=context.draft_vocabulary(settings.to_dict(), draft.get_output_embeddings().out_features),
+    )
     if gamma == "auto":  # the chain length with the most expected tokens per second on this machine
         curve = context.latency_curve(target)
         decoder.size_automatically(curve, draft_cost(decoder.draft.runner, curve),

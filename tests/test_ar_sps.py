@@ -102,7 +102,8 @@ def test_target_and_draft_disagree(tiny_vocab_pair):
     assert total_variation > 0.2
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3, top_p=0.9)])
+@pytest.mark.parametrize("sampling",
+                         [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3, top_p=0.9)])
 def test_ar_sampling_matches_processed_target_distribution(tiny_vocab_pair, sampling):
     target, _ = tiny_vocab_pair
     expected = exact_joint(target, PROMPT, 2, sampling)

@@ -34,6 +34,7 @@ def test_architecture_md_lists_every_module_and_no_other():
     text = (DOCS / "architecture.md").read_text()
     listed = set(re.findall(r"^\| `((?:methods|harness|hydra_plugins)/[\w/]+\.(?:py|c))` \|", text, re.M))
     modules = {str(path.relative_to(REPO)) for folder in ("methods", "harness", "hydra_plugins")
-               for path in (REPO / folder).rglob("*") if path.suffix in (".py", ".c") and "__pycache__" not in path.parts}
+               for path in (REPO / folder).rglob("*") if path.suffix in (".py", ".c")
+               and "__pycache__" not in path.parts}
     assert modules - listed == set(), f"modules without their line in docs/architecture.md: {sorted(modules - listed)}"
     assert listed - modules == set(), f"docs/architecture.md lists modules that are gone: {sorted(listed - modules)}"

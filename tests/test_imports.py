@@ -132,4 +132,6 @@ def function_imports():
 def test_imports_inside_functions_say_what_they_put_off():
     unsaid = [f"{file}:{line} imports {name}" for file, line, name, said in function_imports()
               if not said]
-    assert not unsaid, "imports inside functions without `# lazy: <the heavy or optional dependency>`:\n" + "\n".join(unsaid)
+    assert not unsaid, "imports inside functions without `# lazy: <the heavy or optional dependency>`:\n" + "\n".join(
+        unsaid
+    )

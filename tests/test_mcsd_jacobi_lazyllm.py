@@ -110,7 +110,8 @@ def test_without_replacement_update_matters(tiny_vocab_pair):
 # Jacobi
 
 
-@pytest.mark.parametrize("block_size, initial_guess", [(2, "prompt"), (4, "repeat"), (16, "sequence"), (7, "pad"), (5, "sequence")])
+@pytest.mark.parametrize("block_size, initial_guess",
+                         [(2, "prompt"), (4, "repeat"), (16, "sequence"), (7, "pad"), (5, "sequence")])
 def test_jacobi_equals_greedy_ar_and_terminates(block_size, initial_guess):
     target = tiny_model("llama", seed=53, vocab_size=16, layers=3)
     ar = AutoregressiveDecoder(ModelRunner(target))

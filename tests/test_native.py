@@ -330,7 +330,9 @@ def test_a_weight_the_native_kernel_cannot_read_falls_back_to_f_linear():
     with torch.inference_mode():
         half = torch.randn(8, 16, generator=gen).bfloat16()
         assert path.route(half, None, 3)(x.bfloat16()).dtype == torch.bfloat16
-        torch.testing.assert_close(path.route(half, None, 3)(x.bfloat16()), torch.nn.functional.linear(x.bfloat16(), half),
+        torch.testing.assert_close(path.route(half, None, 3)(x.bfloat16()),
+                                   torch.nn.functional.linear(x.bfloat16(), half),
                                    rtol=0, atol=0)
         view = torch.randn(16, 8, generator=gen).T  # [8, 16], not contiguous
-        torch.testing.assert_close(path.route(view, None, 3)(x), torch.nn.functional.linear(x, view), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(path.route(view, None, 3)(x), torch.nn.functional.linear(x, view), rtol=1e-5,
+                                   atol=1e-5)

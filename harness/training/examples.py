@@ -38,7 +38,8 @@ class Example:
     answer_start: int
     hidden: torch.Tensor | None = None  # [T, H] target's last hidden state (after the final norm); may be 16-bit
     top: torch.Tensor | None = None  # [T] the target's argmax at each position (predicts token t + 1)
-    features: torch.Tensor | None = None  # [T, 3H] EAGLE-3: the inputs of the target's three feature layers; may be 16-bit
+    # [T, 3H] EAGLE-3: the inputs of the target's three feature layers; may be 16-bit
+    features: torch.Tensor | None = None
 
 
 def load_examples(file: Path) -> list[Example]:
@@ -213,7 +214,8 @@ class _Journal:
             state = json.loads(self.file.read_text())
         except (OSError, ValueError):
             return False
-        return (state.get("settings") == self.settings and self.data.is_file() and self.data.stat().st_size == data_bytes
+        return (state.get("settings") == self.settings and self.data.is_file()
+                and self.data.stat().st_size == data_bytes
                 and self.top_file.is_file())
 
     def start(self, resume: bool, positions: int) -> tuple[set[int], float]:
@@ -254,12 +256,14 @@ def _forward(target, examples, batches, lengths, compute, device):
 
 
 def _convert_to_bf16(target, examples, cache, offsets, width_d, ctx, batches, lengths, compute) -> None:
-    rows = np.memmap(cache.with_name(cache.name + ".bin"), dtype=np.uint16, mode="r+", shape=(int(offsets[-1]), width_d))
+    rows = np.memmap(cache.with_name(cache.name + ".bin"), dtype=np.uint16, mode="r+",
+                     shape=(int(offsets[-1]), width_d))
     device = target.get_output_embeddings().weight.device
     for chunk, states, _ in _forward(target, examples, batches[ctx.rank::ctx.world], lengths, compute, device):
         states = states.cpu()  # recomputed: float16 overflowed
         for row, i in enumerate(chunk):
-            rows[offsets[i]:offsets[i + 1]] = states[row, :lengths[i]].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            rows[offsets[i]:offsets[i + 1]] = states[row,
+                                                     :lengths[i]].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     rows.flush()
     distributed.barrier()
 
