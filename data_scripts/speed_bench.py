@@ -48,6 +48,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from data_scripts.errors import HubUnavailable
+
 REPO_ID = "nvidia/SPEED-Bench"
 CONFIGS = ("qualitative", "throughput_1k", "throughput_2k", "throughput_8k", "throughput_16k", "throughput_32k")
 CATEGORIES = ("coding", "humanities", "math", "multilingual", "qa", "rag", "reasoning", "roleplay", "stem",
@@ -166,7 +168,7 @@ def rebuild_for(row: dict, config: str) -> Rebuild | None:
 
 def open_table(table: Table) -> Iterable[dict]:
     """A table's rows, streamed from the Hub (or its files)."""
-    from datasets import load_dataset
+    from datasets import load_dataset  # lazy: datasets, slow to import: only to read a source table
 
     if table.data_files:
         return load_dataset("json", data_files=list(table.data_files), split="train", streaming=True)
@@ -181,11 +183,9 @@ def _remedy(config: str) -> str:
 
 def fetch(references: list[Reference], config: str, opener: Callable[[Table], Iterable[dict]] | None) -> dict:
     """The source rows references name, each table streamed once: {(table, key, value): row}."""
-    from data_scripts.prepare import HubUnavailable
-
     name = dataset_name(config)
     if opener is None:
-        from methods.models.specs import hub_reachable
+        from methods.models.specs import hub_reachable  # lazy: methods imports torch: only to reach the Hub
 
         if not hub_reachable():
             tables = ", ".join(sorted({r.table.repo for r in references}))
