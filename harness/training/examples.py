@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,10 +61,16 @@ _HIDDEN = "hidden"  # the kind of attach_hidden's cache (an index without a `kin
 
 
 def _attach_from(cache: Path, examples: list[Example], kind: str, fields: dict[str, int]) -> bool:
-    """Attach memory-mapped views of the cache when it holds exactly these examples and fields."""
+    """Attach memory-mapped views of the cache when it holds exactly these examples and fields. A missing cache, or
+    one torch cannot read back (truncated, not a torch archive, a pickle it refuses), is recomputed; any other error
+    propagates."""
     try:
         index = torch.load(cache, weights_only=True)
-    except Exception:
+    except FileNotFoundError:
+        return False
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:  # unreadable: corrupt or truncated
+        print(f"{cache}: unreadable cache ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+              "recomputing it", flush=True)
         return False
     if not isinstance(index, dict) or index.get("version") != 2 or index.get("digest") != _digest(examples):
         return False
