@@ -491,7 +491,7 @@ def test_bootstrap_interval_brackets_the_median():
 
 
 def hand_written_bootstrap(statistic, pairs, reps=2000, seed=0):
-    """The suite's bootstrap before scipy's (harness/metrics.py until issue 38): resample the
+    """The suite's bootstrap before scipy's (harness/running/metrics.py until issue 38): resample the
     questions with `random.choices`, sort, read the 2.5% and 97.5% order statistics."""
     import random
 

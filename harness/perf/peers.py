@@ -224,7 +224,7 @@ def say(line: str) -> None:
 def run_peers(args, model, tokenizer, config, device, result: dict) -> dict:
     """Measure the peers; print the table; return {"peers": {...}} for perf's JSON. Never raises for
     a missing or failing peer: it is skipped with a one-line reason."""
-    print("peers (harness/peers.py): our PLD, generate's PLD, llama.cpp", flush=True)
+    print("peers (harness/perf/peers.py): our PLD, generate's PLD, llama.cpp", flush=True)
     dtype = next(model.parameters()).dtype
     template = ChatTemplate.for_model(config, tokenizer)
     prompts = spec_bench_prompts(template, args.questions)

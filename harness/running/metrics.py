@@ -310,7 +310,7 @@ def busy_questions(*sides: list[dict]) -> dict:
 
 def shared_node_questions(*sides: list[dict]) -> dict | None:
     """Under SLURM: the questions some side of which ran while other jobs ran on the same node
-    (`machine.slurm.other_jobs`, harness/cluster.py), and the most such jobs; None outside SLURM."""
+    (`machine.slurm.other_jobs`, harness/cluster/slurm.py), and the most such jobs; None outside SLURM."""
     jobs = [(qid, state["slurm"].get("other_jobs") or 0) for qid, state in _machine_states(*sides)
             if state.get("slurm")]
     if not jobs:

@@ -71,7 +71,7 @@ class EagleHead(nn.Module):
         return self.inputs(tokens, features), None
 
     def fused(self):
-        """(layer, rope table) on the engine's fused forward (`engine/fused.py`) for drafting, or
+        """(layer, rope table) on the engine's fused forward (`methods/engine/fused.py`) for drafting, or
         None where its layer type is not supported; training keeps `forward`."""
         if unsupported_layers(self.config, self.rotary_emb):
             return None

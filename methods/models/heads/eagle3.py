@@ -91,7 +91,7 @@ class Eagle3Head(nn.Module):
         self.vocabulary: DraftVocabulary | None = None  # the target ids of the draft vocabulary (None: all, in order)
 
     def fused(self):
-        """(layer, rope table) on the engine's fused forward (`engine/fused.py`) for drafting: the
+        """(layer, rope table) on the engine's fused forward (`methods/engine/fused.py`) for drafting: the
         midlayer as a fused layer whose q, k, v read `layer_inputs`' second part; None where its
         layer type is not supported; training keeps `forward`."""
         if unsupported_layers(self.config, self.rotary_emb):
