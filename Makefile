@@ -119,7 +119,7 @@ perf-contention: setup
 	$(PY) -m harness.perf.contention $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m ruff check . && $(PY) -m pytest -q tests
 
 # LazyLLM: TTFT of full vs pruned prefill, and accuracy of both, at ~1k/2k/4k/8k-token prompts
 # (the suite's own needle-in-a-haystack set, `dataset=needle`). float32: bf16 GEMMs are emulated on CPUs without

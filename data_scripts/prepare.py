@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
+import random
 import sys
 import zipfile
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from data_scripts import speed_bench
+from data_scripts.errors import HubUnavailable
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -127,10 +130,6 @@ DATASETS = {d.name: d for d in [
 ]}
 
 
-class HubUnavailable(SystemExit):
-    pass
-
-
 def _offline(name: str, source: HubSource, err: Exception) -> HubUnavailable:
     out = DATASETS[name].out if name in DATASETS else f"data/{name}/questions.jsonl"
     return HubUnavailable(
@@ -144,12 +143,12 @@ def _offline(name: str, source: HubSource, err: Exception) -> HubUnavailable:
 def hub_rows(dataset: Dataset, local_files: list[str] | None = None) -> Iterator[dict]:
     """Rows of the split, streamed; `local_files` (json/jsonl/parquet in the Hub's own format)
     replaces the Hub for tests and mirrors."""
-    from datasets import load_dataset
+    from datasets import load_dataset  # lazy: datasets, slow to import: not for --help or a prepared split
 
     if local_files:
         builder = "parquet" if local_files[0].endswith(".parquet") else "json"
         return iter(load_dataset(builder, data_files=local_files, split="train", streaming=True))
-    from methods.models.specs import hub_reachable
+    from methods.models.specs import hub_reachable  # lazy: methods imports torch: only to reach the Hub
 
     source = dataset.source
     if not hub_reachable():
@@ -164,13 +163,13 @@ def hub_rows(dataset: Dataset, local_files: list[str] | None = None) -> Iterator
 def longbench_rows(tasks: Iterable[str], archive: Path | None = None) -> Iterator[dict]:
     """LongBench's task files from its data.zip (downloaded once from the Hub)."""
     if archive is None:
-        from methods.models.specs import hub_reachable
+        from methods.models.specs import hub_reachable  # lazy: methods imports torch: only to reach the Hub
 
         source = DATASETS["longbench"].source
         if not hub_reachable():
             raise _offline("longbench", source, ConnectionError("the Hub is not reachable from this machine"))
         try:
-            from huggingface_hub import hf_hub_download
+            from huggingface_hub import hf_hub_download  # lazy: the Hub client, only without a local archive
 
             archive = Path(hf_hub_download(source.repo, "data.zip", repo_type="dataset"))
         except Exception as err:
@@ -189,9 +188,6 @@ def longbench_rows(tasks: Iterable[str], archive: Path | None = None) -> Iterato
 
 def sample(rows: Iterator[dict], n: int | None, seed: int | None, buffer: int = 10_000) -> list[tuple[int, dict]]:
     """The first n rows, or n rows drawn with `seed` from the first `buffer` rows; (index, row)."""
-    import itertools
-    import random
-
     indexed = enumerate(rows)
     if seed is None:
         return list(itertools.islice(indexed, n)) if n else list(indexed)
@@ -224,11 +220,17 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dataset", help=f"one of {', '.join(sorted(DATASETS))}, or all")
     parser.add_argument("--n", type=int, default=None, help="questions to keep (per task for longbench); default all")
-    parser.add_argument("--seed", type=int, default=None, help="draw the sample with this seed instead of taking the first n")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="draw the sample with this seed instead of taking the first n")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tasks", default=",".join(LONGBENCH_TASKS), help="longbench tasks, comma-separated")
-    parser.add_argument("--local-files", nargs="+", default=None, metavar="FILE",
-                        help="read the split from these files (json, jsonl or parquet, in the Hub's format) instead of the Hub")
+    parser.add_argument(
+        "--local-files",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="read the split from these files (json, jsonl or parquet, in the Hub's format) instead of the Hub",
+    )
     args = parser.parse_args(argv)
     names = sorted(n for n, d in DATASETS.items() if d.in_all) if args.dataset == "all" else [args.dataset]
     if args.local_files and len(names) > 1:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import sys
 import urllib.request
 from pathlib import Path
 

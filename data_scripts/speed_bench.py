@@ -2,7 +2,8 @@
 
     python -m data_scripts.prepare speed_bench                   # qualitative: 880 prompts, 11 categories x 80
     python -m data_scripts.prepare speed_bench_throughput_1k     # 1,536 prompts of ~1k tokens (_2k, _8k, _16k, _32k)
-    python -m data_scripts.prepare speed_bench_throughput_1k --local-files <specdec_bench>/data/speed/throughput_1k/test.parquet
+    python -m data_scripts.prepare speed_bench_throughput_1k \\
+        --local-files <specdec_bench>/data/speed/throughput_1k/test.parquet
 
 Configs (split `test`): `qualitative`, categories coding, humanities, math, multilingual, qa, rag,
 reasoning, roleplay, stem, summarization, writing (80 each); `throughput_{1,2,8,16,32}k`, prompts
@@ -46,6 +47,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
+
+from data_scripts.errors import HubUnavailable
 
 REPO_ID = "nvidia/SPEED-Bench"
 CONFIGS = ("qualitative", "throughput_1k", "throughput_2k", "throughput_8k", "throughput_16k", "throughput_32k")
@@ -116,12 +119,16 @@ LIVECODEBENCH = Table("livecodebench/code_generation_lite", data_files=tuple(
     for name in ("test", "test2", "test3", "test4", "test5", "test6")))
 
 REBUILT = (
-    Rebuild("abisee/cnn_dailymail", lambda row, config: Reference(Table("abisee/cnn_dailymail", "3.0.0"), "id", row["src_id"]),
+    Rebuild("abisee/cnn_dailymail",
+            lambda row, config: Reference(Table("abisee/cnn_dailymail", "3.0.0"), "id", row["src_id"]),
             lambda row, src: [template(row).format(article=src["article"])]),
-    Rebuild("livecodebench/code_generation_lite", lambda row, config: Reference(LIVECODEBENCH, "question_id", row["src_id"]),
-            lambda row, src: [template(row).format(question=src["question_content"], starter_code=src["starter_code"])]),
+    Rebuild("livecodebench/code_generation_lite",
+            lambda row, config: Reference(LIVECODEBENCH, "question_id", row["src_id"]),
+            lambda row, src: [template(row).format(question=src["question_content"],
+                                                   starter_code=src["starter_code"])]),
     Rebuild("deepmind/code_contests",
-            lambda row, config: Reference(Table("deepmind/code_contests", revision="802411c3010cb00d1b05bad57ca77365a3c699d6"),
+            lambda row, config: Reference(Table("deepmind/code_contests",
+                                                revision="802411c3010cb00d1b05bad57ca77365a3c699d6"),
                                           "name", row["src_id"]),
             lambda row, src: [template(row).format(question=src["description"])]),
     Rebuild("Helsinki-NLP/opus-100",  # src_id: <x>_<language pair>_<index>
@@ -161,7 +168,7 @@ def rebuild_for(row: dict, config: str) -> Rebuild | None:
 
 def open_table(table: Table) -> Iterable[dict]:
     """A table's rows, streamed from the Hub (or its files)."""
-    from datasets import load_dataset
+    from datasets import load_dataset  # lazy: datasets, slow to import: only to read a source table
 
     if table.data_files:
         return load_dataset("json", data_files=list(table.data_files), split="train", streaming=True)
@@ -176,11 +183,9 @@ def _remedy(config: str) -> str:
 
 def fetch(references: list[Reference], config: str, opener: Callable[[Table], Iterable[dict]] | None) -> dict:
     """The source rows references name, each table streamed once: {(table, key, value): row}."""
-    from data_scripts.prepare import HubUnavailable
-
     name = dataset_name(config)
     if opener is None:
-        from methods.models.specs import hub_reachable
+        from methods.models.specs import hub_reachable  # lazy: methods imports torch: only to reach the Hub
 
         if not hub_reachable():
             tables = ", ".join(sorted({r.table.repo for r in references}))
@@ -206,7 +211,8 @@ def fetch(references: list[Reference], config: str, opener: Callable[[Table], It
                     break
         except Exception as err:  # the Hub client raises many types (a gated dataset, a missing revision)
             raise HubUnavailable(f"{name}: could not read {table.repo} ({table.config or 'default'}) to rebuild "
-                                 f"prompts stored by src_id: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. "
+                                 f"prompts stored by src_id: {type(err).__name__}: "
+                                 f"{str(err).splitlines()[0] if str(err) else ''}. "
                                  f"{_remedy(config)}.") from None
     return found
 
@@ -229,9 +235,9 @@ def resolve_rows(rows: list[tuple[int, dict]], config: str,
         sources = "; ".join(f"{n} from {source}" for source, n in sorted(missing.items()))
         first = next(row["question_id"] for _, row, rebuild in pending if rebuild is None)
         raise Unresolved(
-            f"{dataset_name(config)}: {sum(missing.values())} row(s) store their prompt by src_id in sources this suite "
-            f"does not rebuild ({sources}; first: question_id {first}): their prompts are built by NVIDIA's own code. "
-            f"{_remedy(config)}.")
+            f"{dataset_name(config)}: {sum(missing.values())} row(s) store their prompt by src_id in sources this "
+            f"suite does not rebuild ({sources}; first: question_id {first}): their prompts are built by "
+            f"NVIDIA's own code. {_remedy(config)}.")
     if not pending:
         return rows
     references = {row["question_id"]: _refer(rebuild, row, config) for _, row, rebuild in pending}

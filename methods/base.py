@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import copy
 import importlib
-from importlib.metadata import entry_points
 import pkgutil
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Sequence
 
@@ -199,7 +199,8 @@ class BuildContext:
             raise ValueError(f"method.draft_vocab={choice!r}; valid: auto, full, or a positive number of tokens")
         if not setting.get("frequencies"):
             raise ValueError(f"method.draft_vocab={size}: model {self.model_name!r} names no token-frequency file; "
-                             "set model.draft_vocabulary.frequencies=/path/to/frequencies.json or method.draft_vocab=full")
+                             "set model.draft_vocabulary.frequencies=/path/to/frequencies.json or "
+                             "method.draft_vocab=full")
         file = ModelSpec.from_mapping({"path": setting["frequencies"]}).path
         config = self.target_model.config
         full = self.target_model.get_output_embeddings().out_features
@@ -257,8 +258,10 @@ def available_methods() -> list[str]:
         try:
             entry.load()
         except Exception as err:
-            raise ImportError(f"the {ENTRY_POINTS} entry point {entry.name} = {entry.value} "
-                              f"(from {entry.dist.name if entry.dist else 'an installed package'}) fails to import: {err}") from err
+            raise ImportError(
+                f"the {ENTRY_POINTS} entry point {entry.name} = {entry.value} "
+                f"(from {entry.dist.name if entry.dist else 'an installed package'}) fails to import: {err}"
+            ) from err
     return sorted(_REGISTRY)
 
 
@@ -410,7 +413,8 @@ class DraftVerifyDecoder(Decoder):
     def _accept(self, tree: Tree, logits: torch.Tensor, extra: torch.Tensor | None = None) -> Acceptance:
         if self.sampling.greedy:
             return greedy_accept_logits(tree, logits, extra)
-        return self.sample_accept(tree, logits_to_probs(logits, self.sampling), self.generator, logits=logits, extra=extra)
+        return self.sample_accept(tree, logits_to_probs(logits, self.sampling), self.generator, logits=logits,
+                                  extra=extra)
 
     # Swappable so that tests can show a broken acceptor is caught.
     sample_accept = staticmethod(sample_accept)
@@ -419,7 +423,9 @@ class DraftVerifyDecoder(Decoder):
     def _count(stats: DecodeStats, tree: Tree, acceptance: Acceptance) -> None:
         stats.drafted_tokens += len(tree) - 1
         stats.accepted_drafts += acceptance.accepted_drafts
-        if acceptance.path_children is not None:  # a tree whose structure stayed on the device: read with the acceptance
+        # a tree whose structure stayed on the device: read with the acceptance
+        if acceptance.path_children is not None:
             stats.count_step(acceptance.tree_depth, acceptance.path_children, acceptance.accepted_drafts)
         else:
-            stats.count_step(max(tree.depths), [bool(tree.children[n]) for n in acceptance.path], acceptance.accepted_drafts)
+            stats.count_step(max(tree.depths), [bool(tree.children[n]) for n in acceptance.path],
+                             acceptance.accepted_drafts)

@@ -46,17 +46,17 @@ from typing import Sequence
 import torch
 
 from .base import BuildContext, DraftVerifyDecoder, register
-from .models.heads.eagle import EagleHead, load_eagle_head
 from .engine.graphs import capture, static_layer, static_mask
-from .engine.kv_cache import TreeKVCache
-from .models.heads.source import head_setting, head_spec
 from .engine.hardware import forward_latency, latency_curve
-from .engine.sizing import verify_cost
+from .engine.kv_cache import TreeKVCache
 from .engine.params import Settings, integer, one_of, paths, setting
 from .engine.sampling import draw_children, logits_to_probs
+from .engine.sizing import verify_cost
 from .engine.static_trees import NAMED_TREES, StaticTree
-from .engine.vocab import draft_vocab_setting
 from .engine.tree import DeviceTree, Tree, ancestors_of, attention_mask, level_mask
+from .engine.vocab import draft_vocab_setting
+from .models.heads.eagle import EagleHead, load_eagle_head
+from .models.heads.source import head_setting, head_spec
 
 
 class EagleDrafter:
@@ -178,7 +178,11 @@ class StaticDraft:
     @torch.inference_mode()
     def run(self, key: int) -> tuple[torch.Tensor, ...]:
         drafter = self.decoder.drafter
-        if self.hidden is None or self.hidden.shape != drafter.root_hidden.shape or self.logits.shape != drafter.root_logits.shape:
+        if (
+            self.hidden is None
+            or self.hidden.shape != drafter.root_hidden.shape
+            or self.logits.shape != drafter.root_logits.shape
+        ):
             self.hidden, self.logits = torch.empty_like(drafter.root_hidden), torch.empty_like(drafter.root_logits)
             self.start = torch.zeros(1, dtype=torch.long, device=drafter.device)
             self.graph = None
@@ -199,8 +203,12 @@ class StaticDraft:
 
     def compute(self, key: int) -> tuple[torch.Tensor, ...]:
         drafter = self.decoder.drafter
-        return self.decoder.draft_levels(self.hidden, self.logits, key,
-                                         lambda tokens, hidden, depth, seen: drafter.feed_static(tokens, hidden, depth, seen, self.start))
+        return self.decoder.draft_levels(
+            self.hidden,
+            self.logits,
+            key,
+            lambda tokens, hidden, depth, seen: drafter.feed_static(tokens, hidden, depth, seen, self.start),
+        )
 
 
 @dataclass(frozen=True)
@@ -231,7 +239,8 @@ class _EagleBase(DraftVerifyDecoder):
 
     # the draft loop a `StaticDraft` runs: its levels from the root's state, fed by `feed`; the head
     # entries a loop of depth `key` feeds; the depth a graph is captured at
-    def draft_levels(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, key: int, feed) -> tuple[torch.Tensor, ...]:
+    def draft_levels(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, key: int,
+                     feed) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
     def drafted_entries(self, key: int) -> int:
@@ -251,7 +260,8 @@ class _EagleBase(DraftVerifyDecoder):
 
     def make_drafter(self, head, vocabulary) -> EagleDrafter:
         drafter = EagleDrafter(head, self.target.lm_head, vocabulary)
-        self.target.cover(head, *drafter.linears, *([vocabulary.head(self.target.lm_head.weight)] if vocabulary else []))
+        self.target.cover(head, *drafter.linears,
+                          *([vocabulary.head(self.target.lm_head.weight)] if vocabulary else []))
         return drafter
 
     def features(self, out) -> torch.Tensor:
@@ -287,10 +297,15 @@ class EagleSettings(Settings):
     paper = "Li et al. 2024 (SafeAILab/EAGLE)"
     draft_kind = "eagle"
 
-    tree: str | list = setting("auto", one_of("auto", *NAMED_TREES) | paths(), "auto = EAGLE's own 25-node tree cut to what this machine verifies nearly free; eagle_mc_sim_7b_63 (upstream's, whole); or a list of paths")
+    tree: str | list = setting("auto", one_of("auto", *NAMED_TREES) | paths(),
+                               "auto = EAGLE's own 25-node tree cut to what this machine verifies nearly free; "
+                               "eagle_mc_sim_7b_63 (upstream's, whole); or a list of paths")
     draft_vocab: int | str = draft_vocab_setting()
     head: dict | None = head_setting("eagle")
-    sampling_rule: str = setting("eagle1", one_of(*SAMPLING_RULES), "temperature > 0 only: eagle1 = EAGLE-1's (children sampled from the head without replacement, multi-candidate verification with the head's q); eagle2 = top-k children, EAGLE-2's rule (accept x with probability p(x)). Greedy: the same")
+    sampling_rule: str = setting("eagle1", one_of(*SAMPLING_RULES),
+                                 "temperature > 0 only: eagle1 = EAGLE-1's (children sampled from the head without "
+                                 "replacement, multi-candidate verification with the head's q); eagle2 = top-k "
+                                 "children, EAGLE-2's rule (accept x with probability p(x)). Greedy: the same")
 
     batchable = True
 
@@ -299,7 +314,10 @@ class EagleSettings(Settings):
 class DynamicTreeSettings(Settings):
     """EAGLE-2's dynamic tree (EAGLE-3 drafts the same tree)."""
 
-    total_tokens: int | str = setting("adaptive", one_of("adaptive", "auto") | integer(2), "adaptive = sized per step from the machine's latency curve and the path probabilities; 60 (upstream's 7B default), or auto (EAGLE-2's -1: times target forwards at 40..60)")
+    total_tokens: int | str = setting("adaptive", one_of("adaptive", "auto") | integer(2),
+                                      "adaptive = sized per step from the machine's latency curve and the path "
+                                      "probabilities; 60 (upstream's 7B default), or auto (EAGLE-2's -1: times target "
+                                      "forwards at 40..60)")
     depth: int = setting(5, integer(0), "expansion steps (up to depth + 1 draft tokens per path)")
     top_k: int = setting(10, integer(1), "children kept per expanded node")
 
@@ -348,7 +366,8 @@ class EagleDecoder(_EagleBase):
             draft_probs = None
         else:
             with torch.inference_mode():
-                tokens, draft_probs = self._fill(drafter.root_hidden, drafter.root_logits, depth_limit, drafter.feed_level, sampled)
+                tokens, draft_probs = self._fill(drafter.root_hidden, drafter.root_logits, depth_limit,
+                                                 drafter.feed_level, sampled)
         _, parents, _ = self.plan(depth_limit)
         tokens = torch.cat([tokens.new_tensor([root]), tokens[1:]])
         return Tree(tokens, parents, draft_probs, without_replacement=sampled)
@@ -439,7 +458,8 @@ class Eagle2Decoder(_EagleBase):
                  top_k: int = Eagle2Settings.top_k, vocabulary=None):
         super().__init__(target, head, vocabulary)
         if total_tokens < 2 or depth < 0 or top_k < 1:
-            raise ValueError(f"eagle2 needs total_tokens >= 2, depth >= 0, top_k >= 1; got {total_tokens}, {depth}, {top_k}")
+            raise ValueError(f"eagle2 needs total_tokens >= 2, depth >= 0, top_k >= 1; got {total_tokens}, {depth}, "
+                             f"{top_k}")
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
         self.total_tokens_timing: dict | None = None
         self.verify_seconds: dict[int, float] | None = None  # adaptive sizing: target forward seconds by tokens
@@ -453,7 +473,8 @@ class Eagle2Decoder(_EagleBase):
     def propose(self, root: int, budget: int) -> Tree:
         started = time.perf_counter()
         tree = self._propose(root, budget)
-        if self.verify_seconds is not None:  # this step's drafting: the head following the last accepted path, then this tree
+        # this step's drafting: the head following the last accepted path, then this tree
+        if self.verify_seconds is not None:
             step = time.perf_counter() - started + self._follow_seconds
             self.draft_seconds += 0.1 * (step - self.draft_seconds)
         return tree
@@ -487,7 +508,8 @@ class Eagle2Decoder(_EagleBase):
             tokens, parents, values = self._expand(drafter.root_hidden, drafter.root_logits, levels, drafter.feed_level)
         return self._rerank(root, tokens, parents, values, levels)
 
-    def _expand(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, levels: int, feed) -> tuple[torch.Tensor, ...]:
+    def _expand(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, levels: int,
+                feed) -> tuple[torch.Tensor, ...]:
         """EAGLE-2's expansion: the top-k children of the root, then per level the top-k children of
         the k best frontier nodes, of which the k best by path value form the next frontier. Returns
         every candidate's token, parent (-1: the root) and path value (cumulative log-probability),
@@ -513,14 +535,16 @@ class Eagle2Decoder(_EagleBase):
             values.append(cumulative)
             best = torch.topk(cumulative, k).indices
             parent = best // k  # each new frontier node's parent, a row of this level
-            seen = torch.cat([seen[parent], parent[:, None] == torch.arange(k, device=device)], 1)  # (one_hot reads its bounds)
+            # (one_hot reads its bounds)
+            seen = torch.cat([seen[parent], parent[:, None] == torch.arange(k, device=device)], 1)
             frontier_ids = best + count
             count += k * k
             frontier_values = cumulative[best]
             frontier_hidden = hidden[parent]
         return torch.cat(tokens), torch.cat(parents), torch.cat(values)
 
-    def _rerank(self, root: int, tokens: torch.Tensor, parents: torch.Tensor, values: torch.Tensor, levels: int) -> Tree:
+    def _rerank(self, root: int, tokens: torch.Tensor, parents: torch.Tensor, values: torch.Tensor,
+                levels: int) -> Tree:
         """Keep the best `total_tokens - 1` candidates; ties go to the earlier candidate (a stable
         sort), so a kept node's ancestors (never worth less) are kept too; the kept candidates in
         creation order (ancestors before descendants) are the tree's nodes.
@@ -531,16 +555,19 @@ class Eagle2Decoder(_EagleBase):
         order = torch.sort(values, descending=True, stable=True).indices[:keep]
         if self.verify_seconds is None:
             return self._device_tree(root, tokens, parents, order.sort().values, levels)
-        ids, ups, probabilities = torch.stack([order.double(), parents[order].double(), values[order].exp().double()]).tolist()
+        ids, ups, probabilities = torch.stack([order.double(), parents[order].double(),
+                                               values[order].exp().double()]).tolist()
         ids = ids[:self.adaptive_size(probabilities)]
         kept = sorted(int(c) for c in ids)
-        node_of = {c: node for node, c in enumerate(kept, start=1)}  # candidate -> its node (the root's children: parent 0)
+        # candidate -> its node (the root's children: parent 0)
+        node_of = {c: node for node, c in enumerate(kept, start=1)}
         parent_of = dict(zip((int(c) for c in ids), (int(p) for p in ups)))
         tree_parents = [node_of.get(parent_of[c], 0) for c in kept]
         chosen = tokens[torch.tensor(kept, dtype=torch.long, device=tokens.device)]
         return Tree(torch.cat([tokens.new_tensor([root]), chosen]), [-1] + tree_parents)
 
-    def _device_tree(self, root: int, tokens: torch.Tensor, parents: torch.Tensor, kept: torch.Tensor, levels: int) -> DeviceTree:
+    def _device_tree(self, root: int, tokens: torch.Tensor, parents: torch.Tensor, kept: torch.Tensor,
+                     levels: int) -> DeviceTree:
         """The tree of the `kept` candidates (ids, ascending) built where they are: a node's parent
         is its parent candidate's place among them, its depth the level its candidate was drafted at."""
         k = self.branching()
@@ -597,7 +624,8 @@ def build_eagle(target, settings: EagleSettings, context: BuildContext) -> Eagle
     return decoder
 
 
-def build_dynamic(decoder_class, target, head, settings: DynamicTreeSettings, context: BuildContext, **extra) -> Eagle2Decoder:
+def build_dynamic(decoder_class, target, head, settings: DynamicTreeSettings, context: BuildContext,
+                  **extra) -> Eagle2Decoder:
     """An EAGLE-2-tree decoder with `method.total_tokens` (a number, `auto` or `adaptive`), `depth`, `top_k`."""
     total = settings.total_tokens
     decoder = decoder_class(target, head, total_tokens=60 if isinstance(total, str) else int(total),

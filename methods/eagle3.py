@@ -20,8 +20,8 @@ import torch
 from .base import BuildContext, register
 from .eagle import DynamicTreeSettings, Eagle2Decoder, EagleDrafter, build_dynamic
 from .engine.params import integer, setting
-from .models.heads.source import head_setting, head_spec
 from .models.heads.eagle3 import Eagle3Head, load_eagle3_head
+from .models.heads.source import head_setting, head_spec
 
 
 class Eagle3Drafter(EagleDrafter):
@@ -49,7 +49,8 @@ class Eagle3Settings(DynamicTreeSettings):
     paper = "Li et al. 2025 (SafeAILab/EAGLE)"
     draft_kind = "eagle3"
 
-    depth: int = setting(7, integer(0), "expansion steps (up to depth + 1 draft tokens per path); upstream's EAGLE-3 default")
+    depth: int = setting(7, integer(0),
+                         "expansion steps (up to depth + 1 draft tokens per path); upstream's EAGLE-3 default")
     head: dict | None = head_setting("eagle3")
 
 
@@ -76,5 +77,6 @@ class Eagle3Decoder(Eagle2Decoder):
 
 @register("eagle3", settings=Eagle3Settings)
 def build_eagle3(target, settings: Eagle3Settings, context: BuildContext) -> Eagle3Decoder:
-    head = load_eagle3_head(head_spec({"name": "eagle3", **settings.to_dict()}, context, "eagle3"), context.target_model)
+    head = load_eagle3_head(head_spec({"name": "eagle3", **settings.to_dict()}, context, "eagle3"),
+                            context.target_model)
     return build_dynamic(Eagle3Decoder, target, head, settings, context)

@@ -33,10 +33,9 @@ from .engine.sampling import logits_to_probs
 from .engine.static_trees import NAMED_TREES, StaticTree, template_tokens
 from .engine.tree import Tree, attention_mask
 from .engine.vocab import draft_vocab_setting
-from .models.heads.source import head_setting, head_spec
 from .models.heads.hydra import HydraHeads, load_hydra_heads
+from .models.heads.source import head_setting, head_spec
 from .models.specs import PROJECT_ROOT, ModelUnavailableError
-
 
 ACCEPTANCE = ("exact", "typical")
 
@@ -50,10 +49,19 @@ class HydraSettings(Settings):
     draft_kind = "hydra"
     lossless = "yes (not `acceptance=typical`)"
 
-    tree: str | list = setting("auto", one_of("auto", *NAMED_TREES) | paths(), "auto = Hydra's mc_sim_7b_63 (upstream's default; listed by estimated acceptance) cut to what this machine verifies nearly free; hydra_mc_sim_7b_63 (whole); or a list of paths")
-    draft_vocab: int | str = draft_vocab_setting(" (heads saved with their own reduced projection, `draft_ids`, use theirs)")
+    tree: str | list = setting(
+        "auto",
+        one_of("auto", *NAMED_TREES) | paths(),
+        "auto = Hydra's mc_sim_7b_63 (upstream's default; listed by estimated acceptance) cut "
+        "to what this machine verifies nearly free; hydra_mc_sim_7b_63 (whole); or a list of paths",
+    )
+    draft_vocab: int | str = draft_vocab_setting(
+        " (heads saved with their own reduced projection, `draft_ids`, use theirs)"
+    )
     head: dict | None = head_setting("hydra")
-    acceptance: str = setting("exact", one_of(*ACCEPTANCE), "exact (greedy / lossless sampling) | typical (upstream's sampling rule, Medusa's; LOSSY: marked in results)")
+    acceptance: str = setting("exact", one_of(*ACCEPTANCE),
+                              "exact (greedy / lossless sampling) | typical (upstream's sampling rule, Medusa's; "
+                              "LOSSY: marked in results)")
     typical_epsilon: float = setting(0.09, number(0, 1), "typical acceptance's epsilon (upstream's)")
     typical_delta: float = setting(0.3, number(0), "typical acceptance's delta (upstream's)")
 
@@ -90,7 +98,8 @@ class HydraDecoder(DraftVerifyDecoder):
 
     def describe(self):
         heads = self.heads
-        vocab = len(heads.draft_ids) if heads.draft_ids is not None else (len(self.vocabulary) if self.vocabulary else None)
+        vocab = len(heads.draft_ids) if heads.draft_ids is not None else (len(self.vocabulary) if self.vocabulary
+                                                                          else None)
         return {**super().describe(), "lossless": self.lossless, "acceptance": self.acceptance,
                 "tree_nodes": len(self.tree), "tree_depth": self.tree.max_depth,
                 "heads": heads.num_heads, "head_layers": heads.num_layers, "head_arch": heads.arch,
@@ -185,7 +194,8 @@ class HydraDecoder(DraftVerifyDecoder):
         """Medusa's tree: head d-1's r-th candidate under every parent at depth d."""
         tree = self.tree
         dtype = self.heads.projection(0).weight.dtype
-        candidates = [torch.topk(self._logits(d, self.heads.features(d, self.h.to(dtype)[None]))[0], tree.top_k(d + 1)).indices
+        candidates = [torch.topk(self._logits(d, self.heads.features(d, self.h.to(dtype)[None]))[0],
+                                 tree.top_k(d + 1)).indices
                       for d in range(depth)]
         return Tree(template_tokens(root, candidates, tree, count), tree.parents[:count])
 
@@ -196,7 +206,8 @@ def _missing_embedded_heads(spec, context: BuildContext) -> None:
     path = str(spec.path)
     if path.startswith("drafts/") and not (PROJECT_ROOT / path).exists():
         raise ModelUnavailableError(
-            f"no Hydra heads at {path} yet: train them with `python -m harness.training hydra --model {context.model_name}` "
+            f"no Hydra heads at {path} yet: train them with `python -m harness.training hydra --model "
+            f"{context.model_name}` "
             f"(on the corpus of `python -m harness.training data --model {context.model_name}`), or set "
             f"method.head.path=<a Hydra checkpoint folder or Hub id>")
 

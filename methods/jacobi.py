@@ -36,15 +36,21 @@ class JacobiSettings(Settings):
     paper = "Santilli et al. 2023; CLLM, Kou et al. 2024"
     lossless = "yes (greedy only)"
 
-    block_size: int | str | None = setting(None, null() | one_of("auto") | integer(2), "n tokens per block; null = the model's jacobi_block_size (CLLMs), else auto: the longest block this machine verifies nearly free (hardware profile)")
-    initial_guess: str = setting("sequence", one_of(*INITIAL_GUESSES), "sequence (random tokens of prompt + output so far, as upstream CLLM scripts) | prompt (of the prompt only) | repeat (the last token) | pad")
+    block_size: int | str | None = setting(None, null() | one_of("auto") | integer(2),
+                                           "n tokens per block; null = the model's jacobi_block_size (CLLMs), else "
+                                           "auto: the longest block this machine verifies nearly free (hardware "
+                                           "profile)")
+    initial_guess: str = setting("sequence", one_of(*INITIAL_GUESSES),
+                                 "sequence (random tokens of prompt + output so far, as upstream CLLM scripts) | "
+                                 "prompt (of the prompt only) | repeat (the last token) | pad")
     seed: int = setting(0, integer(), "for the random initial guesses")
 
 
 class JacobiDecoder(DraftVerifyDecoder):
     name = "jacobi"
 
-    def __init__(self, target, block_size: int = 16, initial_guess: str = JacobiSettings.initial_guess, pad_token: int = 0,
+    def __init__(self, target, block_size: int = 16, initial_guess: str = JacobiSettings.initial_guess,
+                 pad_token: int = 0,
                  seed: int = JacobiSettings.seed):
         super().__init__(target)
         if block_size < 2:

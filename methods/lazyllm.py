@@ -146,7 +146,8 @@ class LazyRunner(ModelRunner):
         active = torch.arange(n)
         for index in range(len(self.layers)):
             query_input = self.aux_hidden[n - 1].clone()  # the last token's input to this layer
-            self.aux_hidden[active.to(self.device)] = self._layer(index, self.aux_hidden[active.to(self.device)], active)
+            self.aux_hidden[active.to(self.device)] = self._layer(index, self.aux_hidden[active.to(self.device)],
+                                                                  active)
             self.last_layer[active] = index
             self.prompt_computed[index] += active.numel()
             if index in self.schedule:
@@ -157,7 +158,8 @@ class LazyRunner(ModelRunner):
         return ForwardOutput(logits=self.lm_head(hidden).float(), hidden=hidden)
 
     @torch.inference_mode()
-    def forward(self, tokens, *, positions=None, mask=None, logits_for=slice(None), bound=None, rows=None) -> ForwardOutput:
+    def forward(self, tokens, *, positions=None, mask=None, logits_for=slice(None), bound=None,
+                rows=None) -> ForwardOutput:
         """One decoding step (a single new token), reviving the prompt tokens it selects."""
         if len(tokens) != 1:
             raise NotImplementedError("LazyLLM's runner decodes one token per step (it composes with AR)")

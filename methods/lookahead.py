@@ -44,7 +44,6 @@ from .engine.sampling import SamplingConfig
 from .engine.tree import ExtraRows, Tree
 from .pld import trie
 
-
 AUTO = one_of("auto")
 
 
@@ -56,10 +55,18 @@ class LookaheadSettings(Settings):
 
     paper = "Fu et al. 2024 (hao-ai-lab)"
 
-    level: int = setting(5, integer(3), "N (n-gram size); upstream's 7B setting (applications/run_mtbench.sh: LEVEL=5 WIN=15 GUESS=15)")
-    window: int | str = setting(15, AUTO | integer(1), "W; auto = W and G sharing this machine's verify budget, (N-1)(W+G) rows")
-    guess: int | str = setting(15, AUTO | integer(0), "G, n-grams kept (LRU) per first token and verified per step; 0 = window only; auto as above")
-    pool_from_prompt: bool = setting(False, BOOL, "upstream's POOL_FROM_PROMPT: seed the pool with the prompt's n-grams")
+    level: int = setting(
+        5, integer(3), "N (n-gram size); upstream's 7B setting (applications/run_mtbench.sh: LEVEL=5 WIN=15 GUESS=15)"
+    )
+    window: int | str = setting(15, AUTO | integer(1),
+                                "W; auto = W and G sharing this machine's verify budget, (N-1)(W+G) rows")
+    guess: int | str = setting(
+        15,
+        AUTO | integer(0),
+        "G, n-grams kept (LRU) per first token and verified per step; 0 = window only; auto as above",
+    )
+    pool_from_prompt: bool = setting(False, BOOL,
+                                     "upstream's POOL_FROM_PROMPT: seed the pool with the prompt's n-grams")
     seed: int = setting(0, integer(), "for the window's initial random prompt tokens")
 
 
@@ -195,7 +202,8 @@ class LookaheadDecoder(DraftVerifyDecoder):
             root = self.sequence[-len(acceptance.path) - 1]  # the step's root: the token before the emitted ones
             for column in range(self.window):
                 first = root if column == 0 else self.levels[0][column - 1]
-                self._remember(first, tuple(self.levels[l][column] for l in range(1, self.level - 1)) + (newest[column],))
+                self._remember(first, tuple(self.levels[row][column] for row in range(1, self.level - 1))
+                               + (newest[column],))
             self.levels[0] = self.levels[1][1:]
             for level in range(1, self.level - 2):
                 self.levels[level] = self.levels[level + 1]

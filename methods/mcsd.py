@@ -16,11 +16,11 @@ from typing import Sequence
 import torch
 
 from .base import BuildContext, DraftVerifyDecoder, register
-from .models.draft_lm import DraftLM
-from .models.loading import load_draft_lm
 from .engine.params import BOOL, Settings, int_list, integer, mapping, null, one_of, setting
 from .engine.tree import Tree
 from .engine.vocab import draft_vocab_setting
+from .models.draft_lm import DraftLM
+from .models.loading import load_draft_lm
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,13 @@ class MCSDSettings(Settings):
     paper = "Yang et al. 2024 (NJUNLP/MCSD)"
     draft_kind = "sps"
 
-    k_config: list | int | str = setting("auto", one_of("auto") | int_list(1) | integer(1), "children per node at each depth, e.g. [4, 2, 1]; auto = the largest tree this machine verifies nearly free")
+    k_config: list | int | str = setting("auto", one_of("auto") | int_list(1) | integer(1),
+                                         "children per node at each depth, e.g. [4, 2, 1]; auto = the largest tree "
+                                         "this machine verifies nearly free")
     draft_vocab: int | str = draft_vocab_setting()
     replacement: bool = setting(False, BOOL, "false = sample candidates without replacement (and verify accordingly)")
-    draft: dict | None = setting(None, null() | mapping(), "null = the model's drafts.sps; or {path: ...} / {target_layers: k}")
+    draft: dict | None = setting(None, null() | mapping(),
+                                 "null = the model's drafts.sps; or {path: ...} / {target_layers: k}")
 
     batchable = True
 
@@ -42,7 +45,8 @@ class MCSDSettings(Settings):
 class MultiCandidateDecoder(DraftVerifyDecoder):
     name = "mcsd"
 
-    def __init__(self, target, draft_model, k_config: Sequence[int] = (4, 2, 1), replacement: bool = MCSDSettings.replacement,
+    def __init__(self, target, draft_model, k_config: Sequence[int] = (4, 2, 1),
+                 replacement: bool = MCSDSettings.replacement,
                  vocabulary=None):
         super().__init__(target)
         k_config = tuple(int(k) for k in k_config)
@@ -114,6 +118,7 @@ def build(target, settings: MCSDSettings, context: BuildContext) -> MultiCandida
     draft = load_draft_lm(spec, context.target_model)
     decoder = MultiCandidateDecoder(target, draft, k_config=parse_k_config(choice),
                                     replacement=settings.replacement,
-                                    vocabulary=context.draft_vocabulary(settings.to_dict(), draft.get_output_embeddings().out_features))
+                                    vocabulary=context.draft_vocabulary(settings.to_dict(),
+                                                                        draft.get_output_embeddings().out_features))
     decoder.sizing = sizing
     return decoder

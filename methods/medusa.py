@@ -13,15 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine.acceptance import typical_accept
 from .base import BuildContext, DraftVerifyDecoder, register
+from .engine.acceptance import typical_accept
+from .engine.params import Settings, number, one_of, paths, setting
+from .engine.sampling import logits_to_probs
+from .engine.static_trees import NAMED_TREES, StaticTree, template_tokens
+from .engine.tree import Tree
+from .engine.vocab import draft_vocab_setting
 from .models.heads.medusa import MedusaHeads, load_medusa_heads
 from .models.heads.source import head_setting, head_spec
-from .engine.sampling import logits_to_probs
-from .engine.params import Settings, number, one_of, paths, setting
-from .engine.static_trees import NAMED_TREES, StaticTree, template_tokens
-from .engine.vocab import draft_vocab_setting
-from .engine.tree import Tree
 
 ACCEPTANCE = ("exact", "typical")
 
@@ -34,9 +34,15 @@ class MedusaSettings(Settings):
     draft_kind = "medusa"
     lossless = "yes (not `acceptance=typical`)"
 
-    tree: str | list = setting("auto", one_of("auto", *NAMED_TREES) | paths(), "auto = Medusa's mc_sim_7b_63 (listed by estimated acceptance) cut to what this machine verifies nearly free; medusa_mc_sim_7b_63 (whole); or a list of paths, e.g. [[0], [1], [0, 0]]")
+    tree: str | list = setting(
+        "auto",
+        one_of("auto", *NAMED_TREES) | paths(),
+        "auto = Medusa's mc_sim_7b_63 (listed by estimated acceptance) cut to what this machine "
+        "verifies nearly free; medusa_mc_sim_7b_63 (whole); or a list of paths, e.g. [[0], [1], [0, 0]]",
+    )
     draft_vocab: int | str = draft_vocab_setting()
-    acceptance: str = setting("exact", one_of(*ACCEPTANCE), "exact (greedy / lossless sampling) | typical (Medusa's, LOSSY: marked in results)")
+    acceptance: str = setting("exact", one_of(*ACCEPTANCE),
+                              "exact (greedy / lossless sampling) | typical (Medusa's, LOSSY: marked in results)")
     typical_epsilon: float = setting(0.09, number(0, 1), "typical acceptance's epsilon (Medusa's)")
     typical_delta: float = setting(0.3, number(0), "typical acceptance's delta (Medusa's)")
     head: dict | None = head_setting("medusa")
@@ -46,7 +52,8 @@ class MedusaDecoder(DraftVerifyDecoder):
     name = "medusa"
 
     def __init__(self, target, heads: MedusaHeads, tree: StaticTree, acceptance: str = MedusaSettings.acceptance,
-                 typical_epsilon: float = MedusaSettings.typical_epsilon, typical_delta: float = MedusaSettings.typical_delta,
+                 typical_epsilon: float = MedusaSettings.typical_epsilon,
+                 typical_delta: float = MedusaSettings.typical_delta,
                  vocabulary=None):
         super().__init__(target)
         self.vocabulary = vocabulary
@@ -54,7 +61,8 @@ class MedusaDecoder(DraftVerifyDecoder):
         if acceptance not in ACCEPTANCE:
             raise ValueError(f"unknown medusa acceptance {acceptance!r}; valid: {', '.join(ACCEPTANCE)}")
         if tree.max_depth > len(heads):
-            raise ValueError(f"tree of depth {tree.max_depth} needs {tree.max_depth} Medusa heads; these weights have {len(heads)}")
+            raise ValueError(f"tree of depth {tree.max_depth} needs {tree.max_depth} Medusa heads; these weights have "
+                             f"{len(heads)}")
         self.heads, self.tree = heads, tree
         self.acceptance = acceptance
         self.lossless = acceptance == "exact"
@@ -94,7 +102,8 @@ def build(target, settings: MedusaSettings, context: BuildContext) -> MedusaDeco
     # auto: Medusa's tree (listed by estimated acceptance) cut to the machine's verify budget
     tree, sizing = context.static_tree(params, target, "medusa_mc_sim_7b_63", max_depth=len(heads))
     decoder = MedusaDecoder(target, heads, tree, acceptance=settings.acceptance,
-                            typical_epsilon=float(settings.typical_epsilon), typical_delta=float(settings.typical_delta),
+                            typical_epsilon=float(settings.typical_epsilon),
+                            typical_delta=float(settings.typical_delta),
                             vocabulary=context.draft_vocabulary(params))
     decoder.sizing = sizing
     return decoder

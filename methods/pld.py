@@ -38,14 +38,23 @@ class PLDSettings(Settings):
 
     paper = "Saxena 2023 (apoorvumang/prompt-lookup-decoding)"
 
-    max_ngram: int = setting(3, integer(1), "longest n-gram looked up; Spec-Bench's draft_matching_window_size (transformers' own default is 2)")
-    num_draft: int = setting(10, integer(1), "tokens per draft; transformers' prompt_lookup_num_tokens in its docs, Spec-Bench's draft_num_candidate_tokens")
-    branches: int = setting(1, integer(1), "upstream proposes one match (a chain); b > 1 adds the next matches as branches of a trie")
+    max_ngram: int = setting(3, integer(1),
+                             "longest n-gram looked up; Spec-Bench's draft_matching_window_size (transformers' own "
+                             "default is 2)")
+    num_draft: int = setting(10, integer(1),
+                             "tokens per draft; transformers' prompt_lookup_num_tokens in its docs, Spec-Bench's "
+                             "draft_num_candidate_tokens")
+    branches: int = setting(1, integer(1),
+                            "upstream proposes one match (a chain); b > 1 adds the next matches as branches of a trie")
 
     batchable = True
 
     def batch_problem(self) -> str | None:
-        return "method.branches > 1 proposes tries; batch_size > 1 verifies chains (branches=1)" if self.branches > 1 else None
+        return (
+            "method.branches > 1 proposes tries; batch_size > 1 verifies chains (branches=1)"
+            if self.branches > 1
+            else None
+        )
 
 
 def lookup_continuations(sequence: Sequence[int], max_ngram: int, num_draft: int, eos: frozenset[int] = frozenset(),
@@ -106,7 +115,8 @@ class PromptLookupDecoder(DraftVerifyDecoder):
         self.max_ngram, self.num_draft, self.branches = max_ngram, num_draft, branches
 
     def describe(self):
-        return {**super().describe(), "max_ngram": self.max_ngram, "num_draft": self.num_draft, "branches": self.branches}
+        return {**super().describe(), "max_ngram": self.max_ngram, "num_draft": self.num_draft,
+                "branches": self.branches}
 
     def generate(self, prompt, stop, sampling=None, generator=None):
         self.begin(stop)
@@ -130,7 +140,8 @@ class PromptLookupDecoder(DraftVerifyDecoder):
     def propose(self, root: int, budget: int) -> Tree:
         if budget <= 0:
             return Tree(torch.tensor([root]), [-1])
-        found = lookup_continuations(self.sequence, self.max_ngram, min(self.num_draft, budget), self.eos, self.branches)
+        found = lookup_continuations(self.sequence, self.max_ngram, min(self.num_draft, budget), self.eos,
+                                     self.branches)
         self.matched_steps += bool(found)
         return trie(root, found)
 

@@ -58,7 +58,9 @@ class RecyclingSettings(Settings):
 
     paper = "Luo et al. 2024 (Luowaterbi/TokenRecycling)"
 
-    tree: str | list = setting("2.2.2", one_of("auto", *TEMPLATES) | paths(), "upstream's template (80 nodes, depth 6); auto = its first nodes up to this machine's verify budget; or a list of paths, e.g. [[0], [1], [0, 0]]")
+    tree: str | list = setting("2.2.2", one_of("auto", *TEMPLATES) | paths(),
+                               "upstream's template (80 nodes, depth 6); auto = its first nodes up to this machine's "
+                               "verify budget; or a list of paths, e.g. [[0], [1], [0, 0]]")
     top_k: int = setting(8, integer(1), "successors kept per token (upstream's --output-id-topk 8)")
     persist: bool = setting(True, BOOL, "false = a fresh (zero) matrix for every prompt")
 

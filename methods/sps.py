@@ -25,10 +25,9 @@ from .base import BuildContext, Decoder, register
 from .engine.params import Settings, integer, mapping, null, one_of, setting
 from .engine.sizing import chain_length, draft_cost, held_out_acceptance, relative
 from .engine.vocab import draft_vocab_setting
-from .models.specs import ModelSpec
-from .models.loading import load_draft_lm
 from .mcsd import MultiCandidateDecoder
-
+from .models.loading import load_draft_lm
+from .models.specs import ModelSpec
 
 PRIOR_TESTS = 20  # weight of the model card's acceptance in the running estimate, in tested positions
 HEURISTIC_START = 5  # transformers 4.37.1's num_assistant_tokens default (Spec-Bench's SpS)
@@ -42,9 +41,16 @@ class SpSSettings(Settings):
     paper = "Leviathan et al. 2023; Chen et al. 2023"
     draft_kind = "sps"
 
-    gamma: int | str = setting("auto", one_of("auto", "heuristic") | integer(1), "draft length; auto = the most expected tokens per second on this machine (hardware profile); heuristic = Spec-Bench's (transformers 4.37.1 assisted generation: 5, +2 / -1); or N")
+    gamma: int | str = setting("auto", one_of("auto", "heuristic") | integer(1),
+                               "draft length; auto = the most expected tokens per second on this machine (hardware "
+                               "profile); heuristic = Spec-Bench's (transformers 4.37.1 assisted generation: 5, +2 / "
+                               "-1); or N")
     draft_vocab: int | str = draft_vocab_setting()
-    draft: dict | None = setting(None, null() | mapping(), "null = the model's own drafts.sps; or {path: <hub id or folder>} / {target_layers: k}")
+    draft: dict | None = setting(
+        None,
+        null() | mapping(),
+        "null = the model's own drafts.sps; or {path: <hub id or folder>} / {target_layers: k}",
+    )
 
     batchable = True
 
@@ -112,8 +118,12 @@ def build(target, settings: SpSSettings, context: BuildContext) -> SpeculativeSa
     gamma = settings.gamma
     spec = settings.draft or context.draft_spec("sps", "sps")
     draft = load_draft_lm(spec, context.target_model)
-    decoder = SpeculativeSamplingDecoder(target, draft, gamma=1 if gamma == "auto" else gamma,
-                                         vocabulary=context.draft_vocabulary(settings.to_dict(), draft.get_output_embeddings().out_features))
+    decoder = SpeculativeSamplingDecoder(
+        target,
+        draft,
+        gamma=1 if gamma == "auto" else gamma,
+        vocabulary=context.draft_vocabulary(settings.to_dict(), draft.get_output_embeddings().out_features),
+    )
     if gamma == "auto":  # the chain length with the most expected tokens per second on this machine
         curve = context.latency_curve(target)
         decoder.size_automatically(curve, draft_cost(decoder.draft.runner, curve),

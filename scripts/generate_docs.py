@@ -24,9 +24,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import method_configs  # noqa: E402  (scripts/ is on sys.path when this runs as a script)
 from omegaconf import OmegaConf  # noqa: E402
 
-import method_configs  # noqa: E402  (scripts/ is on sys.path when this runs as a script)
 from harness.reporting.report import breakdown_rows, build_tables, find_runs  # noqa: E402
 from harness.running.metrics import decoder_stats  # noqa: E402
 from methods.base import method_settings  # noqa: E402
@@ -66,7 +66,9 @@ def run_sets(paths=(REFERENCE,)) -> list[dict]:
         rows = breakdown_rows(table.rows, table.settings)
         for row, (label, table_row) in zip(rows, sorted(table.rows.items())):
             row["name"] = table_row.method
-            ttft, base = (decoder_stats(list(side.values()))["mean_ttft"] for side in (table_row.records, table_row.baseline))
+            ttft, base = (
+                decoder_stats(list(side.values()))["mean_ttft"] for side in (table_row.records, table_row.baseline)
+            )
             row["ttft_speedup"] = base / ttft if ttft else None
         sets.append({
             "table": table, "slug": table.slug, "rows": rows, "date": run_date(records),
@@ -200,7 +202,9 @@ def block_quickstart(_sets) -> str:
     if len(summaries) != 1:
         raise SystemExit(f"{QUICKSTART}: expected one committed `make bench` run, found {len(summaries)}")
     summary = json.loads(summaries[0].read_text())
-    records = [r for name in ("ar", summary["method"]) for r in read_answers(summaries[0].parent / "answers" / f"{name}.jsonl")]
+    records = [
+        r for name in ("ar", summary["method"]) for r in read_answers(summaries[0].parent / "answers" / f"{name}.jsonl")
+    ]
     seconds = sum(sum(r["choices"][0]["wall_time"]) for r in records)
     printed = format_summary(summary).splitlines()
     end = next((i for i, line in enumerate(printed) if line.startswith("why, per decoding step")), 8)

@@ -31,7 +31,7 @@ def suite_methods() -> list[str]:
 
 
 def settings_markdown() -> str:
-    import pandas as pd
+    import pandas as pd  # lazy: pandas, only for the Markdown table
 
     rows = [{"method": f"`{name}`", **row} for name in suite_methods() for row in settings_table(method_settings(name))]
     frame = pd.DataFrame(rows).map(lambda cell: cell.replace("|", "\\|"))

@@ -8,9 +8,9 @@
 Everything lives in the given folder: munge key, socket and log, slurm.conf, the controller's
 state, slurmd's spool, both daemons' logs and pid files. The node is this machine as `slurmd -C`
 sees it (all its CPUs and memory), in one partition `debug`. No accounting (no slurmdbd): sacct
-does not work, as on many small clusters; the sweep launcher (hydra_plugins/decodebench_launcher/launcher.py, harness/cluster/slurm.py) reads job states from squeue and
-scontrol instead. Needs root (slurmd runs jobs as their submitting user) and Debian's
-`slurm-wlm` and `munge` packages (tested with 22.05). Process tracking by /proc
+does not work, as on many small clusters; the sweep launcher (hydra_plugins/decodebench_launcher/launcher.py,
+harness/cluster/slurm.py) reads job states from squeue and scontrol instead. Needs root (slurmd runs jobs as their
+submitting user) and Debian's `slurm-wlm` and `munge` packages (tested with 22.05). Process tracking by /proc
 (`proctrack/linuxproc`, `task/none`), so no cgroup setup is needed.
 """
 
@@ -37,7 +37,8 @@ class Unavailable(RuntimeError):
 
 
 def missing_binaries() -> list[str]:
-    return [name for name in BINARIES if shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None]
+    return [name for name in BINARIES
+            if shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None]
 
 
 def install() -> None:

@@ -127,8 +127,8 @@ def embedded_decoder(embedded):
     from omegaconf import OmegaConf
 
     from methods.base import BuildContext, get_method
-    from methods.models.specs import model_config
     from methods.engine.runner import ModelRunner
+    from methods.models.specs import model_config
 
     model, _ = embedded
     context = BuildContext(model, "smollm2-135m", OmegaConf.to_container(model_config("smollm2-135m"), resolve=True))

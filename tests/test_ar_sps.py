@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from methods.engine.acceptance import residual_distribution
 from methods.ar import AutoregressiveDecoder
-from methods.models.loading import truncated_copy
+from methods.engine.acceptance import residual_distribution
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
-from methods.sps import SpeculativeSamplingDecoder
 from methods.engine.stopping import StopCondition
+from methods.models.loading import truncated_copy
+from methods.sps import SpeculativeSamplingDecoder
 from tests.conftest import hf_greedy, tiny_model
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 
@@ -102,7 +102,8 @@ def test_target_and_draft_disagree(tiny_vocab_pair):
     assert total_variation > 0.2
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3, top_p=0.9)])
+@pytest.mark.parametrize("sampling",
+                         [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3, top_p=0.9)])
 def test_ar_sampling_matches_processed_target_distribution(tiny_vocab_pair, sampling):
     target, _ = tiny_vocab_pair
     expected = exact_joint(target, PROMPT, 2, sampling)

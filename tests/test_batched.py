@@ -91,7 +91,8 @@ def test_tree_methods_batch_equals_each_prompt_alone(method, tmp_path):
     sampling = SamplingConfig(temperature=0.8)
     alone = [make().generate(p, s, sampling, torch.Generator().manual_seed(b)).tokens
              for b, (p, s) in enumerate(zip(prompts, stops))]
-    outs = BatchedDecoder(make()).generate(prompts, stops, sampling, [torch.Generator().manual_seed(b) for b in range(3)])
+    outs = BatchedDecoder(make()).generate(prompts, stops, sampling,
+                                           [torch.Generator().manual_seed(b) for b in range(3)])
     assert [out.tokens for out in outs] == alone
 
 
@@ -100,7 +101,8 @@ def test_qwen2_batch_on_the_fused_and_the_stock_forward(decoder):
     """Another architecture (q/k/v biases), and the stock `transformers` decoder stack over the same cache."""
     model = tiny_model("qwen2", seed=10, vocab_size=32)
     prompts, stops = prompts_and_stops(3)
-    alone = [PromptLookupDecoder(ModelRunner(model, decoder=decoder)).generate(p, s).tokens for p, s in zip(prompts, stops)]
+    alone = [PromptLookupDecoder(ModelRunner(model, decoder=decoder)).generate(p, s).tokens
+             for p, s in zip(prompts, stops)]
     outs = BatchedDecoder(PromptLookupDecoder(ModelRunner(model, decoder=decoder))).generate(prompts, stops)
     assert [out.tokens for out in outs] == alone
 
@@ -165,7 +167,8 @@ OTHER = [3, 2, 1, 0, 1, 2, 3, 0, 1]
 def draw_batched(decoder: BatchedDecoder, n: int, length: int = 3, seed: int = 0) -> list[tuple]:
     """n samples of the first `length` tokens after PROMPT, three per batch of four."""
     generators = [torch.Generator().manual_seed(seed * 4 + b) for b in range(4)]
-    prompts, stops = [PROMPT, OTHER, PROMPT, PROMPT], [StopCondition(length), StopCondition(2 * length)] + [StopCondition(length)] * 2
+    prompts, stops = [PROMPT, OTHER, PROMPT, PROMPT], [StopCondition(length),
+                                                       StopCondition(2 * length)] + [StopCondition(length)] * 2
     samples = []
     while len(samples) < n:
         outs = decoder.generate(prompts, stops, TEMPERATURE_1, generators)
@@ -183,7 +186,8 @@ def test_ar_batch_sampling_matches_target_distribution(tiny_vocab_pair):
 def test_sps_batch_sampling_preserves_target_distribution(tiny_vocab_pair):
     target, draft = tiny_vocab_pair
     expected = exact_joint(target, PROMPT, 3, TEMPERATURE_1)
-    samples = draw_batched(BatchedDecoder(SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2)), 1500, seed=1)
+    samples = draw_batched(BatchedDecoder(SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2)), 1500,
+                           seed=1)
     assert chi_square_pvalue(samples, expected) > 1e-3
 
 

@@ -10,7 +10,14 @@ from collections import Counter
 import pytest
 import torch
 
-from harness.training.distill import KINDS, SAMPLED_SHARE, check_disjoint, evaluation_texts, self_distill, training_prompts
+from harness.training.distill import (
+    KINDS,
+    SAMPLED_SHARE,
+    check_disjoint,
+    evaluation_texts,
+    self_distill,
+    training_prompts,
+)
 from tests.conftest import SPEC_BENCH, hf_greedy
 
 
@@ -69,7 +76,8 @@ def test_self_distillation_greedy_answers_equal_the_targets_and_samples_are_seed
     assert [r["id"] for r in records] == [p["id"] for p in prompts]
     assert [r["mode"] for r in records] == [p["mode"] for p in prompts]
     # the broken line is gone and the rerun answered only the missing prompts
-    assert sorted(json.loads(line)["id"] for line in journal.read_text().splitlines()) == sorted(p["id"] for p in prompts)
+    assert sorted(json.loads(line)["id"]
+                  for line in journal.read_text().splitlines()) == sorted(p["id"] for p in prompts)
     differ = 0
     for prompt, record in zip(prompts, records):
         ids = template.prompt_ids([Message("user", prompt["text"])])
@@ -129,7 +137,8 @@ def test_fp32_attention_of_a_bf16_answerer_is_the_models_own_attention(tiny_chat
         assert got == answer[:len(got)] and len(got) >= 1
 
 
-def test_corpus_writes_the_answers_and_a_manifest_with_their_checksum(tiny_chat_model_dir, tmp_path, monkeypatch, capsys):
+def test_corpus_writes_the_answers_and_a_manifest_with_their_checksum(tiny_chat_model_dir, tmp_path, monkeypatch,
+                                                                      capsys):
     import argparse
     import hashlib
 
@@ -142,7 +151,8 @@ def test_corpus_writes_the_answers_and_a_manifest_with_their_checksum(tiny_chat_
     model, tokenizer = load_model(spec, torch.float32, torch.device("cpu")), load_tokenizer(spec)
     monkeypatch.setattr(distill, "_answer_target",
                         lambda name, dtype, device="cpu": (model, ChatTemplate("tokenizer", tokenizer)))
-    args = argparse.Namespace(model="tiny", prompts=12, seed=0, max_new_tokens=6, distill_batch=4, distill_dtype="float32",
+    args = argparse.Namespace(model="tiny", prompts=12, seed=0, max_new_tokens=6, distill_batch=4,
+                              distill_dtype="float32",
                               measure=False, questions=SPEC_BENCH)
     data, manifest_file = tmp_path / "answers.jsonl", tmp_path / "corpus.json"
     distill.corpus(args, data, manifest_file)

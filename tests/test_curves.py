@@ -1,5 +1,5 @@
-"""The curves over batch size and input length (harness/reporting/report.py, "Curves across tables") from fixture records:
-no model runs."""
+"""The curves over batch size and input length (harness/reporting/report.py, "Curves across tables") from fixture
+records: no model runs."""
 
 from __future__ import annotations
 
@@ -60,12 +60,15 @@ def drawn_lines(figure) -> dict[str, list]:
 def test_speedup_per_batch_size_is_against_ar_at_that_batch_size(batch_results, tmp_path):
     [curves] = find_curves(build_tables(find_runs(batch_results)))
     assert curves.axis == "batch_size" and "max_new_tokens" in curves.shared and "batch_size" not in curves.shared
-    speedups = {label: [(p.batch_size, round(p.speedup, 4)) for p in points] for label, points in curves.series().items()}
-    assert speedups == {"pld (num_draft=2)": [(1, 2.0), (2, 1.25), (4, 0.8)], "pld (num_draft=4)": [(1, 1.6), (2, 1.5625), (4, 0.8889)]}
+    speedups = {label: [(p.batch_size, round(p.speedup, 4)) for p in points]
+                for label, points in curves.series().items()}
+    assert speedups == {"pld (num_draft=2)": [(1, 2.0), (2, 1.25), (4, 0.8)],
+                        "pld (num_draft=4)": [(1, 1.6), (2, 1.5625), (4, 0.8889)]}
     ar = curves.series(with_ar=True)["ar"]
     assert [round(p.throughput, 4) for p in ar] == [25.0, 40.0, 50.0]
     # the best draft length per batch size: the argmax of throughput (not of the B = 1 speedup)
-    best = [(b["batch_size"], b["best"], round(b["throughput"], 2), round(b["speedup"], 4)) for b in best_draft_lengths(curves)]
+    best = [(b["batch_size"], b["best"], round(b["throughput"], 2), round(b["speedup"], 4))
+            for b in best_draft_lengths(curves)]
     assert best == [(1, 2, 50.0, 2.0), (2, 4, 62.5, 1.5625), (4, 4, 44.44, 0.8889)]
 
 
@@ -74,7 +77,8 @@ def test_the_best_draft_length_never_mixes_other_settings(tmp_path):
     root = tmp_path / "ngrams"
     for batch_size, walls in WALLS.items():
         write_batch_runs(root, batch_size, walls, config={"max_ngram": 3})
-        write_batch_runs(root, batch_size, (walls[0], walls[2], walls[1]), config={"max_ngram": 2})  # the lengths' walls swapped
+        # the lengths' walls swapped
+        write_batch_runs(root, batch_size, (walls[0], walls[2], walls[1]), config={"max_ngram": 2})
     [curves] = find_curves(build_tables(find_runs(root)))
     best = [(b["setting"], b["batch_size"], b["best"]) for b in best_draft_lengths(curves)]
     assert best == [("pld (max_ngram=2)", 1, 4), ("pld (max_ngram=3)", 1, 2), ("pld (max_ngram=2)", 2, 2),
@@ -119,7 +123,8 @@ def test_speedup_by_input_length_over_the_throughput_splits(tmp_path):
     assert [(p.input_length, round(p.speedup, 4)) for p in points] == [(1000, 1.5625), (2000, 1.0)]
     report(root, tmp_path / "report")
     table = (tmp_path / "report" / curves.slug / "throughput_speedup.md").read_text().splitlines()
-    assert cells(table[2]) == ["method", "speed_bench_throughput_1k (1000 tok, n=4)", "speed_bench_throughput_2k (2000 tok, n=4)"]
+    assert cells(table[2]) == ["method", "speed_bench_throughput_1k (1000 tok, n=4)",
+                               "speed_bench_throughput_2k (2000 tok, n=4)"]
     assert "batch size 2" in table[0]
     drawn = capture_figures(root, tmp_path)
     ax = drawn["speedup_vs_input_length"].axes[0]
@@ -128,7 +133,7 @@ def test_speedup_by_input_length_over_the_throughput_splits(tmp_path):
     assert "best_draft_length" not in drawn
 
 
-def test_runs_without_batches_draw_no_curves(results, tmp_path):
+def test_runs_without_batches_draw_no_curves(results, tmp_path):  # noqa: F811 (the fixture imported above)
     report(results, tmp_path / "report")
     written = figures(results, tmp_path / "plots")
     assert not [p for p in written if p.parent.name.startswith("by-")]

@@ -26,7 +26,8 @@ HUB_ROWS = {
     "wmt14": [{"translation": {"de": "Guten Morgen.", "en": "Good morning."}}],
 }
 EXPECTED_TURN = {
-    "mt_bench": "Write a poem.", "gsm8k": "Tom has 3 apples and buys 4. How many?", "alpaca": "Add the numbers.\n\n2 and 3",
+    "mt_bench": "Write a poem.", "gsm8k": "Tom has 3 apples and buys 4. How many?",
+    "alpaca": "Add the numbers.\n\n2 and 3",
     "cnn_dm": "Summarize: The cat sat on the mat all day.", "nq": "who wrote hamlet",
     "wmt14": "Translate German to English: Guten Morgen.",
 }

@@ -259,3 +259,23 @@ def test_held_out_accuracy_is_against_the_targets_argmax_not_the_corpus_token():
             top[1:-1] = recipe.heads[0](e.hidden[:-2]).argmax(-1)  # head 1 at t predicts the token after t + 1
             agreeing.append(Example(e.ids, e.answer_start, hidden=e.hidden, top=top))
     assert greedy < 0.5 and evaluate(recipe, agreeing)["acc_1"] == 1.0
+
+
+def test_a_corrupt_hidden_state_cache_is_recomputed_and_other_errors_propagate(tmp_path, monkeypatch, capsys):
+    from harness.training import examples as examples_module
+
+    cache = tmp_path / "hidden.pt"
+    ex = [examples_module.Example(torch.arange(6), 2)]
+    fields = {"hidden": 4}
+    assert not examples_module._attach_from(cache, ex, "hidden", fields)  # missing: quietly recomputed
+    assert capsys.readouterr().out == ""
+    cache.write_bytes(b"not a torch archive")
+    assert not examples_module._attach_from(cache, ex, "hidden", fields)  # corrupt: recomputed, and said
+    assert "unreadable cache" in capsys.readouterr().out
+
+    def broken(*args, **kwargs):
+        raise TypeError("a bug, not a corrupt cache")
+
+    monkeypatch.setattr(examples_module.torch, "load", broken)
+    with pytest.raises(TypeError, match="a bug"):
+        examples_module._attach_from(cache, ex, "hidden", fields)

@@ -3,7 +3,11 @@ its line in the docs fails here."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import shlex
+
+import pytest
 
 from methods.base import _REGISTRY, available_methods
 from tests.conftest import REPO
@@ -34,7 +38,8 @@ def test_architecture_md_lists_every_module_and_no_other():
     text = (DOCS / "architecture.md").read_text()
     listed = set(re.findall(r"^\| `((?:methods|harness|hydra_plugins)/[\w/]+\.(?:py|c))` \|", text, re.M))
     modules = {str(path.relative_to(REPO)) for folder in ("methods", "harness", "hydra_plugins")
-               for path in (REPO / folder).rglob("*") if path.suffix in (".py", ".c") and "__pycache__" not in path.parts}
+               for path in (REPO / folder).rglob("*") if path.suffix in (".py", ".c")
+               and "__pycache__" not in path.parts}
     assert modules - listed == set(), f"modules without their line in docs/architecture.md: {sorted(modules - listed)}"
     assert listed - modules == set(), f"docs/architecture.md lists modules that are gone: {sorted(listed - modules)}"
 
@@ -44,10 +49,6 @@ def test_architecture_md_lists_every_module_and_no_other():
 # in README.md and docs/*.md must exist. Written to hold for any rewrite of those files, not for their
 # present text.
 
-import importlib.util
-import shlex
-
-import pytest
 
 DOC_FILES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
 FENCE = re.compile(r"^[ \t]*(```|~~~)[^\n]*\n(.*?)^[ \t]*\1[ \t]*$", re.M | re.S)
@@ -139,7 +140,9 @@ def broken_references(doc) -> list[str]:
     broken += [f"make {target}: no such Makefile target" for target in sorted(named - targets)]
 
     everything = "\n".join([*code, prose])
-    for module in sorted(set(re.findall(r"\b(?:python[\d.]*|torchrun(?:\s+--?[\w-]+(?:=\S+)?)*)\s+-m\s+([A-Za-z_][\w.]*)", everything))):
+    for module in sorted(
+        set(re.findall(r"\b(?:python[\d.]*|torchrun(?:\s+--?[\w-]+(?:=\S+)?)*)\s+-m\s+([A-Za-z_][\w.]*)", everything))
+    ):
         module = module.rstrip(".")
         top = module.split(".")[0]
         if (REPO / top).is_dir() or (REPO / f"{top}.py").is_file():

@@ -64,7 +64,8 @@ def test_greedy_with_a_reduced_draft_vocabulary_equals_ar(tmp_path):
     head = load_eagle_head(ModelSpec(path=str(tmp_path / "eagle")), target)
     small = StaticTree.build([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
     decoders = {
-        "sps": SpeculativeSamplingDecoder(ModelRunner(target), truncated_copy(target, 2), gamma=3, vocabulary=vocabulary),
+        "sps": SpeculativeSamplingDecoder(ModelRunner(target), truncated_copy(target, 2), gamma=3,
+                                          vocabulary=vocabulary),
         "medusa": MedusaDecoder(ModelRunner(target), medusa, small, vocabulary=vocabulary),
         "eagle": EagleDecoder(ModelRunner(target), head, small, vocabulary=vocabulary),
         "eagle2": Eagle2Decoder(ModelRunner(target), head, total_tokens=10, depth=3, top_k=3, vocabulary=vocabulary),
@@ -91,7 +92,8 @@ def test_sps_sampling_with_a_reduced_vocabulary_preserves_the_target_distributio
     target, draft = tiny_vocab_pair
     sampling = SamplingConfig(temperature=1.0)
     expected = exact_joint(target, PROMPT, 3, sampling)
-    decoder = SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2, vocabulary=DraftVocabulary(torch.tensor([0, 2]), 4))
+    decoder = SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2,
+                                         vocabulary=DraftVocabulary(torch.tensor([0, 2]), 4))
     samples = draw(decoder, 1500, seed=5)
     assert chi_square_pvalue(samples, expected) > 1e-3
     assert any(token in (1, 3) for sample in samples for token in sample)
@@ -101,7 +103,8 @@ def test_broken_residual_with_a_reduced_vocabulary_is_caught(tiny_vocab_pair):
     target, draft = tiny_vocab_pair
     sampling = SamplingConfig(temperature=1.0)
     expected = exact_joint(target, PROMPT, 3, sampling)
-    decoder = SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2, vocabulary=DraftVocabulary(torch.tensor([0, 2]), 4))
+    decoder = SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2,
+                                         vocabulary=DraftVocabulary(torch.tensor([0, 2]), 4))
     decoder.sample_accept = lambda tree, probs, gen, **kw: SpeculativeSamplingDecoder.sample_accept(
         tree, probs, gen, residual=lambda p, q: p, **kw)
     assert chi_square_pvalue(draw(decoder, 1500, seed=5), expected) < 1e-6

@@ -61,7 +61,8 @@ def one_step(generator, zero_tried=True, point_mass=False, residual=None) -> tup
             parents.append(i + 1)
             rows.append(torch.zeros(V))
             probs.append(torch.full((V,), 1.0 / V))  # after a grandchild: not looked at
-    tree = Tree(torch.tensor(tokens), parents, None if point_mass else torch.stack(rows), without_replacement=zero_tried)
+    tree = Tree(torch.tensor(tokens), parents, None if point_mass else torch.stack(rows),
+                without_replacement=zero_tried)
     extra = {} if residual is None else {"residual": residual}
     acceptance = sample_accept(tree, torch.stack(probs), generator, **extra)
     emitted = [tokens[n] for n in acceptance.path[1:]] + [acceptance.next_token]
@@ -166,7 +167,8 @@ def test_eagle1_decoder_with_a_broken_acceptor_is_caught(tiny_target, tiny_head)
     """The same decoder verifying as if the siblings were drawn with replacement."""
     sampling = SamplingConfig(temperature=1.0)
     decoder = decoder_for(tiny_target, tiny_head)
-    decoder.sample_accept = lambda tree, probs, gen, **kw: sample_accept(replace(tree, without_replacement=False), probs, gen, **kw)
+    decoder.sample_accept = lambda tree, probs, gen, **kw: sample_accept(replace(tree, without_replacement=False),
+                                                                         probs, gen, **kw)
     # 3000 draws: at 1200 the fault's p-value ranged over 1e-7..0.1 with the seed; at 3000, 1e-10..1e-15
     samples = draw(decoder, 3000, seed=7, sampling=sampling)
     assert chi_square_pvalue(samples, exact_joint(tiny_target, PROMPT, 3, sampling)) < 1e-6
@@ -179,7 +181,8 @@ def test_top_k_children_verified_with_the_drafts_q_are_caught(tiny_target, tiny_
 
     sampling = SamplingConfig(temperature=1.0)
     decoder = decoder_for(tiny_target, tiny_head)
-    monkeypatch.setattr(methods.eagle, "draw_children", lambda q, k, without_replacement, generator: torch.topk(q, k).indices)
+    monkeypatch.setattr(methods.eagle, "draw_children",
+                        lambda q, k, without_replacement, generator: torch.topk(q, k).indices)
     samples = draw(decoder, 1200, seed=7, sampling=sampling)
     assert chi_square_pvalue(samples, exact_joint(tiny_target, PROMPT, 3, sampling)) < 1e-6
 
@@ -193,7 +196,8 @@ def test_eagle1_with_a_draft_vocabulary_smaller_than_the_siblings_and_top_p(tiny
     trees = recording(decoder)
     accepted = []
     accept = decoder._accept
-    decoder._accept = lambda tree, logits, extra=None: accepted.append((tree, accept(tree, logits, extra))) or accepted[-1][1]
+    decoder._accept = lambda tree, logits, extra=None: accepted.append((tree,
+                                                                        accept(tree, logits, extra))) or accepted[-1][1]
     samples = draw(decoder, 1200, seed=3, sampling=sampling)
     assert chi_square_pvalue(samples, exact_joint(tiny_target, PROMPT, 3, sampling)) > 1e-3
     assert any(token in (1, 3) for sample in samples for token in sample)
@@ -203,7 +207,8 @@ def test_eagle1_with_a_draft_vocabulary_smaller_than_the_siblings_and_top_p(tiny
             drawable = float(tree.draft_probs[0, tree.tokens[node]]) > 0
             impossible += not drawable
             # the drawable children come first, in draw order
-            assert drawable or all(float(tree.draft_probs[0, tree.tokens[later]]) == 0 for later in tree.children[0] if later > node)
+            assert drawable or all(float(tree.draft_probs[0, tree.tokens[later]]) == 0 for later in tree.children[0]
+                                   if later > node)
     assert impossible > 0
     for tree, acceptance in accepted:
         for parent, node in zip(acceptance.path, acceptance.path[1:]):
@@ -240,7 +245,8 @@ def test_greedy_is_the_same_under_both_rules_and_equals_ar(tmp_path):
     tree = "eagle_mc_sim_7b_63"
     for prompt in ([1, 5, 9, 2], [7, 7, 3, 30, 41, 2, 9]):
         reference = ar.generate(prompt, StopCondition(24)).tokens
-        outputs = [decoder_for(target, head, rule, tree=tree).generate(prompt, StopCondition(24)) for rule in ("eagle1", "eagle2")]
+        outputs = [decoder_for(target, head, rule, tree=tree).generate(prompt, StopCondition(24))
+                   for rule in ("eagle1", "eagle2")]
         assert [o.tokens for o in outputs] == [reference, reference]
         assert outputs[0].stats.accepted_lengths == outputs[1].stats.accepted_lengths
 

@@ -19,10 +19,10 @@ from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
 from methods.engine.vocab import DraftVocabulary
-from methods.models.heads.source import head_spec
 from methods.models.heads.eagle3 import load_eagle3_head
+from methods.models.heads.source import head_spec
 from methods.models.specs import ModelSpec
-from tests.conftest import write_checkpoint, tiny_config, tiny_model
+from tests.conftest import tiny_config, tiny_model, write_checkpoint
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 from tests.test_tree_methods import assert_committed_cache_equals
 
@@ -137,7 +137,8 @@ def test_runner_returns_the_inputs_of_the_requested_layers_and_only_when_asked()
 # Loader
 
 
-@pytest.mark.parametrize("case", ["bin-reduced", "safetensors-full-no-maps", "narrower-head-with-embed", "unsorted-d2t"])
+@pytest.mark.parametrize("case",
+                         ["bin-reduced", "safetensors-full-no-maps", "narrower-head-with-embed", "unsorted-d2t"])
 def test_eagle3_loader_matches_the_reference(tmp_path, case):
     target = tiny_model("llama", seed=61, vocab_size=64, layers=LAYERS)
     draft_ids = torch.tensor(sorted(torch.randperm(64, generator=torch.Generator().manual_seed(0))[:24].tolist()))
@@ -244,9 +245,11 @@ def test_random_init_head_loads_through_the_released_format_loader(tmp_path, mon
     decoder = get_method("eagle3")(ModelRunner(target), {"name": "eagle3", "total_tokens": 8, "depth": 3}, context)
     assert decoder.describe()["feature_layers"] == [2, 3, 4] and (tmp_path / "heads").is_dir()
     prompt, stop = [1, 2, 3], StopCondition(12)
-    assert decoder.generate(prompt, stop).tokens == AutoregressiveDecoder(ModelRunner(target)).generate(prompt, stop).tokens
+    assert decoder.generate(prompt,
+                            stop).tokens == AutoregressiveDecoder(ModelRunner(target)).generate(prompt, stop).tokens
     with pytest.raises(ValueError, match="needs L >= 7"):
-        head_spec({}, BuildContext(tiny_model("llama", vocab_size=64, layers=3), "tiny", context.model_config), "eagle3")
+        head_spec({}, BuildContext(tiny_model("llama", vocab_size=64, layers=3), "tiny", context.model_config),
+                  "eagle3")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +321,9 @@ def test_eagle3_sampling_with_broken_acceptor_is_caught(sampling_setup):
     """Forgetting to remove a rejected child from p (residual = p) favours rejected tokens."""
     target, head, expected = sampling_setup
     decoder = Eagle3Decoder(ModelRunner(target), head, total_tokens=6, depth=3, top_k=2)
-    decoder.sample_accept = lambda tree, probs, gen, **kw: Eagle3Decoder.sample_accept(tree, probs, gen, residual=lambda p, q: p, **kw)
+    decoder.sample_accept = lambda tree, probs, gen, **kw: Eagle3Decoder.sample_accept(
+        tree, probs, gen, residual=lambda p, q: p, **kw
+    )
     samples = draw(decoder, 600, seed=7)
     assert chi_square_pvalue(samples, expected) < 1e-6
 
@@ -396,7 +401,8 @@ def _loss_by_the_definition(recipe, example):
     step's mean over its answer positions weighted 0.8^j."""
     ids, T, start = example.ids, len(example.ids), example.answer_start
     n = T - 1
-    steps = recipe.unroll(torch.cat([ids[1:], ids.new_zeros(recipe.steps)]), recipe.head.fuse(example.features[:n].float()))
+    steps = recipe.unroll(torch.cat([ids[1:], ids.new_zeros(recipe.steps)]),
+                          recipe.head.fuse(example.features[:n].float()))
     total = torch.zeros(())
     for j, out in enumerate(steps):
         terms = []
@@ -493,7 +499,8 @@ def test_eagle3_features_are_cached_in_16_bits_memory_mapped_and_reused_only_whe
     attach_features(target, moved, layers, cache=cache)
     with torch.no_grad():
         states = target(input_ids=moved[1].ids[None], output_hidden_states=True).hidden_states
-    torch.testing.assert_close(moved[1].features.float(), torch.cat([states[i][0] for i in layers], -1), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(moved[1].features.float(), torch.cat([states[i][0] for i in layers], -1), rtol=2e-3,
+                               atol=2e-3)
     hidden_only = _conversations(shapes[:-1])
     attach_hidden(target, hidden_only, cache)
     assert hidden_only[0].features is None and hidden_only[0].hidden.shape == (14, H)
@@ -524,7 +531,8 @@ def tiny_deep_chat_model_dir(tmp_path_factory, embedded):
     _, tokenizer = embedded
     folder = tmp_path_factory.mktemp("tiny-deep-chat-model")
     torch.manual_seed(0)
-    config = tiny_config("llama", vocab_size=len(tokenizer), hidden=32, layers=LAYERS, eos_token_id=tokenizer.eos_token_id)
+    config = tiny_config("llama", vocab_size=len(tokenizer), hidden=32, layers=LAYERS,
+                         eos_token_id=tokenizer.eos_token_id)
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -26,12 +26,12 @@ QUESTION = "How many singers are there?"
 # python, eval/gsm8k/speedup.py for math, fastchat's vicuna template in eval/mt-bench for ShareGPT)
 CLLM_PROMPTS = {
     "cllm-7b-spider": "### Instruction:\nCould you translate the following question into SQL. Please only generate "
-                      f"SQL, don't include explanation in the answer.\n{QUESTION}\n### Response:\n",
+    f"SQL, don't include explanation in the answer.\n{QUESTION}\n### Response:\n",
     "cllm-7b-codesearchnet": f"### Instruction:\nPlease generate code based on the following doc:\n{QUESTION}\n"
-                             "### Response:\n",
+    "### Response:\n",
     "cllm-7b-math": f"Question:\n{QUESTION}\nAnswer:\nLet's think step by step.\n",
-    "cllm-7b-sharegpt48k": "A chat between a curious user and an artificial intelligence assistant. The assistant gives "
-                           f"helpful, detailed, and polite answers to the user's questions. USER: {QUESTION} ASSISTANT:",
+    "cllm-7b-sharegpt48k": "A chat between a curious user and an artificial intelligence assistant. The assistant "
+    f"gives helpful, detailed, and polite answers to the user's questions. USER: {QUESTION} ASSISTANT:",
 }
 
 
@@ -117,7 +117,8 @@ def test_medusa2_full_model_checkpoints_load_their_heads(tmp_path, sharded):
     assert len(heads) == 3
     hidden = torch.randn(2, target.config.hidden_size)
     for i in range(3):
-        torch.testing.assert_close(heads[i](hidden), reference_medusa_logits(heads_state, hidden, i), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(heads[i](hidden), reference_medusa_logits(heads_state, hidden, i), rtol=1e-4,
+                                   atol=1e-4)
 
 
 def test_medusa_typical_acceptance_follows_upstreams_rule():

@@ -40,9 +40,11 @@ def test_logit_margin_is_the_top2_gap_of_the_chosen_argmax_and_negative_otherwis
 
 def answer(qid, outputs, margins):
     return {"question_id": qid, "category": "c", "choices": [{
-        "new_tokens": [len(o) for o in outputs], "wall_time": [1.0] * len(outputs), "decoding_steps": [len(o) for o in outputs],
+        "new_tokens": [len(o) for o in outputs], "wall_time": [1.0] * len(outputs),
+        "decoding_steps": [len(o) for o in outputs],
         "accept_lengths": [1] * sum(map(len, outputs)), "output_ids": outputs, "logit_margins": margins,
-        "stats": [{"ttft": 0.1, "drafted_tokens": 0, "accepted_drafts": 0, "position_proposed": [], "position_tested": [],
+        "stats": [{"ttft": 0.1, "drafted_tokens": 0, "accepted_drafts": 0, "position_proposed": [],
+                   "position_tested": [],
                    "position_accepted": [], "phase_time": {}} for _ in outputs]}]}
 
 
@@ -88,7 +90,8 @@ def test_a_genuine_run_has_no_mismatch_and_records_the_forwards_margins(tiny_cha
         for side in (mine, base):
             assert [len(m) for m in side["logit_margins"]] == [len(o) for o in side["output_ids"]]
         assert all(m >= 0 for turn in base["logit_margins"] for m in turn)  # greedy AR chose each argmax
-        for ours, theirs, out, ar_out in zip(mine["logit_margins"], base["logit_margins"], mine["output_ids"], base["output_ids"]):
+        for ours, theirs, out, ar_out in zip(mine["logit_margins"], base["logit_margins"], mine["output_ids"],
+                                             base["output_ids"]):
             for m, a, x, y in zip(ours, theirs, out, ar_out):
                 if x != y:
                     break
@@ -104,7 +107,8 @@ def broken_accept(self, tree, logits, extra=None):
     return type(accepted)(accepted.path, int(logits[accepted.path[-1]].argmin()))
 
 
-def test_a_broken_acceptor_is_a_mismatch_and_fails_the_run(tiny_chat_model_dir, questions_file, tmp_path, monkeypatch, capsys):
+def test_a_broken_acceptor_is_a_mismatch_and_fails_the_run(tiny_chat_model_dir, questions_file, tmp_path, monkeypatch,
+                                                           capsys):
     monkeypatch.setattr(SpeculativeSamplingDecoder, "_accept", broken_accept)
     overrides = tiny_overrides(tiny_chat_model_dir, questions_file, tmp_path, "method=sps", "limit=2", "warmup=0")
     summary = run(config(*overrides))
@@ -128,7 +132,8 @@ def test_a_broken_acceptor_is_a_mismatch_and_fails_the_run(tiny_chat_model_dir, 
     assert "FIDELITY FAILURE: 2 of 2 outputs" in done.stderr and "FIDELITY MISMATCH" in done.stdout
 
 
-def test_a_headline_with_a_mismatch_writes_its_report_and_fails(tiny_chat_model_dir, questions_file, tmp_path, monkeypatch):
+def test_a_headline_with_a_mismatch_writes_its_report_and_fails(tiny_chat_model_dir, questions_file, tmp_path,
+                                                                monkeypatch):
     from harness.reporting.headline import main
 
     monkeypatch.setattr(SpeculativeSamplingDecoder, "_accept", broken_accept)

@@ -10,12 +10,12 @@ import copy
 import pytest
 import torch
 
+from methods.ar import AutoregressiveDecoder
 from methods.engine.fused import FusedDecoder, fused_decoder
 from methods.engine.kv_cache import TreeKVCache
 from methods.engine.runner import ModelRunner
-from methods.engine.tree import attention_mask
-from methods.ar import AutoregressiveDecoder
 from methods.engine.stopping import StopCondition
+from methods.engine.tree import attention_mask
 from tests.conftest import hf_greedy, tiny_model
 
 CASES = {
@@ -90,7 +90,8 @@ def test_projection_weights_become_views_of_the_fused_ones():
     assert fused_decoder(model) is decoder and ModelRunner(model).fused is decoder  # made once per model
     layer, attn, mlp = decoder.layers[0], model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert attn.q_proj.weight.data_ptr() == layer.qkv.weight.data_ptr()
-    assert attn.v_proj.bias.data_ptr() == layer.qkv.bias.data_ptr() + 4 * (attn.q_proj.out_features + attn.k_proj.out_features)
+    assert attn.v_proj.bias.data_ptr() == layer.qkv.bias.data_ptr() + 4 * (attn.q_proj.out_features
+                                                                           + attn.k_proj.out_features)
     assert mlp.up_proj.weight.data_ptr() == layer.gate_up.weight.data_ptr() + 4 * mlp.gate_proj.weight.numel()
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name

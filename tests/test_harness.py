@@ -48,7 +48,8 @@ def config(*overrides):
 def tiny_overrides(model_dir, questions, results, *extra):
     return [
         f"model.path={model_dir}", "model.gguf_file=null", "model.gguf_package=null", "model.name=tiny",
-        "model.drafts.sps=null", "model.drafts.sps={target_layers: 1}", "dtype=float32", "device=cpu", f"results_dir={results}",
+        "model.drafts.sps=null", "model.drafts.sps={target_layers: 1}", "dtype=float32", "device=cpu",
+        f"results_dir={results}",
         "max_new_tokens=12", "warmup=1", *([f"dataset.path={questions}"] if questions else []), *extra,
     ]
 
@@ -63,7 +64,8 @@ def test_bench_writes_a_complete_results_folder(tiny_model_dir, questions_file, 
     assert env["cpu_isa"] and env["engine"]["skinny_gemm"] == "auto" and env["engine"]["dtype_reason"]
     # the profiles that chose its kernels and γ: which files, when measured, and whether the machine was quiet
     profiles = {Path(f).name.split("-")[0]: p for f, p in env["engine"]["profiles"].items()}
-    assert {"linear", "curve"} <= set(profiles) and all(isinstance(p["quiet"], bool) and p["measured"] for p in profiles.values())
+    assert {"linear", "curve"} <= set(profiles) and all(isinstance(p["quiet"], bool) and p["measured"]
+                                                        for p in profiles.values())
     assert summary["engine"]["profiles"] == env["engine"]["profiles"]
     assert Path(summary["baseline_results"]) == folder  # the paired AR answers live beside the method's
     sps, ar = read_jsonl(folder / "answers" / "sps.jsonl"), read_jsonl(folder / "answers" / "ar.jsonl")
@@ -100,7 +102,8 @@ def test_bench_writes_a_complete_results_folder(tiny_model_dir, questions_file, 
     assert stored["questions"] == 3 and stored["method"] == "sps"
 
 
-def test_interrupted_run_resumes_without_duplicates_and_remeasures_lone_answers(tiny_model_dir, questions_file, tmp_path):
+def test_interrupted_run_resumes_without_duplicates_and_remeasures_lone_answers(tiny_model_dir, questions_file,
+                                                                                tmp_path):
     overrides = tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=sps", "limit=4")
     summary = run(config(*overrides))
     method_file = Path(summary["results"]) / "answers" / "sps.jsonl"
@@ -110,7 +113,8 @@ def test_interrupted_run_resumes_without_duplicates_and_remeasures_lone_answers(
     baseline_stamps = {r["question_id"]: r["tstamp"] for r in read_jsonl(baseline_file)}
     # a crash: the method finished two questions, the third line is half written; AR finished all
     method_file.write_text("\n".join(lines[:2]) + "\n" + lines[2][: len(lines[2]) // 2])
-    baseline_file.write_text(baseline_file.read_text() + baseline_file.read_text().splitlines()[0] + "\n")  # a duplicate
+    # a duplicate
+    baseline_file.write_text(baseline_file.read_text() + baseline_file.read_text().splitlines()[0] + "\n")
     resumed = run(config(*overrides))
     assert resumed["results"] == summary["results"] and resumed["questions"] == 4
     for file in (method_file, baseline_file):
@@ -157,7 +161,10 @@ def test_resume_refuses_answers_timed_by_other_decoding_code(tmp_path, tiny_mode
 
     overrides = tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=pld", "limit=1", "warmup=0")
     first = run(config(*overrides))
-    assert json.loads((Path(first["results"]) / "environment.json").read_text())["decoding_code"] == harness.running.environment.code_digest()
+    assert (
+        json.loads((Path(first["results"]) / "environment.json").read_text())["decoding_code"]
+        == harness.running.environment.code_digest()
+    )
     monkeypatch.setattr(harness.running.environment, "code_digest", lambda: "0123456789ab")  # an engine edit since
     loads, load_model = [], harness.running.run.load_model
     monkeypatch.setattr(harness.running.run, "load_model", lambda *a, **k: loads.append(a) or load_model(*a, **k))
@@ -191,7 +198,8 @@ def test_retrained_drafts_get_their_own_results_folder(tmp_path):
     # the methods' configs say which ones draft with a trained model: a `head` or a `draft` setting
     conf = Path(__file__).resolve().parents[1] / "conf" / "method"
     uses = {m: bool({"head", "draft"} & set(OmegaConf.load(conf / f"{m}.yaml"))) for m in
-            ("sps", "mcsd", "medusa", "hydra", "eagle", "eagle2", "eagle3", "ar", "pld", "lookahead", "recycling", "jacobi")}
+            ("sps", "mcsd", "medusa", "hydra", "eagle", "eagle2", "eagle3", "ar", "pld", "lookahead", "recycling",
+             "jacobi")}
     assert [m for m, used in uses.items() if used] == ["sps", "mcsd", "medusa", "hydra", "eagle", "eagle2", "eagle3"]
 
 
@@ -209,9 +217,11 @@ def test_code_digest_sees_an_edit_of_the_decoding_code(tmp_path):
 
 
 def test_default_config_runs_the_embedded_model(tmp_path, spec_bench_file):
-    summary = run(config(f"results_dir={tmp_path}", f"dataset.path={spec_bench_file}", "limit=1", "max_new_tokens=6", "warmup=0",
+    summary = run(config(f"results_dir={tmp_path}", f"dataset.path={spec_bench_file}", "limit=1", "max_new_tokens=6",
+                         "warmup=0",
                          "dataset.categories=[qa]", "method=ar"))
-    expected, reason = choose_dtype("auto", resolve_device("auto"), ModelSpec.from_mapping(model_config("smollm2-135m")), "smollm2-135m")
+    expected, reason = choose_dtype("auto", resolve_device("auto"),
+                                    ModelSpec.from_mapping(model_config("smollm2-135m")), "smollm2-135m")
     assert summary["model"] == "smollm2-135m" and summary["dtype"] == str(expected).replace("torch.", "")
     assert summary["engine"]["dtype_reason"] == reason and summary["engine"]["skinny_gemm"] == "auto"
     record = read_jsonl(Path(summary["results"]) / "answers" / "ar.jsonl")[0]
@@ -386,7 +396,8 @@ def test_stratified_selection_covers_categories():
 
 def record(qid, tokens, wall, steps, category="c"):
     stats = {"ttft": 0.1, "drafted_tokens": 4 * steps, "accepted_drafts": tokens - steps,
-             "position_proposed": [steps], "position_tested": [steps], "position_accepted": [tokens - steps], "phase_time": {"verify": wall / 2}}
+             "position_proposed": [steps], "position_tested": [steps], "position_accepted": [tokens - steps],
+             "phase_time": {"verify": wall / 2}}
     return {"question_id": qid, "category": category, "choices": [{
         "new_tokens": [tokens], "wall_time": [wall], "decoding_steps": [steps], "accept_lengths": [],
         "output_ids": [list(range(tokens))], "stats": [stats]}]}
@@ -459,18 +470,22 @@ def test_a_speedup_carries_its_caveats():
     lines = format_summary(summary).splitlines()
     low, high = summary["speedup"]["specbench_ci95"]
     assert lines[1].startswith(f"SPEEDUP {speedup:.2f}x over AR, 95% interval [{low:.2f}, {high:.2f}], n = 6 questions")
-    assert lines[2].startswith(f"  the interval is wide ({low:.2f} to {high:.2f}x): 6 of 6 questions measured on a busy machine")
+    assert lines[2].startswith(f"  the interval is wide ({low:.2f} to {high:.2f}x): 6 of 6 questions measured on a "
+                               "busy machine")
     assert lines[3].startswith("  a speedup above τ (1.11) on a busy machine is not to be trusted")
     assert lines[4] == ("caveats: n 6; BUSY 6/6 (others used up to 2.0 cores); 6/6 differ from AR: 6 near-ties "
                         "(max gap 0.5), 0 mismatches; speedup > τ on a busy machine: not to be trusted; wide interval: "
                         "6 of 6 questions measured on a busy machine, only 6 questions")
-    table = {line.split()[0]: float(line.split()[-6]) for line in lines if line.startswith(("ar (baseline) ", "x" + " " * 15))}
+    table = {line.split()[0]: float(line.split()[-6]) for line in lines
+             if line.startswith(("ar (baseline) ", "x" + " " * 15))}
     assert table["x"] / table["ar"] == pytest.approx(speedup, rel=1e-3)  # the table's tok/s give the headline
     # the same run on a quiet machine, AR timed evenly, on the same tokens: nothing to flag
     quiet = summarize("x", [answered(q, 100, 2.0, 90) for q in range(6)],
                       [answered(q, 100, 2.2, 100, other_cores=0.01) for q in range(6)], meta)
     c = quiet["caveats"]
-    assert c["busy"] == 0 and not c["above_tau"] and not c["interval_wide"] and c["fidelity"]["differing_questions"] == 0
+    assert (
+        c["busy"] == 0 and not c["above_tau"] and not c["interval_wide"] and c["fidelity"]["differing_questions"] == 0
+    )
     text = format_summary(quiet)
     assert "caveats: n 6; quiet (others used at most 0.01 cores); 0/6 differ from AR\n" in text
     assert "not to be trusted" not in text and "wide" not in text
@@ -489,7 +504,7 @@ def test_bootstrap_interval_brackets_the_median():
 
 
 def hand_written_bootstrap(statistic, pairs, reps=2000, seed=0):
-    """The suite's bootstrap before scipy's (harness/metrics.py until issue 38): resample the
+    """The suite's bootstrap before scipy's (harness/running/metrics.py until issue 38): resample the
     questions with `random.choices`, sort, read the 2.5% and 97.5% order statistics."""
     import random
 
@@ -520,9 +535,11 @@ def test_scipy_bootstrap_gives_the_hand_written_intervals_within_the_noise(seed)
         spread = [hand_written_bootstrap(lambda s: statistics.fmean(m for m, _ in s) / statistics.fmean(b for _, b in s)
                                          if key == "specbench_ci95" else statistics.median(m / b for m, b in s), pairs,
                                          seed=other) for other in range(1, 6)]
-        noise = max(max(x[0] for x in spread) - min(x[0] for x in spread), max(x[1] for x in spread) - min(x[1] for x in spread))
+        noise = max(max(x[0] for x in spread) - min(x[0] for x in spread),
+                    max(x[1] for x in spread) - min(x[1] for x in spread))
         width = old_high - old_low
-        assert abs(low - old_low) <= max(2 * noise, 0.05 * width) and abs(high - old_high) <= max(2 * noise, 0.05 * width), \
+        assert abs(low - old_low) <= max(2 * noise,
+                                         0.05 * width) and abs(high - old_high) <= max(2 * noise, 0.05 * width), \
             (key, (low, high), (old_low, old_high), noise)
 
 
@@ -533,7 +550,8 @@ def test_scipy_bootstrap_gives_the_hand_written_intervals_within_the_noise(seed)
     ("medusa", ["method.tree=medusa_mc_sim_7b_63", "method.acceptance=typical", "temperature=0.7"]),
     ("mcsd", ["method.k_config=[3,2]"]), ("jacobi", ["method.block_size=4"]),
 ])
-def test_tree_methods_report_per_position_acceptance(tiny_model_dir, questions_file, tmp_path, monkeypatch, method, extra):
+def test_tree_methods_report_per_position_acceptance(tiny_model_dir, questions_file, tmp_path, monkeypatch, method,
+                                                     extra):
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path / "cache"))
     heads = ["model.drafts.eagle=null", "model.drafts.eagle={random_init: 0}", "model.drafts.medusa=null",
              "model.drafts.medusa={random_init: 0}"]
@@ -542,7 +560,11 @@ def test_tree_methods_report_per_position_acceptance(tiny_model_dir, questions_f
     per_position = summary["decoder"]["acceptance_per_position"]
     assert len(per_position) >= 2 and all(a is None or 0 <= a <= 1 for a in per_position)
     # every verification step but a last one with no room for drafts tests position 1
-    assert 0 < summary["decoder"]["position_tested"][0] <= summary["decoder"]["target_forwards"] - summary["decoder"]["turns"]
+    assert (
+        0
+        < summary["decoder"]["position_tested"][0]
+        <= summary["decoder"]["target_forwards"] - summary["decoder"]["turns"]
+    )
     typical = "method.acceptance=typical" in extra
     assert summary["lossless"] is not typical
     if not typical:  # greedy fp32, lossless: AR's tokens exactly
@@ -555,7 +577,9 @@ def test_lazyllm_run_reports_ttft_layers_quality_and_is_lossy(tiny_model_dir, tm
                                          "method.schedule=[[0,0.5]]")))  # the tiny model has 2 layers
     assert summary["lossless"] is False and summary["method_config"]["schedule"] == {0: 0.5}
     decoder = summary["decoder"]
-    assert decoder["prefill_layer_token_fraction"][0] == 1.0 and 0.45 < decoder["prefill_layer_token_fraction"][1] < 0.55
+    assert (
+        decoder["prefill_layer_token_fraction"][0] == 1.0 and 0.45 < decoder["prefill_layer_token_fraction"][1] < 0.55
+    )
     assert summary["ttft_speedup"] > 0 and set(summary["ttft_speedup_by_category"]) == {"kv_200", "kv_400"}
     for name in ("lazyllm", "ar"):
         quality = summary["quality"][name]["contains_reference"]
@@ -639,7 +663,8 @@ def test_model_config_reads_conf_model_and_names_the_valid_ones():
         model_config("vicuna-70b")
 
 
-def test_headline_runs_each_method_against_its_paired_baseline_and_reports_them(tiny_model_dir, questions_file, tmp_path):
+def test_headline_runs_each_method_against_its_paired_baseline_and_reports_them(tiny_model_dir, questions_file,
+                                                                                tmp_path):
     from harness.reporting.headline import main
 
     results, plots = tmp_path / "results", tmp_path / "plots"
@@ -683,12 +708,14 @@ def test_live_token_count_follows_the_decoding_steps(monkeypatch):
     bar = Bar()
     live = LiveCount(bar, after=0.0, every=0.0)
     live.start("ar", 20)
-    out = AutoregressiveDecoder(ModelRunner(tiny_model("llama", seed=3))).generate([1, 2, 3], StopCondition(20, progress=live))
+    out = AutoregressiveDecoder(ModelRunner(tiny_model("llama",
+                                                       seed=3))).generate([1, 2, 3], StopCondition(20, progress=live))
     counts = [int(line.split(": ")[1].split("/")[0]) for line in bar.lines]
     assert counts == list(range(1, out.stats.new_tokens + 1)) and bar.lines[-1].startswith("ar: 20/20 tokens, ")
     quiet = LiveCount(Bar(), after=3600.0)  # a short question shows nothing
     quiet.start("ar", 20)
-    AutoregressiveDecoder(ModelRunner(tiny_model("llama", seed=3))).generate([1, 2, 3], StopCondition(20, progress=quiet))
+    AutoregressiveDecoder(ModelRunner(tiny_model("llama",
+                                                 seed=3))).generate([1, 2, 3], StopCondition(20, progress=quiet))
     assert quiet.bar.lines == []
 
 

@@ -73,7 +73,8 @@ def test_a_greedy_step_of_the_shared_loop_reads_the_host_once():
     """Issue 35's budget for the shared loop: AR's accepted path, next token and margins come back
     in one read a step, the prefill's first token and its margin too."""
     model = tiny_model("llama", seed=3)
-    per_step, counts, steps = reads_per_step(AutoregressiveDecoder(ModelRunner(model)), [[5, 9, 3, 7, 11]], StopCondition(40))
+    per_step, counts, steps = reads_per_step(AutoregressiveDecoder(ModelRunner(model)), [[5, 9, 3, 7, 11]],
+                                             StopCondition(40))
     assert steps == 40 and sum(counts.values()) == steps, counts
 
 
@@ -85,7 +86,8 @@ BUDGET = {"eagle2": 2, "eagle3": 2}
 PER_ANSWER = 2
 
 
-@pytest.mark.parametrize("method", [m for m in available_methods() if m != "lazyllm" and not m.startswith(("toy", "echo"))])
+@pytest.mark.parametrize("method",
+                         [m for m in available_methods() if m != "lazyllm" and not m.startswith(("toy", "echo"))])
 def test_every_method_keeps_its_host_read_budget(method, tmp_path, monkeypatch):
 
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
@@ -98,7 +100,8 @@ def test_every_method_keeps_its_host_read_budget(method, tmp_path, monkeypatch):
     assert steps > 5 and reads.total <= BUDGET.get(method, 1) * steps + PER_ANSWER, (reads.counts, steps)
 
 
-@pytest.mark.parametrize("method", [m for m in available_methods() if m not in ("lazyllm", "jacobi") and not m.startswith(("toy", "echo"))])
+@pytest.mark.parametrize("method", [m for m in available_methods() if m not in ("lazyllm", "jacobi")
+                                    and not m.startswith(("toy", "echo"))])
 def test_a_sampled_step_reads_at_most_twice(method, tmp_path, monkeypatch):
     """Issue 35's budget while sampling: 2 reads a step. The acceptance (`acceptance.sample_accept`:
     a chain's or a tree's tests, residuals, next token and margins on the device) reads once; the
@@ -128,7 +131,8 @@ def test_a_fixed_size_dynamic_tree_reads_the_host_once(method, tmp_path, monkeyp
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
     target = tiny_model("llama", seed=3, layers=8)
     context = method_context(target, tmp_path)
-    device, host = (get_method(method)(ModelRunner(target), {"name": method, "total_tokens": 16}, context) for _ in range(2))
+    device, host = (get_method(method)(ModelRunner(target), {"name": method, "total_tokens": 16}, context)
+                    for _ in range(2))
     on_device = host._device_tree
     host._device_tree = lambda *args: Tree((tree := on_device(*args)).tokens, tree.parents)
     outputs = []

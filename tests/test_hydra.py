@@ -55,16 +55,23 @@ def hydra_state(target, arch="prefix-mlp", grounded=True, heads=4, layers=2, see
         head_dim = H // c.num_attention_heads
         q, kv, inter = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim, c.intermediate_size
         p = "prefix_embeding_layer."
-        state.update({
-            p + "embed_tokens.weight": r(V, H),  # unused by upstream (inputs_embeds), present in its files
-            p + "layers.0.self_attn.q_proj.weight": r(q, H), p + "layers.0.self_attn.k_proj.weight": r(kv, H),
-            p + "layers.0.self_attn.v_proj.weight": r(kv, H), p + "layers.0.self_attn.o_proj.weight": r(H, q),
-            p + "layers.0.self_attn.rotary_emb.inv_freq": 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim),
-            p + "layers.0.mlp.gate_proj.weight": r(inter, H), p + "layers.0.mlp.up_proj.weight": r(inter, H),
-            p + "layers.0.mlp.down_proj.weight": r(H, inter),
-            p + "layers.0.input_layernorm.weight": 1 + r(H), p + "layers.0.post_attention_layernorm.weight": 1 + r(H),
-            p + "norm.weight": 1 + r(H),
-        })
+        state.update(
+            {
+                p + "embed_tokens.weight": r(V, H),  # unused by upstream (inputs_embeds), present in its files
+                p + "layers.0.self_attn.q_proj.weight": r(q, H),
+                p + "layers.0.self_attn.k_proj.weight": r(kv, H),
+                p + "layers.0.self_attn.v_proj.weight": r(kv, H),
+                p + "layers.0.self_attn.o_proj.weight": r(H, q),
+                p + "layers.0.self_attn.rotary_emb.inv_freq": 1.0
+                / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim),
+                p + "layers.0.mlp.gate_proj.weight": r(inter, H),
+                p + "layers.0.mlp.up_proj.weight": r(inter, H),
+                p + "layers.0.mlp.down_proj.weight": r(H, inter),
+                p + "layers.0.input_layernorm.weight": 1 + r(H),
+                p + "layers.0.post_attention_layernorm.weight": 1 + r(H),
+                p + "norm.weight": 1 + r(H),
+            }
+        )
     return state
 
 
@@ -116,7 +123,8 @@ def reference_prefix(state, hidden, config):
     k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
     scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-    h = hidden + torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, H) @ p("layers.0.self_attn.o_proj.weight").T
+    h = hidden + torch.einsum("hqk,khd->qhd", scores.softmax(-1),
+                              v).reshape(n, H) @ p("layers.0.self_attn.o_proj.weight").T
     y = rms(h, p("layers.0.post_attention_layernorm.weight"), eps)
     h = h + (F.silu(y @ p("layers.0.mlp.gate_proj.weight").T) * (y @ p("layers.0.mlp.up_proj.weight").T)) \
         @ p("layers.0.mlp.down_proj.weight").T
@@ -157,7 +165,8 @@ def test_released_layout_loads_and_drafts_as_upstreams_modules(tmp_path, arch, g
     for i in range(4):
         x = torch.randn(5, 64 * (i + 2) if grounded else 64, generator=g)
         with torch.no_grad():
-            torch.testing.assert_close(heads.logits(i, heads.features(i, x)), reference_head(state, arch, grounded, i, x, 3),
+            torch.testing.assert_close(heads.logits(i, heads.features(i, x)),
+                                       reference_head(state, arch, grounded, i, x, 3),
                                        rtol=1e-4, atol=1e-4)
     # one drafting step on the published tree: the same tokens as the path-by-path walk
     decoder = HydraDecoder(ModelRunner(target), heads, StaticTree.build("hydra_mc_sim_7b_63"))
@@ -228,7 +237,9 @@ def test_hydra_sampling_preserves_target_distribution(tiny_vocab_pair, tmp_path)
     samples = draw(sampling_decoder(target, tmp_path), 1200, seed=7)
     assert chi_square_pvalue(samples, expected) > 1e-3
     broken = sampling_decoder(target, tmp_path / "mlp", "mlp")  # the acceptor is what is broken here
-    broken.sample_accept = lambda tree, probs, gen, **kw: HydraDecoder.sample_accept(tree, probs, gen, residual=lambda p, q: p, **kw)
+    broken.sample_accept = lambda tree, probs, gen, **kw: HydraDecoder.sample_accept(
+        tree, probs, gen, residual=lambda p, q: p, **kw
+    )
     assert chi_square_pvalue(draw(broken, 1200, seed=7), expected) < 1e-6
 
 
@@ -244,8 +255,10 @@ def test_registry_builds_hydra_and_rejects_unsupported_heads(tmp_path):
     record = decoder.describe()
     assert (record["heads"], record["head_arch"], record["tree_nodes"], record["tree_depth"]) == (4, "mlp", 64, 4)
     prompt, stop = [1, 2, 3, 4], StopCondition(20)
-    assert decoder.generate(prompt, stop).tokens == AutoregressiveDecoder(ModelRunner(target)).generate(prompt, stop).tokens
-    typical = get_method("hydra")(ModelRunner(target), {"name": "hydra", "tree": SMALL, "acceptance": "typical"}, context)
+    assert decoder.generate(prompt,
+                            stop).tokens == AutoregressiveDecoder(ModelRunner(target)).generate(prompt, stop).tokens
+    typical = get_method("hydra")(ModelRunner(target), {"name": "hydra", "tree": SMALL, "acceptance": "typical"},
+                                  context)
     assert typical.describe()["lossless"] is False and typical.describe()["acceptance"] == "typical"
     sampled = typical.generate(prompt, stop, SamplingConfig(temperature=0.7), torch.Generator().manual_seed(0))
     assert len(sampled.tokens) == 20 and sampled.stats.accepted_drafts > 0
@@ -257,7 +270,8 @@ def test_registry_builds_hydra_and_rejects_unsupported_heads(tmp_path):
     bad = BuildContext(target, "tiny", {"drafts": {"hydra": {"path": str(tmp_path / "ca")}}})
     with pytest.raises(ValueError, match="'cross-attn' is not supported; supported: mlp, prefix-mlp"):
         get_method("hydra")(ModelRunner(target), {"name": "hydra", "tree": SMALL}, bad)
-    missing = BuildContext(target, "smollm2-135m", {"drafts": {"hydra": {"path": "drafts/smollm2-135m/hydra-not-trained"}}})
+    missing = BuildContext(target, "smollm2-135m",
+                           {"drafts": {"hydra": {"path": "drafts/smollm2-135m/hydra-not-trained"}}})
     with pytest.raises(ModelUnavailableError, match=r"python -m harness.training hydra --model smollm2-135m") as err:
         get_method("hydra")(ModelRunner(target), {"name": "hydra", "tree": SMALL}, missing)
     assert "\n" not in str(err.value)
@@ -299,7 +313,8 @@ def test_recipe_learns_and_its_files_load_through_the_loader(tiny_target_data, t
     assert not any(k.startswith("input_embed_fn") or "embed_tokens" in k for k in state)
     assert ("draft_ids" in state) == reduced
     config = json.loads((tmp_path / "config.json").read_text())
-    assert (config["hydra_num_heads"], config["hydra_num_layers"], config["hydra_head_arch"], config["grounded_heads"]) \
+    assert (config["hydra_num_heads"], config["hydra_num_layers"], config["hydra_head_arch"],
+            config["grounded_heads"]) \
         == (3, 2, arch, True)
     heads, _ = load_hydra_heads(ModelSpec(path=str(tmp_path)), target)
     reference = recipe.heads.eval()
@@ -365,8 +380,10 @@ def test_bench_run_of_hydra_records_per_position_acceptance(tiny_chat_model_dir,
     questions = tmp_path / "question.jsonl"
     questions.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [text]}) + "\n"
                                  for i, text in enumerate(["Who wrote Hamlet?", "What is 2+2?"])))
-    summary = run(config(*tiny_overrides(tiny_chat_model_dir, questions, tmp_path / "results", "method=hydra", "limit=2",
-                                         "model.drafts.hydra=null", f"model.drafts.hydra={{path: {tmp_path / 'heads'}}}",
+    summary = run(config(*tiny_overrides(tiny_chat_model_dir, questions, tmp_path / "results", "method=hydra",
+                                         "limit=2",
+                                         "model.drafts.hydra=null",
+                                         f"model.drafts.hydra={{path: {tmp_path / 'heads'}}}",
                                          "method.tree=[[0],[1],[0,0],[1,0],[0,0,0]]")))
     decoder = summary["decoder"]
     assert len(decoder["acceptance_per_position"]) == 3 and decoder["position_tested"][0] > 0

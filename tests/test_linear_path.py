@@ -9,7 +9,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from methods.engine import identity
-from methods.engine.linear import NATIVE_SLACK, choose, BUCKETS, KERNELS, LinearPath, LinearPlan, measure_plan, onednn_available, prepack, run_kernel, shape_key
+from methods.engine.linear import (
+    BUCKETS,
+    KERNELS,
+    NATIVE_SLACK,
+    LinearPath,
+    LinearPlan,
+    choose,
+    measure_plan,
+    onednn_available,
+    prepack,
+    run_kernel,
+    shape_key,
+)
 from methods.engine.runner import ModelRunner
 from tests.conftest import tiny_model
 
@@ -34,7 +46,8 @@ def test_every_kernel_equals_f_linear(kernel, shape, bias):
 
 def test_measured_plan_names_a_kernel_per_shape_and_bucket():
     layer = nn.Linear(64, 48)
-    plan = measure_plan({shape_key(layer.weight, layer.bias): (layer.weight, layer.bias)}, rounds=1, cache_bytes=1 << 16)
+    plan = measure_plan({shape_key(layer.weight, layer.bias): (layer.weight, layer.bias)}, rounds=1,
+                        cache_bytes=1 << 16)
     chosen = plan.kernels["48x64+b"]
     assert set(chosen) == set(BUCKETS) and set(chosen.values()) <= set(KERNELS)
     assert all(set(plan.seconds["48x64+b"][b]) >= {"f_linear", "w_xt"} for b in BUCKETS)
@@ -89,7 +102,8 @@ def test_auto_dtype_on_a_native_bf16_cpu_is_decided_by_timing(monkeypatch, tiny_
     from methods.models.specs import ModelSpec
 
     cpu, spec = torch.device("cpu"), ModelSpec(path=str(tiny_chat_model_dir))
-    monkeypatch.setattr(loading, "auto_dtype", lambda device: identity.auto_dtype(device, {"avx2", "avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(loading, "auto_dtype",
+                        lambda device: identity.auto_dtype(device, {"avx2", "avx512f", "avx512_bf16"}))
     timed, bf16 = [], {}
     def curve(runner, name, sizes):
         timed.append((runner.dtype, name, tuple(sizes)))

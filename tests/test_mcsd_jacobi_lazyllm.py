@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from methods.ar import AutoregressiveDecoder
-from methods.jacobi import JacobiDecoder
-from methods.lazyllm import LazyLLMDecoder, LazyRunner, resolve_schedule
-from methods.models.loading import truncated_copy
-from methods.mcsd import MultiCandidateDecoder, parse_k_config
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
+from methods.jacobi import JacobiDecoder
+from methods.lazyllm import LazyLLMDecoder, LazyRunner, resolve_schedule
+from methods.mcsd import MultiCandidateDecoder, parse_k_config
+from methods.models.loading import truncated_copy
 from tests.conftest import tiny_model
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 
@@ -110,7 +110,8 @@ def test_without_replacement_update_matters(tiny_vocab_pair):
 # Jacobi
 
 
-@pytest.mark.parametrize("block_size, initial_guess", [(2, "prompt"), (4, "repeat"), (16, "sequence"), (7, "pad"), (5, "sequence")])
+@pytest.mark.parametrize("block_size, initial_guess",
+                         [(2, "prompt"), (4, "repeat"), (16, "sequence"), (7, "pad"), (5, "sequence")])
 def test_jacobi_equals_greedy_ar_and_terminates(block_size, initial_guess):
     target = tiny_model("llama", seed=53, vocab_size=16, layers=3)
     ar = AutoregressiveDecoder(ModelRunner(target))

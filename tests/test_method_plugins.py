@@ -87,5 +87,6 @@ def test_a_plugin_that_fails_to_import_names_its_entry_point(tmp_path, monkeypat
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-methods\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(f"[{ENTRY_POINTS}]\nbroken = no_such_module_here\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ImportError, match=r"decodebench.methods entry point broken = no_such_module_here \(from broken-methods\)"):
+    with pytest.raises(ImportError,
+                       match=r"decodebench.methods entry point broken = no_such_module_here \(from broken-methods\)"):
         available_methods()

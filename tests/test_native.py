@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from methods.ar import AutoregressiveDecoder
 from methods.engine import hardware, native
 from methods.engine.linear import BUCKETS, KERNELS, LinearPath, LinearPlan, linear_shapes, measure_plan
 from methods.engine.runner import ModelRunner
-from methods.engine.tree import attention_mask
-from methods.ar import AutoregressiveDecoder
 from methods.engine.stopping import StopCondition
+from methods.engine.tree import attention_mask
 from tests.conftest import hf_greedy, tiny_model
 
 needs_native = pytest.mark.skipif(native.unavailable_reason() is not None,
@@ -330,7 +330,9 @@ def test_a_weight_the_native_kernel_cannot_read_falls_back_to_f_linear():
     with torch.inference_mode():
         half = torch.randn(8, 16, generator=gen).bfloat16()
         assert path.route(half, None, 3)(x.bfloat16()).dtype == torch.bfloat16
-        torch.testing.assert_close(path.route(half, None, 3)(x.bfloat16()), torch.nn.functional.linear(x.bfloat16(), half),
+        torch.testing.assert_close(path.route(half, None, 3)(x.bfloat16()),
+                                   torch.nn.functional.linear(x.bfloat16(), half),
                                    rtol=0, atol=0)
         view = torch.randn(16, 8, generator=gen).T  # [8, 16], not contiguous
-        torch.testing.assert_close(path.route(view, None, 3)(x), torch.nn.functional.linear(x, view), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(path.route(view, None, 3)(x), torch.nn.functional.linear(x, view), rtol=1e-5,
+                                   atol=1e-5)

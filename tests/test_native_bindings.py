@@ -52,13 +52,20 @@ def test_rms_norm_and_rope_store_refuse_what_they_cannot_read():
     keys, values = torch.zeros(batch, kv, 8, d), torch.zeros(batch, kv, 8, d)
     native.rope_store(qkv, cos, sin, keys, values, 5, heads, kv)  # positions 5..7 of 8: fits
     cases = {
-        r"positions 6\.\.8 outside the cache's capacity 8": lambda: native.rope_store(qkv, cos, sin, keys, values, 6, heads, kv),
+        r"positions 6\.\.8 outside the cache's capacity 8": lambda: native.rope_store(
+            qkv, cos, sin, keys, values, 6, heads, kv
+        ),
         r"positions -1\.\.1 outside": lambda: native.rope_store(qkv, cos, sin, keys, values, -1, heads, kv),
-        r"qkv has shape \[1, 3, 8, 16\], expected \[\*, \*, 9, \*\]": lambda: native.rope_store(qkv, cos, sin, keys, values, 0, 5, kv),
+        r"qkv has shape \[1, 3, 8, 16\], expected \[\*, \*, 9, \*\]": lambda: native.rope_store(
+            qkv, cos, sin, keys, values, 0, 5, kv
+        ),
         r"cos has shape": lambda: native.rope_store(qkv, cos[:, :2], sin, keys, values, 0, heads, kv),
-        "keys must be contiguous": lambda: native.rope_store(qkv, cos, sin, torch.zeros(batch, kv, d, 8).transpose(2, 3),
-                                                             values, 0, heads, kv),
-        r"values has shape \[1, 2, 4, 16\], expected \[1, 2, 8, 16\]": lambda: native.rope_store(qkv, cos, sin, keys, values[:, :, :4].contiguous(), 0, heads, kv),
+        "keys must be contiguous": lambda: native.rope_store(
+            qkv, cos, sin, torch.zeros(batch, kv, d, 8).transpose(2, 3), values, 0, heads, kv
+        ),
+        r"values has shape \[1, 2, 4, 16\], expected \[1, 2, 8, 16\]": lambda: native.rope_store(
+            qkv, cos, sin, keys, values[:, :, :4].contiguous(), 0, heads, kv
+        ),
     }
     for message, call in cases.items():
         with pytest.raises(ValueError, match=message):
@@ -81,19 +88,23 @@ def test_the_native_layer_refuses_what_it_cannot_read():
     mask = torch.zeros(1, 1, 3, 3)
     layer(x, cos, sin, keys, values, 0, mask)
     cases = {
-        r"x has shape \[1, 3, 31\], expected \[\*, \*, 32\]": lambda: layer(x[..., :31], cos, sin, keys, values, 0, mask),
+        r"x has shape \[1, 3, 31\], expected \[\*, \*, 32\]": lambda: layer(
+            x[..., :31], cos, sin, keys, values, 0, mask
+        ),
         r"mask has shape \[1, 1, 3, 3\], expected \[\*, 1, 3, 13\]": lambda: layer(x, cos, sin, keys, values, 10, mask),
         r"positions 14\.\.16 outside the cache's capacity 16": lambda: layer(x, cos, sin, keys, values, 14, None),
         "mask has batch 2, expected 1 or 1": lambda: layer(x, cos, sin, keys, values, 0, torch.zeros(2, 1, 3, 3)),
-        r"keys has shape \[1, 3, 16, 8\], expected \[1, 2, \*, 8\]": lambda: layer(x, cos, sin, torch.zeros(1, 3, 16, d),
-                                                                                  values, 0, None),
+        r"keys has shape \[1, 3, 16, 8\], expected \[1, 2, \*, 8\]": lambda: layer(
+            x, cos, sin, torch.zeros(1, 3, 16, d), values, 0, None
+        ),
         "mask must be float32": lambda: layer(x, cos, sin, keys, values, 0, mask.bool()),
         "sin must be float32": lambda: layer(x, cos, sin.double(), keys, values, 0, mask),
     }
     for message, call in cases.items():
         with pytest.raises(ValueError, match=message):
             call()
-    with pytest.raises(ValueError, match=r"packed down has shape"):  # constants are checked once, when the layer is made
+    # constants are checked once, when the layer is made
+    with pytest.raises(ValueError, match=r"packed down has shape"):
         native.NativeLayer(norms, (1e-5, 1e-5), packed[:3] + [packed[2]], biases, heads, kv, d, inter, d ** -0.5)
     with pytest.raises(ValueError, match=r"input norm has shape \[16\], expected \[32\]"):
         native.NativeLayer((torch.ones(16), None), (1e-5, 1e-5), packed, biases, heads, kv, d, inter, d ** -0.5)

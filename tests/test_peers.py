@@ -77,8 +77,14 @@ def test_missing_llama_cpp_is_a_one_line_skip(monkeypatch, capsys):
             return self[key]
 
     monkeypatch.setattr("harness.perf.peers.spec_bench_prompts", lambda template, count: [[1, 2, 3]])
-    monkeypatch.setattr("harness.running.prompts.ChatTemplate.for_model", classmethod(
-        lambda cls, config, tokenizer: types.SimpleNamespace(stop_condition=lambda n: StopCondition(n, frozenset({0})))))
+    monkeypatch.setattr(
+        "harness.running.prompts.ChatTemplate.for_model",
+        classmethod(
+            lambda cls, config, tokenizer: types.SimpleNamespace(
+                stop_condition=lambda n: StopCondition(n, frozenset({0}))
+            )
+        ),
+    )
     model = tiny_model("llama", seed=3)
     args = types.SimpleNamespace(questions=1, max_new_tokens=4, repeats=1, curve_only=False, gamma=2, draft_layers=1)
     out = peers.run_peers(args, model, None, Config(), torch.device("cpu"), {"dtype": "float32"})
@@ -88,7 +94,10 @@ def test_missing_llama_cpp_is_a_one_line_skip(monkeypatch, capsys):
     assert out["peers"]["skipped"]["llama_ar"] == reason
     assert "llama.cpp AR" in printed  # the table is still printed
     identical = out["peers"]["identical_to_ar_ours"]
-    assert identical["pld_ours"] == identical["pld_generate"] == "1/1" and out["peers"]["identical_to_ar_ours_sps"] == "1/1"
+    assert (
+        identical["pld_ours"] == identical["pld_generate"] == "1/1"
+        and out["peers"]["identical_to_ar_ours_sps"] == "1/1"
+    )
 
 
 HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None

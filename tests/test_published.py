@@ -75,18 +75,23 @@ def test_specbench_config_is_spec_bench_setting(specbench_runs):
     assert set(specbench_runs) <= set(a100.methods)  # every method has a published number to compare with
     for method, cfg in specbench_runs.items():
         assert (cfg.model.name, cfg.model.path, cfg.dataset.name) == ("vicuna-7b", "lmsys/vicuna-7b-v1.3", "spec_bench")
-        assert (cfg.dtype, cfg.temperature, cfg.max_new_tokens, cfg.limit, cfg.device) == ("float16", 0, 1024, None, "cuda")
+        assert (cfg.dtype, cfg.temperature, cfg.max_new_tokens, cfg.limit,
+                cfg.device) == ("float16", 0, 1024, None, "cuda")
         assert cfg.method.get("draft_vocab", "full") == "full" and cfg.method.name == method
     m = {name: cfg.method for name, cfg in specbench_runs.items()}
     assert (m["eagle2"].total_tokens, m["eagle2"].depth, m["eagle2"].top_k) == (60, 5, 10)
     assert m["eagle"].tree == "eagle_mc_sim_7b_63" and m["medusa"].tree == "medusa_mc_sim_7b_63"
     assert m["hydra"].tree == "hydra_mc_sim_7b_63" and m["medusa"].acceptance == m["hydra"].acceptance == "exact"
     assert m["sps"].gamma == "heuristic" and specbench_runs["sps"].model.drafts.sps.path == "double7/vicuna-68m"
-    assert (m["lookahead"].level, m["lookahead"].window, m["lookahead"].guess, m["lookahead"].pool_from_prompt) == (5, 7, 7, False)
+    assert (m["lookahead"].level, m["lookahead"].window, m["lookahead"].guess,
+            m["lookahead"].pool_from_prompt) == (5, 7, 7, False)
     assert (m["recycling"].tree, m["recycling"].top_k, m["recycling"].persist) == ("2.2.2", 8, True)
     assert (m["pld"].max_ngram, m["pld"].num_draft) == (3, 10)
     drafts = specbench_runs["eagle"].model.drafts
-    assert drafts.eagle.path == "yuhuili/EAGLE-Vicuna-7B-v1.3" and drafts.medusa.path == "FasterDecoding/medusa-vicuna-7b-v1.3"
+    assert (
+        drafts.eagle.path == "yuhuili/EAGLE-Vicuna-7B-v1.3"
+        and drafts.medusa.path == "FasterDecoding/medusa-vicuna-7b-v1.3"
+    )
 
 
 def test_check_validates_every_run_on_any_machine(monkeypatch, capsys):

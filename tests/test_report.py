@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.reporting.figures import figures
 from harness.cluster.jobs import job_status
+from harness.reporting.figures import figures
 from harness.reporting.report import OVERALL, report
 from tests.conftest import REPO
 
@@ -75,7 +75,8 @@ def results(tmp_path):
 def test_tables_equal_values_recomputed_from_records(results, tmp_path):
     tables = report(results, tmp_path / "report")
     # CPU-A and GPU-B never share a table; on CPU-A, sps gamma=2 answered other questions: its own table
-    assert sorted(tables) == ["tiny-spec-bench-n1-128tok-greedy-float32-cpu-a", "tiny-spec-bench-n1-128tok-greedy-float32-gpu-b",
+    assert sorted(tables) == ["tiny-spec-bench-n1-128tok-greedy-float32-cpu-a",
+                              "tiny-spec-bench-n1-128tok-greedy-float32-gpu-b",
                               "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a"]
     columns, table = tables["tiny-spec-bench-n4-128tok-greedy-float32-cpu-a"]
     assert columns == ["qa", "writing", OVERALL] and list(table) == ["sps (gamma=4)"]
@@ -140,7 +141,8 @@ def test_every_table_carries_its_caveats(busy_results, tmp_path):
     questions were measured on a busy machine and how many outputs differ from AR's."""
     report(busy_results, tmp_path / "report")
     folder = tmp_path / "report" / "tiny-spec-bench-n6-128tok-greedy-float32-cpu-a"
-    note = "n 6; BUSY 3/6 (others used up to 1.5 cores); 1/6 differ from AR: 0 near-ties, 0 mismatches, 1 unclassified (no logit margins recorded)"
+    note = ("n 6; BUSY 3/6 (others used up to 1.5 cores); 1/6 differ from AR: 0 near-ties, 0 mismatches, "
+            "1 unclassified (no logit margins recorded)")
     for metric in ("speedup", "tau", "acceptance", "ttft"):
         markdown = (folder / f"{metric}.md").read_text().splitlines()
         assert cells(markdown[2])[-2:] == ["Overall (n=6)", "caveats (Overall)"] and cells(markdown[4])[-1] == note
@@ -166,7 +168,10 @@ def test_runs_with_other_settings_never_share_a_table_and_the_newest_answer_wins
     _, table = tables["tiny-spec-bench-n4-128tok-greedy-float32-cpu-a"]
     expected = (100 / 1 + 80 / 1 + 60 / 1 + 40 / 0.8) / 4 / ((100 / 4 + 80 / 2 + 60 / 1.5 + 40 / 1) / 4)
     assert table["sps (gamma=4)"][OVERALL]["speedup"] == pytest.approx(expected)
-    assert "3 run(s)" in (tmp_path / "report" / "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a" / "speedup.md").read_text()
+    assert (
+        "3 run(s)"
+        in (tmp_path / "report" / "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a" / "speedup.md").read_text()
+    )
 
 
 def test_make_report_leaves_the_reference_run_alone(results, tmp_path, monkeypatch):
@@ -183,11 +188,14 @@ def test_make_report_leaves_the_reference_run_alone(results, tmp_path, monkeypat
     before = {p: p.read_bytes() for p in [*reference.rglob("*"), *(tmp_path / "plots").rglob("*")] if p.is_file()}
     monkeypatch.chdir(tmp_path)
     assert report_cli.main([str(results)]) == 0 and figures_cli.main([str(results)]) == 0
-    after = {p: p.read_bytes() for p in [*reference.rglob("*"), *(tmp_path / "plots" / "reference").rglob("*")] if p.is_file()}
+    after = {p: p.read_bytes() for p in [*reference.rglob("*"), *(tmp_path / "plots" / "reference").rglob("*")]
+             if p.is_file()}
     assert after == before
     user_report = (tmp_path / "results" / "report" / "all" / "report.md").read_text()
     assert "sps (gamma=4)" in user_report and "eagle" not in user_report
-    assert (tmp_path / "plots" / "all" / "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a" / "speedup_vs_tau.png").is_file()
+    assert (
+        tmp_path / "plots" / "all" / "tiny-spec-bench-n4-128tok-greedy-float32-cpu-a" / "speedup_vs_tau.png"
+    ).is_file()
 
 
 def test_a_users_report_and_figures_stay_out_of_git():
@@ -195,9 +203,11 @@ def test_a_users_report_and_figures_stay_out_of_git():
     committed reference run's report and figures are not."""
     if not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
-    user = ["results/report/all/report.md", "plots/all/tiny-table/size_sweep.png", "plots/20261123-171500/t/speedup_vs_tau.pdf"]
+    user = ["results/report/all/report.md", "plots/all/tiny-table/size_sweep.png",
+            "plots/20261123-171500/t/speedup_vs_tau.pdf"]
     committed = ["plots/README.md", "plots/reference/t/speedup_vs_tau.png", "results/reference/report/report.md"]
-    done = subprocess.run(["git", "check-ignore", "--no-index", *user, *committed], cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(["git", "check-ignore", "--no-index", *user, *committed], cwd=REPO, capture_output=True,
+                          text=True)
     assert done.stdout.split() == user
 
 
@@ -259,7 +269,8 @@ def test_size_sweep_of_a_method_at_two_sizes_skips_sizes_that_are_not_numbers(re
     """EAGLE-2 at total_tokens 30 and 60 is a sweep; its run sized `adaptive` has no point on the axis."""
     base = next((results / "tiny" / "spec_bench" / "ar").iterdir())
     for run, total in (("a", "adaptive"), ("b", 60), ("c", 30)):
-        write_run(results, "eagle2", run, [record(1, "writing", 100, 2.0, 50, [30], [50])], base, {"total_tokens": total})
+        write_run(results, "eagle2", run, [record(1, "writing", 100, 2.0, 50, [30], [50])], base,
+                  {"total_tokens": total})
     drawn = capture_figures(results, tmp_path)
     [line] = drawn["size_sweep"].axes[0].lines
     assert list(line.get_xdata()) == [30, 60]
@@ -359,8 +370,8 @@ class FinishedJob:
 def test_a_sweeps_status_lines_and_job_list_carry_the_caveats(tmp_path, capsys):
     """A sweep on a busy machine: each job's status line and the final job list print, beside its
     speedup, n, the busy questions and the near-ties (job.json as harness.running.run writes it)."""
-    from harness.running.metrics import summarize
     from harness.cluster.jobs import print_jobs
+    from harness.running.metrics import summarize
     from harness.running.run import job_result
     from hydra_plugins.decodebench_launcher.launcher import describe
     from tests.test_harness import answered
@@ -368,7 +379,8 @@ def test_a_sweeps_status_lines_and_job_list_carry_the_caveats(tmp_path, capsys):
     meta = {"dtype": "bfloat16", "lossless": True, "sampling": {"temperature": 0.0}, "results": str(tmp_path / "run")}
     busy = summarize("pld", [answered(q, 100, 2.0, 90, diverge_at=40) for q in range(3)],
                      [answered(q, 100, 3.0, 100, other_cores=1.5) for q in range(3)], meta)
-    quiet = summarize("pld", [answered(q, 100, 2.0, 90) for q in range(3)], [answered(q, 100, 2.1, 100) for q in range(3)], meta)
+    quiet = summarize("pld", [answered(q, 100, 2.0, 90) for q in range(3)],
+                      [answered(q, 100, 2.1, 100) for q in range(3)], meta)
     sweep = tmp_path / "sweep"
     records = []
     for num, summary in enumerate((busy, quiet)):
@@ -393,7 +405,8 @@ def test_a_sweeps_status_lines_and_job_list_carry_the_caveats(tmp_path, capsys):
         rows = [answered(q, 10, 1.0, 10, other_cores=cores if q else 0.0) for q in range(3)]
         (folder / "answers" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     running = {"job": 2, "job_id": "7_2", "status": "running", "method": "pld", "results": str(folder), "questions": 5}
-    assert describe(FinishedJob("7_2", "RUNNING"), running)[1] == "running: 3/5 questions, BUSY 2/3 (log: /logs/7_2.err)"
+    assert describe(FinishedJob("7_2", "RUNNING"),
+                    running)[1] == "running: 3/5 questions, BUSY 2/3 (log: /logs/7_2.err)"
 
 
 @pytest.mark.parametrize("target, limit, tokens", [("sweep", "SWEEP_LIMIT", "SWEEP_MAX_NEW_TOKENS"),

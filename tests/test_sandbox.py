@@ -31,19 +31,21 @@ def hostile(tmp_path: Path, port: int) -> dict[str, str]:
         "write into HOME": "import os\nopen(os.path.expanduser('~root/escaped-from-sandbox'), 'w').write('x')",
         "os.system": f"import os\nassert os.system('touch {marker}') == 0\nassert os.path.exists({str(marker)!r})",
         "subprocess": f"import subprocess\nsubprocess.run(['touch', {str(marker)!r}], check=True)\n"
-                      f"import os\nassert os.path.exists({str(marker)!r})",
+        f"import os\nassert os.path.exists({str(marker)!r})",
         "subprocess past the guard": "import importlib, subprocess\nimportlib.reload(subprocess)\n"
-                                     f"subprocess.run(['touch', {str(marker)!r}], check=True)\n"
-                                     f"import os\nassert os.path.exists({str(marker)!r})",
-        "fork bomb past the guard": "import posix, time\nstarted = 0\nwhile True:\n    try:\n        if posix.fork() == 0:\n"
-                                    "            time.sleep(60)\n        started += 1\n    except OSError:\n        break\n"
-                                    "assert started > 10000",
+        f"subprocess.run(['touch', {str(marker)!r}], check=True)\n"
+        f"import os\nassert os.path.exists({str(marker)!r})",
+        "fork bomb past the guard": "import posix, time\nstarted = 0\nwhile True:\n    try:\n"
+        "        if posix.fork() == 0:\n"
+        "            time.sleep(60)\n        started += 1\n    except OSError:\n        break\n"
+        "assert started > 10000",
         "background child outliving the timeout": "import posix, time, sys\nif posix.fork() == 0:\n"
-                                                  "    posix.setsid()\n    time.sleep(12)\n"
-                                                  f"    open({str(marker)!r}, 'w').write('late')\n    posix._exit(0)\n"
-                                                  f"sys.stdout.flush()\ntime.sleep(0.5)\nimport os\nassert os.path.exists({str(tmp_path)!r})",
+        "    posix.setsid()\n    time.sleep(12)\n"
+        f"    open({str(marker)!r}, 'w').write('late')\n    posix._exit(0)\n"
+        "sys.stdout.flush()\ntime.sleep(0.5)\nimport os\nassert "
+        f"os.path.exists({str(tmp_path)!r})",
         "network connect": GUARD_BYPASS + "import socket\n"
-                           f"socket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'escaped')",
+        f"socket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'escaped')",
         "network to the internet": GUARD_BYPASS + "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)",
         "huge allocation": "x = bytearray(30 * 1024**3)\nx[-1] = 1",
         "huge output": "import sys\nchunk = 'x' * 1_000_000\nfor _ in range(20_000):\n    sys.stdout.write(chunk)",

@@ -104,7 +104,8 @@ def test_the_latency_curve_is_timed_as_verification_runs_warmed_up_and_interleav
 
     monkeypatch.setattr(runner, "forward", recording)
     seconds = hardware.forward_latency(runner, (1, 2, 4), prefix_length=8, repeats=2)
-    assert [c for c in calls if c[0] != 8] == [(1, True, True), (2, True, True), (4, True, True)] * 3  # warm-up, 2 rounds
+    # warm-up, 2 rounds
+    assert [c for c in calls if c[0] != 8] == [(1, True, True), (2, True, True), (4, True, True)] * 3
     assert set(seconds) == {1, 2, 4} and runner.length == 0
 
 
@@ -179,13 +180,19 @@ def test_the_summary_names_a_busy_profile_that_sized_the_run():
     from harness.running.metrics import format_summary, summarize
 
     records = [{"question_id": 1, "category": "c", "choices": [{
-        "new_tokens": [4], "wall_time": [1.0], "decoding_steps": [4], "accept_lengths": [1] * 4, "output_ids": [[1, 2, 3, 4]],
-        "stats": [{"ttft": 0.1, "drafted_tokens": 0, "accepted_drafts": 0, "position_proposed": [], "position_tested": [],
+        "new_tokens": [4], "wall_time": [1.0], "decoding_steps": [4], "accept_lengths": [1] * 4,
+        "output_ids": [[1, 2, 3, 4]],
+        "stats": [{"ttft": 0.1, "drafted_tokens": 0, "accepted_drafts": 0, "position_proposed": [],
+                   "position_tested": [],
                    "position_accepted": [], "phase_time": {}}]}]}]
-    profiles = {"/c/profiles/m/linear-float32.json": {"measured": "2025-01-01T00:00:00+00:00", "quiet": True, "max_other_cores": 0.0},
+    profiles = {"/c/profiles/m/linear-float32.json": {"measured": "2025-01-01T00:00:00+00:00", "quiet": True,
+                                                      "max_other_cores": 0.0},
                 "/c/profiles/m/curve-x-1-float32-auto.json": {"measured": "2025-01-01T00:00:00+00:00", "quiet": False,
                                                               "max_other_cores": 1.2}}
     text = format_summary(summarize("ar", records, None, {"dtype": "float32", "engine": {"profiles": profiles}}))
-    assert "BUSY PROFILE: curve-x-1-float32-auto.json measured beside other work" in text and "linear-float32" not in text
+    assert (
+        "BUSY PROFILE: curve-x-1-float32-auto.json measured beside other work" in text and "linear-float32" not in text
+    )
     profiles["/c/profiles/m/curve-x-1-float32-auto.json"]["quiet"] = True
-    assert "BUSY PROFILE" not in format_summary(summarize("ar", records, None, {"dtype": "float32", "engine": {"profiles": profiles}}))
+    assert "BUSY PROFILE" not in format_summary(summarize("ar", records, None,
+                                                          {"dtype": "float32", "engine": {"profiles": profiles}}))

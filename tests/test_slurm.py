@@ -47,7 +47,8 @@ def sweep_command(tmp_path: Path, model_dir: Path) -> list[str]:
     return [
         sys.executable, "-m", "harness.run", "-m", "method=sps,jacobi", "max_new_tokens=64,96",
         f"model.path={model_dir}", "model.gguf_file=null", "model.gguf_package=null", "model.name=tiny",
-        "~model.drafts.sps", "+model.drafts.sps={target_layers: 1}", "dtype=float32", "device=cpu", f"dataset.path={questions}",
+        "~model.drafts.sps", "+model.drafts.sps={target_layers: 1}", "dtype=float32", "device=cpu",
+        f"dataset.path={questions}",
         f"limit={LIMIT}", "warmup=0", "threads=1", f"results_dir={tmp_path / 'results'}",
         "hydra/launcher=slurm", "hydra.launcher.partition=debug", "hydra.launcher.gpus_per_node=0",
         "hydra.launcher.mem_gb=4", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=30",
@@ -160,7 +161,8 @@ def test_summary_flags_answers_measured_beside_other_jobs():
     from harness.running.metrics import shared_node_questions
 
     def answer(question_id, other_jobs):
-        return {"question_id": question_id, "machine": {"slurm": {"job_id": "7", "node": "n1", "other_jobs": other_jobs}}}
+        return {"question_id": question_id,
+                "machine": {"slurm": {"job_id": "7", "node": "n1", "other_jobs": other_jobs}}}
 
     method, baseline = [answer(1, 0), answer(2, 0), answer(3, 2)], [answer(1, 0), answer(2, 1), answer(3, 0)]
     assert shared_node_questions(method, baseline) == {"questions": [2, 3], "max_other_jobs": 2}

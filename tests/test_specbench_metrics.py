@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.running.metrics import decoder_stats
 from harness.reporting.report import OVERALL, report
+from harness.running.metrics import decoder_stats
 from harness.running.results import RECORDS_FORMAT, read_answers, read_jsonl, upgrade_record
 from harness.running.run import run
 from methods.base import DecodeStats
@@ -95,7 +95,8 @@ def test_format1_records_are_read_as_today():
     assert (choice["decoding_steps"], choice["accept_lengths"]) == ([2, 1], [3, 3, 1])
     assert new["records_format"] == RECORDS_FORMAT and old["choices"][0]["decoding_steps"] == [3, 1]  # input untouched
     assert [turn["steps"] for turn in choice["stats"]] == [3, 1]  # the forwards, prefill included, kept
-    ar = upgrade_record({**old, "answer_id": "ar-7", "choices": [{**old["choices"][0], "accept_lengths": [1, 1, 1, 1]}]})
+    ar = upgrade_record({**old, "answer_id": "ar-7",
+                         "choices": [{**old["choices"][0], "accept_lengths": [1, 1, 1, 1]}]})
     assert ar["choices"][0]["decoding_steps"] == [3, 1]  # AR's prefill was and is a step
     assert upgrade_record(new) is new
 

@@ -77,7 +77,8 @@ def test_qualitative_rows_keep_their_fields_and_load_through_the_harness(tmp_pat
 def test_throughput_rows_carry_their_entropy_tier(tmp_path, config):
     name = speed_bench.dataset_name(config)
     rows = [row(f"{t}{i}".ljust(32, "0"), tier, [f"{tier} prompt {i} " * 5], source="repobench", src_id=f"rb_{i}",
-                sub=("code", "needle", "writing")[t]) for t, tier in enumerate(speed_bench.ENTROPY_TIERS) for i in range(2)]
+                sub=("code", "needle", "writing")[t]) for t, tier in enumerate(speed_bench.ENTROPY_TIERS)
+                for i in range(2)]
     fixture = write_parquet(tmp_path / "test.parquet", rows)
     out = prepare(name, out=tmp_path / f"{config}.jsonl", local_files=[str(fixture)])
     records = read_jsonl(out)
@@ -92,7 +93,8 @@ def test_throughput_rows_carry_their_entropy_tier(tmp_path, config):
 
 def test_resolved_files_from_nvidia_scripts_are_taken_as_they_stand(tmp_path):
     """specdec_bench writes the Hub's parquet with the turns filled in; NeMo-Skills writes `messages`."""
-    filled = write_parquet(tmp_path / "test.parquet", [row("a" * 32, "summarization", ["Summarize this: a long article."],
+    filled = write_parquet(tmp_path / "test.parquet",
+                           [row("a" * 32, "summarization", ["Summarize this: a long article."],
                                                               source="abisee/cnn_dailymail", src_id="abc")])
     out = prepare("speed_bench", out=tmp_path / "a.jsonl", local_files=[str(filled)])
     assert read_jsonl(out)[0]["turns"] == ["Summarize this: a long article."]
@@ -112,11 +114,13 @@ SOURCES = {  # (repo, config) -> the source's rows, in the shapes the Hub gives 
                                                     "starter_code": "def f(xs):"}],
     ("deepmind/code_contests", None): [{"name": "1A. Theatre", "description": "Cover the square with flagstones."}],
     ("mtbench101/mt-bench-101", None): [{"history": [{"user": "u0", "bot": "b0"}]},
-                                        {"history": [{"user": "Hi!", "bot": "Hello."}, {"user": "And now?", "bot": "x"}]}],
+                                        {"history": [{"user": "Hi!", "bot": "Hello."},
+                                                     {"user": "And now?", "bot": "x"}]}],
     ("cais/hle", None): [{"id": "h9", "question": "What is the 10th Busy Beaver number?"}],
 }
 PLACEHELD = [
-    row("1" * 32, "summarization", [HOLD + "Summarize the article:\n{article}"], source="abisee/cnn_dailymail", src_id="n2"),
+    row("1" * 32, "summarization", [HOLD + "Summarize the article:\n{article}"], source="abisee/cnn_dailymail",
+        src_id="n2"),
     row("2" * 32, "multilingual", [HOLD + "Translate into English: {question[de]}"], source="Helsinki-NLP/opus-100",
         src_id="opus_de-en_1"),
     row("3" * 32, "coding", [HOLD + "{question}\n\n{starter_code}"], source="livecodebench/code_generation_lite",
@@ -155,7 +159,8 @@ def test_prompts_stored_by_src_id_are_rebuilt_from_their_source():
 
 def test_a_src_id_its_source_lacks_stops_naming_the_row():
     lost = row("8" * 32, "summarization", [HOLD + "{article}"], source="abisee/cnn_dailymail", src_id="n404")
-    with pytest.raises(speed_bench.Unresolved, match=rf"question_id {'8' * 32} points at id 'n404' of abisee/cnn_dailymail"):
+    with pytest.raises(speed_bench.Unresolved,
+                       match=rf"question_id {'8' * 32} points at id 'n404' of abisee/cnn_dailymail"):
         speed_bench.resolve_rows([(0, lost)], "qualitative", opener=fake_opener([]))
     garbled = row("9" * 32, "multilingual", [HOLD + "{question}"], source="Helsinki-NLP/opus-100", src_id="opus")
     with pytest.raises(speed_bench.Unresolved, match="src_id 'opus' does not read as a reference"):
@@ -165,7 +170,8 @@ def test_a_src_id_its_source_lacks_stops_naming_the_row():
 @pytest.mark.parametrize("source, config", [("RUCAIBox/BAMBOO/tree/main/datasets/x.jsonl", "throughput_8k"),
                                             ("TIGER-Lab/MMLU-Pro", "qualitative"),
                                             ("Neph0s/CoSER/tree/main/data", "qualitative"),
-                                            ("cais/hle", "throughput_2k"),  # HLE is rebuilt in the qualitative split only
+                                            # HLE is rebuilt in the qualitative split only
+                                            ("cais/hle", "throughput_2k"),
                                             ("somewhere/unknown", "qualitative")])
 def test_prompts_built_by_nvidias_code_stop_before_reading_any_source(source, config):
     opened = []
@@ -184,7 +190,8 @@ def test_offline_the_message_names_the_dataset_the_sources_and_the_remedy(tmp_pa
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    with pytest.raises(HubUnavailable, match=r"speed_bench: could not read nvidia/SPEED-Bench \(qualitative, split test\)"
+    with pytest.raises(HubUnavailable,
+                       match=r"speed_bench: could not read nvidia/SPEED-Bench \(qualitative, split test\)"
                                              r".*copy data/speed_bench/qualitative.jsonl here"):
         prepare("speed_bench", out=tmp_path / "q.jsonl")
     # the split from a file, but two rows point into CNN/DailyMail and HLE on the Hub
@@ -224,7 +231,8 @@ def test_the_dataset_names_are_valid_choices():
 def write_baseline(root, dataset, questions):
     base = root / "tiny" / dataset / "ar" / "x"
     (base / "answers").mkdir(parents=True)
-    (base / "answers" / "ar.jsonl").write_text("".join(json.dumps(record(q, c, 100, 4.0, 100)) + "\n" for q, c in questions))
+    (base / "answers" / "ar.jsonl").write_text("".join(json.dumps(record(q, c, 100, 4.0, 100)) + "\n"
+                                                       for q, c in questions))
     return base
 
 

@@ -99,6 +99,7 @@ def test_padded_verification_gives_the_same_tokens_and_logits():
     runner.verify_buckets = (8,)
     padded = runner.verify(tree)
     assert runner.length == len(PROMPT) + 8 and padded.logits.shape == plain.logits.shape
-    assert torch.allclose(padded.logits, plain.logits, atol=1e-5) and torch.allclose(padded.hidden, plain.hidden, atol=1e-5)
+    assert torch.allclose(padded.logits, plain.logits,
+                          atol=1e-5) and torch.allclose(padded.hidden, plain.hidden, atol=1e-5)
     runner.commit(len(PROMPT), [0, 1, 3])
     assert runner.length == len(PROMPT) + 3

@@ -33,7 +33,8 @@ def test_the_mode_is_checked_and_resolved_per_device():
         graph_mode("yes", torch.device("cpu"))
 
 
-@pytest.mark.parametrize("method", [m for m in available_methods() if m != "lazyllm" and not m.startswith(("toy", "echo"))])
+@pytest.mark.parametrize("method",
+                         [m for m in available_methods() if m != "lazyllm" and not m.startswith(("toy", "echo"))])
 def test_every_method_decodes_the_same_tokens_through_the_static_step(method, tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))  # the random heads
     target = tiny_model("llama", seed=3, layers=8)
@@ -110,7 +111,8 @@ def test_the_draft_loop_runs_static_and_drafts_what_the_ordinary_loop_drafts(met
         decoder = get_method(method)(ModelRunner(target, cuda_graphs=mode), params, context)
         assert (decoder.static is None) == (mode == "off")
         original = getattr(decoder, loop)
-        setattr(decoder, loop, lambda *args, mode=mode, original=original: drafted[mode].append(out := original(*args)) or out)
+        setattr(decoder, loop, lambda *args, mode=mode, original=original: drafted[mode].append(out := original(*args))
+                or out)
         tokens[mode] = []
         for prompt in PROMPTS:
             tokens[mode].append(decoder.generate(prompt, StopCondition(30)).tokens)
@@ -141,6 +143,7 @@ def test_the_draft_loop_has_no_graph_break(method, tmp_path, monkeypatch):
     static, depth = decoder.static, decoder.full_depth()
     with torch.inference_mode():
         eager = [t.clone() for t in static.compute(depth) if t is not None]
-        compiled = torch.compile(lambda: static.compute(depth), fullgraph=True, backend="eager")()  # raises on a graph break
+        # raises on a graph break
+        compiled = torch.compile(lambda: static.compute(depth), fullgraph=True, backend="eager")()
     for a, b in zip([t for t in compiled if t is not None], eager):
         torch.testing.assert_close(a, b)

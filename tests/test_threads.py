@@ -14,7 +14,8 @@ PROBE = ("import json, os, methods, torch; "
 
 
 def probe(code: str = PROBE, **env) -> dict:
-    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "DECODEBENCH_OMP_POLICY")}
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "DECODEBENCH_OMP_POLICY")}
     done = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, cwd=REPO, capture_output=True, text=True)
     return json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr.strip().splitlines()[-1]}
 
@@ -28,7 +29,11 @@ def test_passive_when_the_machine_is_busy_at_start():
         for hog in hogs:
             hog.kill()
             hog.wait()
-    assert chosen["env"] == "PASSIVE" and chosen["policy"] == "OMP_WAIT_POLICY=PASSIVE" and "cores at start" in chosen["why"]
+    assert (
+        chosen["env"] == "PASSIVE"
+        and chosen["policy"] == "OMP_WAIT_POLICY=PASSIVE"
+        and "cores at start" in chosen["why"]
+    )
 
 
 def test_the_environment_and_the_override_are_kept():

@@ -52,7 +52,8 @@ def test_draft_lm_recipe_learns_and_loads_through_load_draft_lm(tiny_target_data
     assert config["num_hidden_layers"] == 1
     from safetensors.torch import load_file
 
-    assert not any(k.startswith(("model.embed_tokens", "lm_head")) for k in load_file(str(tmp_path / "model.safetensors")))
+    assert not any(k.startswith(("model.embed_tokens", "lm_head"))
+                   for k in load_file(str(tmp_path / "model.safetensors")))
     draft = load_draft_lm({"path": str(tmp_path)}, target)
     assert draft.get_input_embeddings().weight is target.get_input_embeddings().weight  # shared, not copied
     ids = examples[0].ids[None]

@@ -79,12 +79,14 @@ def test_pld_branches_merge_further_matches_into_a_trie():
 def test_pld_equals_transformers_prompt_lookup_generate_and_ar(arch):
     target = tiny_model(arch, seed=61, vocab_size=16, layers=3)
     ar = AutoregressiveDecoder(ModelRunner(target))
-    decoders = [PromptLookupDecoder(ModelRunner(target)), PromptLookupDecoder(ModelRunner(target), max_ngram=1, num_draft=4),
+    decoders = [PromptLookupDecoder(ModelRunner(target)),
+                PromptLookupDecoder(ModelRunner(target), max_ngram=1, num_draft=4),
                 PromptLookupDecoder(ModelRunner(target), branches=4)]
     accepted = {id(d): 0 for d in decoders}
     for prompt in random_prompts(16, 3, seed=2):
         ids = torch.tensor([prompt])
-        hf = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40, pad_token_id=0,
+        hf = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
+                             pad_token_id=0,
                              prompt_lookup_num_tokens=10, max_matching_ngram_size=3)[0, len(prompt):].tolist()
         assert hf == ar.generate(prompt, StopCondition(40)).tokens
         for decoder in decoders:
@@ -192,7 +194,8 @@ def test_lookahead_window_rows_see_their_trajectory_and_the_commit_drops_them():
             torch.testing.assert_close(out.logits[row], logits, rtol=1e-4, atol=1e-4)
     alone = ModelRunner(target)
     alone.prefill(prefix)
-    torch.testing.assert_close(out.logits[:n], alone.verify(Tree(tree.tokens, tree.parents)).logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.logits[:n], alone.verify(Tree(tree.tokens, tree.parents)).logits, rtol=1e-4,
+                               atol=1e-4)
 
 
 def test_lookahead_pool_is_an_lru_of_g_ngrams_per_token():
@@ -202,7 +205,8 @@ def test_lookahead_pool_is_an_lru_of_g_ngrams_per_token():
         decoder._remember(7, ngram)
     assert decoder.pool == {7: [(1, 2), (5, 6)]}  # (1, 2) refreshed, (3, 4) the oldest evicted
     with pytest.raises(ValueError):
-        Tree(torch.tensor([1, 2]), [-1, 0], extra_rows=ExtraRows(torch.tensor([3]), [1], torch.ones(1, 2, dtype=torch.bool)))
+        Tree(torch.tensor([1, 2]), [-1, 0],
+             extra_rows=ExtraRows(torch.tensor([3]), [1], torch.ones(1, 2, dtype=torch.bool)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,7 +259,8 @@ def test_recycling_matrix_holds_the_targets_top_k_and_bfs_follows_it():
 # Embedded model: 5 Spec-Bench prompts x 64 tokens, fp32
 
 
-def test_embedded_training_free_methods_equal_generate(embedded, embedded_decoder, embedded_prompts, embedded_reference):
+def test_embedded_training_free_methods_equal_generate(embedded, embedded_decoder, embedded_prompts,
+                                                       embedded_reference):
     """PLD at its defaults over 64 tokens; Lookahead (N, W, G = 4, 4, 4) and Token Recycling (the
     template's first 16 nodes) over the first 32 tokens: their default sizes (120- and 81-row
     forwards) cost minutes on a CPU and are covered on tiny models."""

@@ -12,17 +12,17 @@ from safetensors.torch import save_file
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
 from methods.eagle import Eagle2Decoder, EagleDecoder
-from methods.models.heads.eagle import load_eagle_head
-from methods.models.heads.medusa import load_medusa_heads
-from methods.models.heads.source import head_spec
-from methods.models.specs import ModelSpec
-from methods.medusa import MedusaDecoder
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.static_trees import StaticTree
 from methods.engine.stopping import StopCondition
 from methods.engine.tree import Tree
-from tests.conftest import write_checkpoint, tiny_model
+from methods.medusa import MedusaDecoder
+from methods.models.heads.eagle import load_eagle_head
+from methods.models.heads.medusa import load_medusa_heads
+from methods.models.heads.source import head_spec
+from methods.models.specs import ModelSpec
+from tests.conftest import tiny_model, write_checkpoint
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +250,8 @@ def decoders(target, tmp_path, vocab_tree_k=10, seed=0):
         "eagle2": Eagle2Decoder(ModelRunner(target), head, total_tokens=60, depth=5, top_k=vocab_tree_k),
         "eagle2-small": Eagle2Decoder(ModelRunner(target), head, total_tokens=8, depth=3, top_k=3),
         # a curve on which candidates of path probability under ~0.005 are not worth verifying
-        "eagle2-adaptive": adaptive(Eagle2Decoder(ModelRunner(target), head, depth=5, top_k=vocab_tree_k), {1: 1.0, 64: 1.2}),
+        "eagle2-adaptive": adaptive(Eagle2Decoder(ModelRunner(target), head, depth=5, top_k=vocab_tree_k),
+                                    {1: 1.0, 64: 1.2}),
     }
 
 
@@ -460,7 +461,9 @@ def test_tree_sampling_with_broken_acceptor_is_caught(tiny_vocab_target, tmp_pat
     """Forgetting to remove a rejected child from p (residual = p) favours rejected tokens."""
     expected = exact_joint(tiny_vocab_target, PROMPT, 3, SamplingConfig(temperature=1.0))
     decoder = tiny_tree_decoders(tiny_vocab_target, tmp_path)[method]
-    decoder.sample_accept = lambda tree, probs, gen, **kw: type(decoder).sample_accept(tree, probs, gen, residual=lambda p, q: p, **kw)
+    decoder.sample_accept = lambda tree, probs, gen, **kw: type(decoder).sample_accept(
+        tree, probs, gen, residual=lambda p, q: p, **kw
+    )
     samples = draw(decoder, 1200, seed=7)
     assert chi_square_pvalue(samples, expected) < 1e-6
 
@@ -505,7 +508,8 @@ def test_eagle2_adaptive_builds_with_a_measured_curve_and_rejects_unknown_sizes(
     assert set(decoder.verify_seconds) == {1, 2, 4, 8, 16, 32, 64} and decoder.target.length == 0
     assert decoder.describe()["total_tokens"] == "adaptive"
     prompt, stop = [1, 2, 3, 4], StopCondition(20)
-    assert decoder.generate(prompt, stop).tokens == AutoregressiveDecoder(ModelRunner(target)).generate(prompt, stop).tokens
+    assert decoder.generate(prompt,
+                            stop).tokens == AutoregressiveDecoder(ModelRunner(target)).generate(prompt, stop).tokens
     with pytest.raises(ValueError, match="method.total_tokens='big': valid: adaptive, auto or an integer >= 2"):
         get_method("eagle2")(ModelRunner(target), {"name": "eagle2", "total_tokens": "big"}, context)
 
@@ -513,5 +517,6 @@ def test_eagle2_adaptive_builds_with_a_measured_curve_and_rejects_unknown_sizes(
 def test_model_without_a_head_for_the_method_is_a_clear_error():
     target = tiny_model("llama", seed=47, vocab_size=64)
     context = BuildContext(target, "llama3-8b-instruct", {"drafts": {"eagle": {"path": "x"}, "medusa": None}})
-    with pytest.raises(ValueError, match=r"'medusa' needs a medusa draft, but model 'llama3-8b-instruct' names none.*eagle"):
+    with pytest.raises(ValueError,
+                       match=r"'medusa' needs a medusa draft, but model 'llama3-8b-instruct' names none.*eagle"):
         head_spec({"name": "medusa"}, context, "medusa")

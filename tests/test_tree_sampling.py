@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from harness.perf.host_reads import counting_host_reads
-from methods.engine.acceptance import residual_distribution, sample_accept, tree_decisions
 from methods.base import logit_margins
+from methods.engine.acceptance import residual_distribution, sample_accept, tree_decisions
 from methods.engine.tree import Tree
 
 
@@ -63,7 +63,8 @@ def test_the_batched_decisions_are_the_walks(variant):
     deep = 0
     for trial in range(200):
         parents, tokens, probs, q, draws = random_case(rng, trial)
-        tree = Tree(tokens, parents, None if variant == "point mass" else q, without_replacement=variant == "without replacement")
+        tree = Tree(tokens, parents, None if variant == "point mass" else q,
+                    without_replacement=variant == "without replacement")
         if tree.is_chain:
             continue
         path, p = walk(tree, probs, draws)
@@ -90,7 +91,8 @@ def test_a_broken_residual_changes_the_decisions():
 
 def test_sampling_a_tree_reads_once():
     generator = torch.Generator().manual_seed(0)
-    tree = Tree(torch.tensor([0, 1, 2, 3, 1, 4]), [-1, 0, 0, 1, 1, 2], torch.softmax(torch.randn(6, 6, generator=generator), -1))
+    tree = Tree(torch.tensor([0, 1, 2, 3, 1, 4]), [-1, 0, 0, 1, 1, 2],
+                torch.softmax(torch.randn(6, 6, generator=generator), -1))
     logits = 2 * torch.randn(6, 6, generator=generator)
     for _ in range(20):
         with counting_host_reads() as reads:

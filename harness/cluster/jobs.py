@@ -20,8 +20,9 @@ def job_status(sweep_dir: Path) -> list[dict]:
 
 def print_jobs(sweep_dir: Path) -> int:
     """One line per job: ok (speedup, τ and their caveats, `harness.running.metrics.speedup_status`; results
-    folder), failed or interrupted (the error), or running: started but no end recorded (still running, or killed from outside: cancelled, out of
-    memory, node lost; its log in the sweep's .submitit folder tells). With the SLURM job and node."""
+    folder), failed or interrupted (the error), or running: started but no end recorded (still running, or killed from
+    outside: cancelled, out of memory, node lost; its log in the sweep's .submitit folder tells). With the SLURM job and
+    node."""
     jobs = job_status(sweep_dir)
     counts = {status: sum(j["status"] == status for j in jobs) for status in ("ok", "running", "interrupted", "failed")}
     print(f"{len(jobs)} jobs in {sweep_dir}: " + ", ".join(f"{n} {status}" for status, n in counts.items() if n))

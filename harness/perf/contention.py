@@ -50,7 +50,8 @@ def policy_environment(policy: str) -> dict:
         return {"DECODEBENCH_OMP_POLICY": "inherit"}
     pairs = dict(item.split("=", 1) for item in policy.split("+") if "=" in item)
     if not pairs or any(knob not in KNOBS for knob in pairs) or len(pairs) != policy.count("="):
-        raise ValueError(f"policy {policy!r}: 'auto', 'default' or KNOB=VALUE joined by '+', KNOB among {', '.join(KNOBS)}")
+        raise ValueError(f"policy {policy!r}: 'auto', 'default' or KNOB=VALUE joined by '+', KNOB among "
+                         f"{', '.join(KNOBS)}")
     return {**pairs, "DECODEBENCH_OMP_POLICY": "inherit"}  # measure the environment given, not the suite's choice
 
 

@@ -34,9 +34,9 @@ from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.perf import peers
+from harness.perf.workload import greedy_generate, spec_bench_prompts, timed_generations
 from harness.running.environment import environment, hardware_name, hardware_slug
 from harness.running.prompts import ChatTemplate
-from harness.perf.workload import greedy_generate, spec_bench_prompts, timed_generations
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
 from methods.eagle import EagleDrafter
@@ -45,10 +45,10 @@ from methods.engine import native
 from methods.engine.hardware import forward_latencies, forward_latency, read_bandwidth, weight_bytes
 from methods.engine.linear import gemms_skipped
 from methods.engine.runner import ModelRunner
-from methods.models.heads.source import head_spec
 from methods.models.heads.eagle import load_eagle_head
 from methods.models.heads.eagle3 import load_eagle3_head
-from methods.models.loading import load_draft_lm, load_model, load_tokenizer, choose_dtype, resolve_device
+from methods.models.heads.source import head_spec
+from methods.models.loading import choose_dtype, load_draft_lm, load_model, load_tokenizer, resolve_device
 from methods.models.specs import ModelSpec, model_config
 from methods.sps import SpeculativeSamplingDecoder
 
@@ -114,7 +114,8 @@ def forward_breakdown(runner: ModelRunner, weights: int, prefix: int = 256, roun
 
 
 @torch.inference_mode()
-def draft_level_costs(model, runner: ModelRunner, context: BuildContext, config, nodes: int = 4, rounds: int = 9) -> dict:
+def draft_level_costs(model, runner: ModelRunner, context: BuildContext, config, nodes: int = 4,
+                      rounds: int = 9) -> dict:
     """Seconds of one draft level of each head kind this model has: EAGLE's and EAGLE-3's (the
     head's layer over `nodes` tree nodes at a 256-pair cache, then the projection; EAGLE with the
     full and the reduced vocabulary, EAGLE-3 over its own), and one token of the SpS draft LM
@@ -167,9 +168,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gamma", type=int, default=4)
-    parser.add_argument("--draft-layers", type=int, default=None,
-                        help="SpS draft: the target's first k layers; default: the draft conf/model/smollm2-135m.yaml names")
-    parser.add_argument("--curve-only", action="store_true", help="the machine, the latency curves and the draft level only")
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        default=None,
+        help="SpS draft: the target's first k layers; default: the draft conf/model/smollm2-135m.yaml names",
+    )
+    parser.add_argument("--curve-only", action="store_true",
+                        help="the machine, the latency curves and the draft level only")
     parser.add_argument("--out", type=Path, default=Path("results/perf"))
     args = parser.parse_args(argv)
 
@@ -197,10 +203,12 @@ def main(argv=None) -> dict:
     context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True))
     level = draft_level_costs(model, runners["auto"], context, config)
     result = {
-        "dtype": dtype_name, "dtype_reason": dtype_reason, "device": str(device), "hardware": hardware, "environment": env,
+        "dtype": dtype_name, "dtype_reason": dtype_reason, "device": str(device), "hardware": hardware,
+        "environment": env,
         "read_bandwidth_bytes_per_second": bandwidth, "weight_bytes": weights, "roofline_seconds": roofline,
         "fma_peak_flops_per_second": peak, "floor_seconds_by_tokens": floors,
-        "forward_seconds_by_tokens": curves, "one_token_forward_breakdown": breakdown, "linear_kernels": runners["auto"].linear.describe(),
+        "forward_seconds_by_tokens": curves, "one_token_forward_breakdown": breakdown,
+        "linear_kernels": runners["auto"].linear.describe(),
         "draft_level": level,
     }
     print_curves(result)
@@ -234,16 +242,19 @@ def print_curves(result: dict) -> None:
         print(f"FMA peak {result['fma_peak_flops_per_second'] / 1e9:.0f} GFLOP/s ({native.isa()} build, "
               f"{torch.get_num_threads()} threads, registers only)")
     print("target forward by tokens per forward (256-token prefix), median ms and ratio to one token:")
-    labels = {"auto": "engine (fused forward, measured linears)", "transformers": "transformers stack, measured linears",
+    labels = {"auto": "engine (fused forward, measured linears)",
+              "transformers": "transformers stack, measured linears",
               "off": "transformers stack, F.linear"}
     width = max(len(label) for label in labels.values())
     print("  " + f"{'':<{width}}" + "".join(f"{n:>13}" for n in SIZES))
     floors = result.get("floor_seconds_by_tokens")
     if floors:
         label = "floor: max(bytes / bandwidth, flops / FMA peak)"
-        print("  " + f"{label:<{width}}" + "".join(f"{1000 * floors[n]:>7.1f} {floors[n] / floors[1]:>4.2f}x" for n in SIZES))
+        print("  " + f"{label:<{width}}"
+              + "".join(f"{1000 * floors[n]:>7.1f} {floors[n] / floors[1]:>4.2f}x" for n in SIZES))
     for name, curve in curves.items():
-        print("  " + f"{labels.get(name, name):<{width}}" + "".join(f"{1000 * curve[n]:>7.1f} {curve[n] / curve[1]:>4.2f}x" for n in SIZES))
+        print("  " + f"{labels.get(name, name):<{width}}"
+              + "".join(f"{1000 * curve[n]:>7.1f} {curve[n] / curve[1]:>4.2f}x" for n in SIZES))
     if floors:
         print("  engine / floor: " + "  ".join(f"t({n}) {curves['auto'][n] / floors[n]:.2f}x" for n in SIZES))
     if result["roofline_seconds"]:
@@ -251,8 +262,10 @@ def print_curves(result: dict) -> None:
         print(f"  t(1) = {one / result['roofline_seconds']:.2f}x the roofline")
     for name, part in (result.get("one_token_forward_breakdown") or {}).items():
         if part["gemm_seconds"] is None:
-            print(f"  {labels.get(name, name)}: t(1) {1000 * part['t1_seconds']:.1f} ms, {part['aten_calls']} aten calls "
-                  f"(on a GPU the step is the host's launches; the GEMMs' share needs a profiler)")
+            print(
+                f"  {labels.get(name, name)}: t(1) {1000 * part['t1_seconds']:.1f} ms, {part['aten_calls']} aten calls "
+                f"(on a GPU the step is the host's launches; the GEMMs' share needs a profiler)"
+            )
             continue
         bandwidth = part["gemm_bytes_per_second"]
         share = f", {bandwidth / result['read_bandwidth_bytes_per_second']:.0%} of the read bandwidth" \
@@ -307,7 +320,8 @@ def compare_with_transformers(args, model, tokenizer, config, device) -> dict:
             "sps": all(outputs["sps_ours"][i] == outputs["sps_generate"][i] for i in outputs["sps_ours"]),
         },
     }
-    print(f"{len(prompts)} Spec-Bench prompts x {args.max_new_tokens} new tokens, {args.repeats} repeats (median tokens/s)")
+    print(f"{len(prompts)} Spec-Bench prompts x {args.max_new_tokens} new tokens, {args.repeats} repeats (median "
+          "tokens/s)")
     for name, value in median.items():
         print(f"  {name:<14}{value:8.2f}")
     print(f"  our AR / generate:                  {result['ratio_ar_ours_over_generate']:.3f}x")

@@ -137,7 +137,8 @@ def measure_shape(shape: str, dtype: torch.dtype, device: torch.device, new_toke
     inside = one_token_step(runners["graphs"])
     if inside:
         print(f"  the one-token step's graph: {inside['kernels']} kernels, replayed alone in "
-              f"{1000 * inside['replay_seconds']:.3f} ms ({1e6 * inside['replay_seconds'] / inside['kernels']:.1f} µs a kernel); "
+              f"{1000 * inside['replay_seconds']:.3f} ms ({1e6 * inside['replay_seconds'] / inside['kernels']:.1f} µs "
+              "a kernel); "
               f"the rest of t(1) is the host's (inputs, cache lengths, LM head, the read)", flush=True)
 
     generator = torch.Generator().manual_seed(1)
@@ -157,7 +158,8 @@ def measure_shape(shape: str, dtype: torch.dtype, device: torch.device, new_toke
         run(prompts[0])
     rates, same = ar_tokens_per_second(contenders, prompts, device)
     print(f"  AR, {len(prompts)} prompts x {new_tokens} tokens, tokens/s (median): " +
-          ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items()) + f"; tokens equal to the first's before the first difference: " +
+          ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items())
+          + "; tokens equal to the first's before the first difference: " +
           ", ".join(f"{name} {share:.0%}" for name, share in same.items()))
     step = 1 / rates["ar, graphs"]
     print(f"  AR step with graphs {1000 * step:.3f} ms = {step / roofline:.2f}x the roofline; "
@@ -165,7 +167,8 @@ def measure_shape(shape: str, dtype: torch.dtype, device: torch.device, new_toke
 
     answer = ar["on"].generate(prompts[0], StopCondition(new_tokens)).tokens
     runner = ar["on"].target
-    oracle = {gamma: statistics.median(oracle_chain(runner, prompts[0], answer, gamma) for _ in range(3)) for gamma in gammas}
+    oracle = {gamma: statistics.median(oracle_chain(runner, prompts[0], answer, gamma) for _ in range(3))
+              for gamma in gammas}
     print("  oracle chain (AR's own tokens, all accepted), tokens/s and speedup over AR with graphs: " +
           ", ".join(f"γ={g} {r:.0f} ({r / rates['ar, graphs']:.2f}x)" for g, r in oracle.items()), flush=True)
     result = {"weight_bytes": weights, "read_bandwidth_bytes_per_second": bandwidth, "roofline_seconds": roofline,
@@ -173,7 +176,8 @@ def measure_shape(shape: str, dtype: torch.dtype, device: torch.device, new_toke
               "one_token_step": inside,
               "oracle_tokens_per_second_by_gamma": oracle, "captures": runners["graphs"].static.captures,
               "static_step_rows": sorted(runners["graphs"].static.steps)}
-    del model, runners, ar
+    # frees them before empty_cache (rebound, not deleted: generate and the contenders close over model and ar)
+    model = runners = ar = None
     torch.cuda.empty_cache()
     return result
 
@@ -190,7 +194,9 @@ def main(argv=None) -> dict:
     if unknown:
         parser.error(f"unknown shape(s) {', '.join(unknown)}; valid: {', '.join(SHAPES)}")
     if not torch.cuda.is_available():
-        parser.error("no CUDA device: `make perf-gpu` measures the engine on a GPU (`make perf` measures it on this CPU)")
+        parser.error(
+            "no CUDA device: `make perf-gpu` measures the engine on a GPU (`make perf` measures it on this CPU)"
+        )
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
     print(f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}; random weights: engine efficiency only "

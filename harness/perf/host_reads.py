@@ -107,7 +107,8 @@ def counting_host_reads():
             setattr(torch.Tensor, name, original)
 
 
-def reads_per_step(decoder, prompts, stop, sampling: SamplingConfig = SamplingConfig(), seed: int = 0) -> tuple[float, Counter, int]:
+def reads_per_step(decoder, prompts, stop, sampling: SamplingConfig = SamplingConfig(),
+                   seed: int = 0) -> tuple[float, Counter, int]:
     """Host reads per decoding step of `decoder` over `prompts` (the prefill's included in its run)."""
     total, steps = Counter(), 0
     generator = None if sampling.greedy else torch.Generator().manual_seed(seed)
@@ -124,8 +125,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--methods", default=None, help="comma-separated; default: every lossless method")
     parser.add_argument("--questions", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the budget: 1 a step); > 0: sampling (2 a step)")
-    parser.add_argument("--params", default="", help="method settings KEY=VALUE,... given to each method that has the key "
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy (the budget: 1 a step); > 0: sampling (2 a step)")
+    parser.add_argument("--params", default="",
+                        help="method settings KEY=VALUE,... given to each method that has the key "
                                                      "(e.g. total_tokens=60: EAGLE-2/3 at a fixed size)")
     args = parser.parse_args(argv)
     try:
@@ -137,7 +140,8 @@ def main(argv=None) -> dict:
     methods = args.methods.split(",") if args.methods else [m for m in available_methods() if m not in greedy_only]
     unknown = sorted(set(methods) - set(available_methods()))
     if unknown:  # one line and exit 2, as every bad value in the suite
-        print(f"error: unknown method(s) {', '.join(unknown)}; valid: {', '.join(available_methods())}", file=sys.stderr)
+        print(f"error: unknown method(s) {', '.join(unknown)}; valid: {', '.join(available_methods())}",
+              file=sys.stderr)
         sys.exit(2)
 
     try:
@@ -161,7 +165,8 @@ def main(argv=None) -> dict:
     context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True))
     result = {}
     print(f"host reads per decoding step: {EMBEDDED}, fp32, CPU, "
-          f"{'greedy' if sampling.greedy else f'temperature {sampling.temperature}'}, {args.questions} Spec-Bench prompts x "
+          f"{'greedy' if sampling.greedy else f'temperature {sampling.temperature}'}, {args.questions} Spec-Bench "
+          "prompts x "
           f"{args.max_new_tokens} new tokens")
     for method in methods:
         own = {key: value for key, value in params.items() if key in method_settings(method).schema()}

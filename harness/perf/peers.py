@@ -106,7 +106,9 @@ def table_rows(result: dict, peers: dict) -> list[dict]:
     identical = dict(peers.get("identical_to_ar_ours") or {})
     same = result.get("same_tokens") or {}
     if "ar_generate" not in identical and "ar" in same and "prompts" in result:  # perf's own all-prompts check
-        identical["ar_generate"] = f"{result['prompts']}/{result['prompts']}" if same["ar"] else f"<{result['prompts']}/{result['prompts']}"
+        identical["ar_generate"] = (
+            f"{result['prompts']}/{result['prompts']}" if same["ar"] else f"<{result['prompts']}/{result['prompts']}"
+        )
     sps = peers.get("identical_to_ar_ours_sps")
     if sps:
         identical.setdefault("sps_ours", sps)
@@ -239,7 +241,8 @@ def run_peers(args, model, tokenizer, config, device, result: dict) -> dict:
     contenders: dict[str, Callable[[list[int]], list[int]]] = {
         "ar_ours": lambda p: ours_ar.generate(p, stop).tokens,
         "pld_ours": lambda p: ours_pld.generate(p, stop).tokens,
-        "pld_generate": lambda p: hf(p, prompt_lookup_num_tokens=pld["num_draft"], max_matching_ngram_size=pld["max_ngram"]),
+        "pld_generate": lambda p: hf(p, prompt_lookup_num_tokens=pld["num_draft"],
+                                     max_matching_ngram_size=pld["max_ngram"]),
     }
     if pld["branches"] != 1:
         say(f"note: conf/method/pld.yaml has branches={pld['branches']}; generate's PLD proposes one chain")

@@ -48,8 +48,24 @@ from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormat
 from scipy.stats import binomtest  # noqa: E402
 
 from harness.reporting.report import (  # noqa: E402
-    AR, MIN_INTERVAL_N, OVERALL, Curves, Table, baseline_records, best_draft_lengths, build_tables, column_counts,
-    find_curves, find_runs, group_table, method_label, run_set_arguments, run_set_name, size_of, tables_holding)
+    AR,
+    MIN_INTERVAL_N,
+    OVERALL,
+    Curves,
+    Table,
+    baseline_records,
+    best_draft_lengths,
+    build_tables,
+    column_counts,
+    find_curves,
+    find_runs,
+    group_table,
+    method_label,
+    run_set_arguments,
+    run_set_name,
+    size_of,
+    tables_holding,
+)
 
 plt.rcParams.update({"font.size": 8, "axes.titlesize": 8, "legend.fontsize": 6.5, "figure.dpi": 150,
                      "axes.spines.top": False, "axes.spines.right": False})
@@ -242,7 +258,10 @@ def size_sweep(table: Table, cells, style, out) -> list[Path]:
         else:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     _legend_below(ax_tau, ncols=2)
-    fig.suptitle(title_of(table.settings, len(table.questions)) + f"; bars: 95% intervals where n >= {MIN_INTERVAL_N}", fontsize=8)
+    fig.suptitle(
+        title_of(table.settings, len(table.questions)) + f"; bars: 95% intervals where n >= {MIN_INTERVAL_N}",
+        fontsize=8,
+    )
     return _save(fig, out, "size_sweep")
 
 
@@ -261,8 +280,17 @@ def acceptance_by_position(table: Table, cells, style, out) -> list[Path]:
         xs = [d + (i - (len(series) - 1) / 2) * shift for d, *_ in points]
         rates = [p[1] for p in points]
         look = {k: style[label][k] for k in ("color", "marker", "linestyle")}
-        ax.errorbar(xs, rates, yerr=[[r - p[2] for r, p in zip(rates, points)], [p[3] - r for r, p in zip(rates, points)]],
-                    markersize=3, linewidth=1.2, elinewidth=0.6, capsize=1.2, label=names[label], **look)
+        ax.errorbar(
+            xs,
+            rates,
+            yerr=[[r - p[2] for r, p in zip(rates, points)], [p[3] - r for r, p in zip(rates, points)]],
+            markersize=3,
+            linewidth=1.2,
+            elinewidth=0.6,
+            capsize=1.2,
+            label=names[label],
+            **look,
+        )
         ax_n.plot(xs, [p[4] for p in points], markersize=2.5, linewidth=0.9, **look)
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.02)
@@ -289,8 +317,16 @@ def ttft_vs_prompt_length(table: Table, style, out) -> list[Path]:
         ax.scatter([p for p, _ in baseline], [1000 * t for _, t in baseline], s=14, marker="o", facecolors="none",
                    edgecolors=method_colour("ar"), linewidths=0.5, label="AR baselines (full prefill)")
     for name, (look, points) in series.items():
-        ax.scatter([p for p, _ in points], [1000 * t for _, t in points], s=6, marker=look["marker"], color=look["color"],
-                   alpha=0.8, linewidths=0, label=name)
+        ax.scatter(
+            [p for p, _ in points],
+            [1000 * t for _, t in points],
+            s=6,
+            marker=look["marker"],
+            color=look["color"],
+            alpha=0.8,
+            linewidths=0,
+            label=name,
+        )
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("TTFT (ms)")
     ax.set_xscale("log")
@@ -324,8 +360,17 @@ def speedup_vs_tau(table: Table, cells, style, out) -> list[Path]:
     for label, cell in points:
         tau, speedup = cell["tau"], cell["speedup"]
         low, high = cell["speedup_ci95"] if cell["questions"] >= MIN_INTERVAL_N else (speedup, speedup)
-        ax.errorbar([tau], [speedup], yerr=[[speedup - low], [high - speedup]], fmt=style[label]["marker"], markersize=4,
-                    color=style[label]["color"], elinewidth=0.7, capsize=1.5, label=names[label])
+        ax.errorbar(
+            [tau],
+            [speedup],
+            yerr=[[speedup - low], [high - speedup]],
+            fmt=style[label]["marker"],
+            markersize=4,
+            color=style[label]["color"],
+            elinewidth=0.7,
+            capsize=1.5,
+            label=names[label],
+        )
         highest, lowest = max(highest, tau, high), min(lowest, low)
     busy = [(cell["tau"], cell["speedup"]) for _, cell in points if busy_count(cell)]
     if busy:

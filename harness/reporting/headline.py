@@ -25,7 +25,8 @@ import os
 import sys
 from pathlib import Path
 
-from hydra import compose as hydra_compose, initialize_config_dir
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
@@ -38,7 +39,9 @@ def run_overrides(config, extra: list[str] = (), limit: int | None = None) -> di
 
     methods = OmegaConf.to_container(config.methods, resolve=True) if config.get("methods") else {}
     if not methods:
-        raise ValueError(f"headline config names no methods; give `methods:` with some of {', '.join(available_methods())}")
+        raise ValueError(
+            f"headline config names no methods; give `methods:` with some of {', '.join(available_methods())}"
+        )
     unknown = sorted(set(methods) - set(available_methods()))
     if unknown:
         raise ValueError(f"headline config names unknown methods {unknown}; valid: {', '.join(available_methods())}")

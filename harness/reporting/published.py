@@ -89,10 +89,22 @@ def comparisons(table, published: list[Published] | None = None) -> list[tuple[P
                 caveat = caveats(speed, tau, compare_outputs(records, baseline, table.settings, lossless),
                                  busy_questions(records, baseline), lossless)
                 theirs = {m: numbers.get(m, {}).get(column) for m in ("speedup", "tau")}
-                lines.append({"method": label, "column": column, "questions": len(keys), **{
-                    f"{kind}_{m}": value for m in ours for kind, value in (("ours", ours[m]), ("published", theirs[m]))},
-                    "speedup_ratio": ours["speedup"] / theirs["speedup"] if ours["speedup"] and theirs["speedup"] else None,
-                    "caveats": caveat_note(caveat)})
+                lines.append(
+                    {
+                        "method": label,
+                        "column": column,
+                        "questions": len(keys),
+                        **{
+                            f"{kind}_{m}": value
+                            for m in ours
+                            for kind, value in (("ours", ours[m]), ("published", theirs[m]))
+                        },
+                        "speedup_ratio": ours["speedup"] / theirs["speedup"]
+                        if ours["speedup"] and theirs["speedup"]
+                        else None,
+                        "caveats": caveat_note(caveat),
+                    }
+                )
         if lines:
             out.append((pub, lines))
     return out
@@ -106,8 +118,10 @@ def markdown(table, published: list[Published] | None = None) -> str:
     """The comparison section of a report table ("" when no published setting matches)."""
     sections = []
     for pub, lines in comparisons(table, published):
-        head = (f"**Published: {pub.title}** — {pub.source}; {pub.hardware}. Ours: {table.settings['hardware']}, "
-                f"{table.settings['dtype']}, n = {len(table.questions)}, max_new_tokens {table.settings['max_new_tokens']}.")
+        head = (
+            f"**Published: {pub.title}** — {pub.source}; {pub.hardware}. Ours: {table.settings['hardware']}, "
+            f"{table.settings['dtype']}, n = {len(table.questions)}, max_new_tokens {table.settings['max_new_tokens']}."
+        )
         rows = ["| method | column | n | speedup | published | ours ÷ published | τ | published τ | our caveats |",
                 "|" + "---|" * 9]
         rows += [f"| {r['method']} | {r['column']} | {r['questions']} | {_x(r['ours_speedup'], '×')} | "

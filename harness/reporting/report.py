@@ -45,8 +45,16 @@ from data_scripts.speed_bench import ENTROPY_TIERS  # SPEED-Bench's throughput c
 from harness.cluster.jobs import job_status
 from harness.reporting import published
 from harness.running.metrics import (  # MIN_INTERVAL_N: below it, a cell shows no interval
-    MIN_INTERVAL_N, busy_questions, caveat_note, caveats, compare_outputs, decoder_stats, decomposition,
-    describe_fidelity, speedup_stats)
+    MIN_INTERVAL_N,
+    busy_questions,
+    caveat_note,
+    caveats,
+    compare_outputs,
+    decoder_stats,
+    decomposition,
+    describe_fidelity,
+    speedup_stats,
+)
 from harness.running.results import read_answers
 
 SKIP_DIRS = {".multirun", "perf", "report"}
@@ -136,7 +144,9 @@ def run_folders(paths: list[Path]) -> list[Path]:
     for path in map(Path, paths):
         if not path.exists():
             raise FileNotFoundError(f"no results at {path}")
-        jobs = job_status(path) or [job for sweep in sorted(path.iterdir()) if sweep.is_dir() for job in job_status(sweep)]
+        jobs = job_status(path) or [
+            job for sweep in sorted(path.iterdir()) if sweep.is_dir() for job in job_status(sweep)
+        ]
         if jobs:  # a sweep: its jobs' results folders, those that finished (a summary written)
             found += [Path(job["results"]) for job in jobs
                       if job.get("results") and (Path(job["results"]) / "summary.json").is_file()]
@@ -194,9 +204,12 @@ class Table:
 
     def caption(self) -> str:
         s = self.settings
-        return (f"{s['model']} on {s['hardware']}, {s['dtype']}; {s['dataset']}, n = {len(self.questions)} questions, "
-                f"max_new_tokens {s['max_new_tokens']}, {s['sampling']}; torch {s['torch']}, "
-                f"transformers {s['transformers']}; engine {s['engine']}; {len({r for row in self.rows.values() for r in row.runs})} run(s)")
+        runs = {r for row in self.rows.values() for r in row.runs}
+        return (
+            f"{s['model']} on {s['hardware']}, {s['dtype']}; {s['dataset']}, n = {len(self.questions)} questions, "
+            f"max_new_tokens {s['max_new_tokens']}, {s['sampling']}; torch {s['torch']}, "
+            f"transformers {s['transformers']}; engine {s['engine']}; {len(runs)} run(s)"
+        )
 
 
 BY_CATEGORY = ("spec_bench", "speed_bench")  # datasets whose tables have a column per category
@@ -245,7 +258,9 @@ def build_tables(runs: list[Run]) -> list[Table]:
     def name(table: Table) -> str:
         s = table.settings
         batch = f"-b{s['batch_size']}" if s["batch_size"] > 1 else ""
-        return f"{s['model']}-{s['dataset']}-n{len(table.questions)}-{s['max_new_tokens']}tok-{s['sampling']}{batch}-{s['dtype']}-{s['hardware']}"
+        return (f"{s['model']}-{s['dataset']}-n{len(table.questions)}-{s['max_new_tokens']}tok-{s['sampling']}{batch}-"
+                f"{s['dtype']}-{s['hardware']}")
+
     # two question sets of one size, or two engines: their hash tells them apart
     name_uniquely(tables, name, lambda table: [sorted(map(str, table.questions)), table.settings["engine"]])
     return tables
@@ -270,7 +285,9 @@ def baseline_records(table: Table) -> list[dict]:
     for row in table.rows.values():
         for record in row.baseline.values():
             choice = record["choices"][0]
-            measured[(record["question_id"], tuple(choice["wall_time"]), *(turn["ttft"] for turn in choice["stats"]))] = record
+            measured[
+                (record["question_id"], tuple(choice["wall_time"]), *(turn["ttft"] for turn in choice["stats"]))
+            ] = record
     return list(measured.values())
 
 
@@ -278,7 +295,9 @@ def slugify(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
-def cell_metrics(records: list[dict], baseline: list[dict], settings: dict | None = None, lossless: bool = True) -> dict:
+def cell_metrics(
+    records: list[dict], baseline: list[dict], settings: dict | None = None, lossless: bool = True
+) -> dict:
     stats = decoder_stats(records)
     speed = speedup_stats(records, baseline)
     fid = compare_outputs(records, baseline, settings or {}, lossless)
@@ -443,15 +462,17 @@ def write_breakdown(table: Table, folder: Path) -> list[Path]:
     differing token), how many were measured on a busy machine (and the most cores others used),
     and the time fractions."""
     lines = breakdown_rows(table.rows, table.settings)
-    title = (f"**Per method: speed, fidelity, time breakdown (% of wall time)** — {table.caption()}. Per step: the cost "
-             "of a decoding step's verify, draft and other work in units of AR's mean decoding step; predicted = the tokens a "
-             "decoding step adds after the prefill's / their sum (decoding only; the measured speedup also pays the "
-             "prefill). Differ from AR: near-tie = both top-2 logit gaps at the first differing token within the "
-             "dtype's rounding, mismatch = beyond it (docs/benchmarks.md, fidelity). Busy: questions measured beside "
-             "other work (docs/benchmarks.md, reading the busy flag). tok/s: all tokens / all wall time (the speedup, "
-             "Spec-Bench's, divides the mean per-question tokens/s: one slow question moves the two apart). Above τ: a "
-             "decoding step costs at least one AR step, so a speedup above τ comes from a slower AR measurement or a "
-             "cheaper prefill.")
+    title = (
+        f"**Per method: speed, fidelity, time breakdown (% of wall time)** — {table.caption()}. Per step: the cost "
+        "of a decoding step's verify, draft and other work in units of AR's mean decoding step; predicted = the "
+        "tokens a decoding step adds after the prefill's / their sum (decoding only; the measured speedup also pays "
+        "the prefill). Differ from AR: near-tie = both top-2 logit gaps at the first differing token within the "
+        "dtype's rounding, mismatch = beyond it (docs/benchmarks.md, fidelity). Busy: questions measured beside "
+        "other work (docs/benchmarks.md, reading the busy flag). tok/s: all tokens / all wall time (the speedup, "
+        "Spec-Bench's, divides the mean per-question tokens/s: one slow question moves the two apart). Above τ: a "
+        "decoding step costs at least one AR step, so a speedup above τ comes from a slower AR measurement or a "
+        "cheaper prefill."
+    )
     shown = []
     for r in lines:
         differ = f"{r['differ_from_ar']}/{r['questions']}"
@@ -663,7 +684,9 @@ def find_curves(tables: list[Table]) -> list[Curves]:
             what = f"{s['dataset']}-n{len(curves.tables[0].questions)}"
         else:
             what = f"{THROUGHPUT_SPLITS}b{s['batch_size']}"
-        return f"by-{AXIS_NAMES[curves.axis]}-{s['model']}-{what}-{s['max_new_tokens']}tok-{s['sampling']}-{s['dtype']}-{s['hardware']}"
+        return (f"by-{AXIS_NAMES[curves.axis]}-{s['model']}-{what}-{s['max_new_tokens']}tok-{s['sampling']}-"
+                f"{s['dtype']}-{s['hardware']}")
+
     name_uniquely(found, name, lambda curves: [curves.axis, [t.slug for t in curves.tables]])
     return found
 
@@ -756,7 +779,9 @@ def write_curves(curves: Curves, out: Path) -> list[Path]:
                               for b in best])
         (folder / "best_draft_length.md").write_text(markdown_table(
             shown, f"**Best draft length per batch size (highest throughput)** — {caption(curves)}"))
-        pd.DataFrame([{**curves.shared, **b} for b in best], dtype=object).to_csv(folder / "best_draft_length.csv", index=False)
+        pd.DataFrame([{**curves.shared, **b} for b in best], dtype=object).to_csv(
+            folder / "best_draft_length.csv", index=False
+        )
         written += [folder / "best_draft_length.md", folder / "best_draft_length.csv"]
     else:  # none an earlier run set left
         for stale in (folder / "best_draft_length.md", folder / "best_draft_length.csv"):

@@ -180,7 +180,9 @@ def truncate_middle(text: str, tokenizer, max_tokens: int) -> str:
     if len(ids) <= max_tokens:
         return text
     half = max_tokens // 2
-    return tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(ids[-(max_tokens - half):], skip_special_tokens=True)
+    return tokenizer.decode(ids[:half],
+                            skip_special_tokens=True) + tokenizer.decode(ids[-(max_tokens - half):],
+                                                                         skip_special_tokens=True)
 
 
 NEEDLE_TOKENS_PER_SENTENCE = 12  # SmolLM2's tokenizer on the filler sentences, with some margin
@@ -188,7 +190,8 @@ _FILLER = (
     "The river bends twice before it reaches the old mill.", "Farmers in the valley plant barley in early spring.",
     "A narrow road climbs the hill behind the village church.", "The library opens at nine and closes at six.",
     "Most of the houses on the square have red tile roofs.", "In winter the lake freezes near the northern shore.",
-    "The market sells bread, cheese and dried fruit on Saturdays.", "An old stone bridge crosses the stream below the school.",
+    "The market sells bread, cheese and dried fruit on Saturdays.",
+    "An old stone bridge crosses the stream below the school.",
     "Swallows nest under the eaves of the town hall every summer.", "The bakery on the corner uses a wood-fired oven.",
     "A bus to the coast leaves the station twice a day.", "The orchard behind the farm grows apples and pears.",
     "Fishermen mend their nets on the harbour wall in the evening.", "The museum keeps a collection of old clocks.",

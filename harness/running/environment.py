@@ -62,7 +62,8 @@ def git_commit() -> dict:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
 
     try:
-        return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+        return {"commit": git("rev-parse", "HEAD") or None,
+                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
 
@@ -90,7 +91,8 @@ def environment(device: torch.device) -> dict:
 
 def hardware_key(env: dict) -> dict:
     """The fields that must match for two measurements to share a column (or a results folder)."""
-    return {k: env.get(k) for k in ("cpu", "cpu_isa", "gpu", "device", "torch", "transformers", "torch_threads", "decoding_code")}
+    return {k: env.get(k)
+            for k in ("cpu", "cpu_isa", "gpu", "device", "torch", "transformers", "torch_threads", "decoding_code")}
 
 
 def hardware_name(env: dict) -> str:

@@ -137,7 +137,8 @@ def run_program(source: str, timeout: float = TIMEOUT_SECONDS) -> bool:
             command, cwd = _command(folder, python), None
         with open(os.path.join(folder, "output.txt"), "wb") as output:
             process = subprocess.Popen(command, cwd=cwd, stdin=subprocess.DEVNULL, stdout=output, stderr=output,
-                                       preexec_fn=_limits, start_new_session=True, env={"PATH": os.environ.get("PATH", "")})
+                                       preexec_fn=_limits, start_new_session=True,
+                                       env={"PATH": os.environ.get("PATH", "")})
             try:
                 return process.wait(timeout=timeout) == 0
             except subprocess.TimeoutExpired:

@@ -140,7 +140,8 @@ def decoder_stats(records: list[dict]) -> dict:
         "mean_ttft_by_category": {c: statistics.fmean(v) for c, v in sorted(ttft_by_category.items())},
         "time_fractions": {k: v / wall for k, v in phases.items()} if wall else {},
         "phase_seconds": dict(phases),
-        **({key: [v / prompt_tokens for v in values] for key, values in layer_fraction.items()} if prompt_tokens else {}),
+        **({key: [v / prompt_tokens for v in values] for key, values in layer_fraction.items()} if prompt_tokens
+           else {}),
         **({"mean_iterations_per_block": statistics.fmean(block_iterations)} if block_iterations else {}),
     }
 
@@ -299,19 +300,23 @@ def busy_questions(*sides: list[dict]) -> dict:
     most CPU other processes used during any question; `recorded` counts the questions that
     carry a machine state at all (runs before it was recorded carry none)."""
     states = list(_machine_states(*sides))
-    return {"questions": sorted({qid for qid, state in states if is_busy(state)}, key=str),
-            "recorded": len({qid for qid, _ in states}),
-            "max_other_cores": max((state.get("other_cores") or 0.0 for _, state in states), default=None),
-            "rule": f"other processes >= {BUSY_CORES} cores, steal >= {BUSY_STEAL:.0%}, or other SLURM jobs on the node"}
+    return {
+        "questions": sorted({qid for qid, state in states if is_busy(state)}, key=str),
+        "recorded": len({qid for qid, _ in states}),
+        "max_other_cores": max((state.get("other_cores") or 0.0 for _, state in states), default=None),
+        "rule": f"other processes >= {BUSY_CORES} cores, steal >= {BUSY_STEAL:.0%}, or other SLURM jobs on the node",
+    }
 
 
 def shared_node_questions(*sides: list[dict]) -> dict | None:
     """Under SLURM: the questions some side of which ran while other jobs ran on the same node
     (`machine.slurm.other_jobs`, harness/cluster/slurm.py), and the most such jobs; None outside SLURM."""
-    jobs = [(qid, state["slurm"].get("other_jobs") or 0) for qid, state in _machine_states(*sides) if state.get("slurm")]
+    jobs = [(qid, state["slurm"].get("other_jobs") or 0) for qid, state in _machine_states(*sides)
+            if state.get("slurm")]
     if not jobs:
         return None
-    return {"questions": sorted({qid for qid, others in jobs if others}, key=str), "max_other_jobs": max(n for _, n in jobs)}
+    return {"questions": sorted({qid for qid, others in jobs if others}, key=str),
+            "max_other_jobs": max(n for _, n in jobs)}
 
 
 def summarize(method: str, records: list[dict], baseline: list[dict] | None, meta: dict) -> dict:
@@ -326,7 +331,9 @@ def summarize(method: str, records: list[dict], baseline: list[dict] | None, met
     summary["fidelity"] = fidelity(records, baseline, meta.get("dtype"), classify=meta.get("lossless", True) and greedy)
     summary["explained"] = decomposition(summary["decoder"], summary["baseline"])
     base_throughput = summary["baseline"]["throughput_tokens_per_second"]
-    summary["throughput_speedup"] = summary["decoder"]["throughput_tokens_per_second"] / base_throughput if base_throughput else None
+    summary["throughput_speedup"] = (
+        summary["decoder"]["throughput_tokens_per_second"] / base_throughput if base_throughput else None
+    )
     summary["caveats"] = caveats(summary["speedup"], summary["decoder"]["tau"], summary["fidelity"], summary["busy"],
                                  meta.get("lossless", True))
     base_ttft, ttft = summary["baseline"]["mean_ttft"], summary["decoder"]["mean_ttft"]
@@ -439,21 +446,27 @@ def describe_fidelity(fid: dict, lossless: bool = True, of: int | None = None) -
     text = f"{count} differ: {fid['near_ties']} near-tie{'s' * (fid['near_ties'] != 1)}"
     text += f" (max gap {gap:.3g})" if gap is not None else ""
     text += f", {fid['mismatches']} mismatch{'es' * (fid['mismatches'] != 1)}"
-    return text + (f", {fid['unclassified']} unclassified (no logit margins recorded)" if fid.get("unclassified") else "")
+    return text + (f", {fid['unclassified']} unclassified (no logit margins recorded)" if fid.get("unclassified")
+                   else "")
 
 
 def fidelity_lines(summary: dict) -> list[str]:
     fid = summary["fidelity"]
     lossless = summary.get("lossless", True)
-    threshold = f"; near-tie: both top-2 gaps <= {fid['threshold']:g} in {summary.get('dtype')}" if fid.get("threshold") else ""
+    threshold = (
+        f"; near-tie: both top-2 gaps <= {fid['threshold']:g} in {summary.get('dtype')}" if fid.get("threshold") else ""
+    )
     lines = [f"outputs vs AR ({fid['compared']} questions): {describe_fidelity(fid, lossless)}"
              + (threshold if fid["differing_questions"] and fid.get("classified") and lossless else "")]
     if fid.get("mismatches"):
         bad = [d for d in fid["first_divergence"] if d.get("kind") == "mismatch"]
         lines.append("!" * 100)
-        lines.append(f"FIDELITY MISMATCH: {len(bad)} output(s) of a lossless method differ from AR's beyond a near-tie:")
+        lines.append(
+            f"FIDELITY MISMATCH: {len(bad)} output(s) of a lossless method differ from AR's beyond a near-tie:"
+        )
         for d in bad[:10]:
-            gaps = ", ".join(f"{name} {'-' if v is None else f'{v:.3g}'}" for name, v in (("AR's gap", d["ar_gap"]), ("its gap", d["gap"])))
+            gaps = ", ".join(f"{name} {'-' if v is None else f'{v:.3g}'}"
+                             for name, v in (("AR's gap", d["ar_gap"]), ("its gap", d["gap"])))
             lines.append(f"  question {d['question_id']} turn {d['turn']} token {d['position']}: AR {d['ar_token']}, "
                          f"method {d['token']} ({gaps})")
         lines.append("!" * 100)
@@ -486,14 +499,16 @@ def headline_lines(summary: dict) -> list[str]:
         lines.append(f"BUSY MACHINE: {len(busy['questions'])} of {summary['questions']} questions were measured beside "
                      f"other work ({busy['rule']}; up to {busy['max_other_cores']:.2f} cores used by others): "
                      f"{', '.join(map(str, busy['questions'][:10]))}{' …' if len(busy['questions']) > 10 else ''}")
-    busy_profiles = [Path(f).name for f, p in ((summary.get("engine") or {}).get("profiles") or {}).items() if not p["quiet"]]
+    busy_profiles = [Path(f).name for f, p in ((summary.get("engine") or {}).get("profiles") or {}).items()
+                     if not p["quiet"]]
     if busy_profiles:
         lines.append(f"BUSY PROFILE: {', '.join(busy_profiles)} measured beside other work chose this run's kernels "
                      "or sizes; the next run measures again")
     shared = summary.get("shared_node") or {}
     if shared.get("questions"):
         lines.append(f"SHARED NODE: {len(shared['questions'])} of {summary['questions']} questions were measured while "
-                     f"up to {shared['max_other_jobs']} other SLURM job(s) ran on the node (hydra.launcher.exclusive=true avoids it)")
+                     f"up to {shared['max_other_jobs']} other SLURM job(s) ran on the node "
+                     "(hydra.launcher.exclusive=true avoids it)")
     return lines
 
 
@@ -542,8 +557,10 @@ def format_summary(summary: dict) -> str:
             lines.append(
                 f"why, per decoding step in AR steps ({1000 * explained['ar_step_seconds']:.1f} ms): "
                 f"tokens {explained['tau']:.2f} / (verify {explained['verify']:.2f} + draft {explained['draft']:.2f} + "
-                f"other {explained['other']:.2f}) = {explained['predicted_decode_speedup']:.2f}x predicted for decoding; "
-                f"measured {speedup['specbench']:.2f}x with the prefill ({100 * explained['prefill_fraction']:.0f}% of its time)")
+                f"other {explained['other']:.2f}) = {explained['predicted_decode_speedup']:.2f}x predicted for "
+                "decoding; "
+                f"measured {speedup['specbench']:.2f}x with the prefill ({100 * explained['prefill_fraction']:.0f}% of "
+                "its time)")
         low, high = speedup["median_ratio_ci95"]
         lines.append(f"median per-question speedup: {speedup['median_ratio']:.2f}x [{low:.2f}, {high:.2f}] "
                      "(less moved by one question timed during a slowdown)")
@@ -558,7 +575,8 @@ def format_summary(summary: dict) -> str:
                          + ", ".join(f"{c} {s:.2f}" for c, s in v["by_category"].items()) + ")")
     for key, label in (("prefill_layer_token_fraction", "in prefill"), ("layer_token_fraction", "with revivals")):
         if key in summary["decoder"]:
-            lines.append(f"prompt tokens computed per layer {label}: " + " ".join(f"{v:.2f}" for v in summary["decoder"][key]))
+            lines.append(f"prompt tokens computed per layer {label}: "
+                         + " ".join(f"{v:.2f}" for v in summary["decoder"][key]))
     if "mean_iterations_per_block" in summary["decoder"]:
         lines.append(f"Jacobi iterations per block: {summary['decoder']['mean_iterations_per_block']:.2f}")
     per_position = summary["decoder"]["acceptance_per_position"]

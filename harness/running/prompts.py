@@ -59,10 +59,13 @@ class ChatTemplate:
         if self.spec == "tokenizer":
             chat = [{"role": "system", "content": self.system_message}] if self.system_message else []
             chat += [{"role": m.role, "content": m.content} for m in messages]
-            return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"])
+            return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True,
+                                                           return_dict=True)["input_ids"])
         if self.spec.startswith("raw:"):
             if len(messages) != 1:
-                raise ValueError(f"template {self.spec!r} is single-turn; this question has {len(messages) // 2 + 1} turns")
+                raise ValueError(
+                    f"template {self.spec!r} is single-turn; this question has {len(messages) // 2 + 1} turns"
+                )
             return list(self.tokenizer(self.spec[4:].replace("{prompt}", messages[0].content)).input_ids)
 
         conv = get_conv_template(self.spec.split(":", 1)[1])

@@ -38,7 +38,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-
 RECORDS_FORMAT = 2  # answer records: 2 = Spec-Bench's decoding steps and accept lengths, logit margins
 # Format 1 decoders whose prefill was (and is) a decoding step: AR, and LazyLLM (AR with a pruned prefill)
 FORMAT1_PREFILL_STEP = ("ar", "lazyllm")
@@ -81,7 +80,8 @@ def upgrade_record(record: dict, decoder: str | None = None) -> dict:
                     folded += [turn[0] + turn[1], *turn[2:]] if len(turn) > 1 else turn
                 choice["accept_lengths"] = folded
             choice["decoding_steps"] = [count - 1 if count > 1 else count for count in steps]
-        choice["stats"] = [{**turn, "prefill_step": turn.get("prefill_step", prefill_step)} for turn in choice.get("stats", [])]
+        choice["stats"] = [{**turn, "prefill_step": turn.get("prefill_step", prefill_step)}
+                           for turn in choice.get("stats", [])]
         choices.append(choice)
     return {**record, "choices": choices, "records_format": RECORDS_FORMAT, "upgraded_from": 1}
 
@@ -137,11 +137,13 @@ class RunFolder:
         env_file = self.path / "environment.json"
         if env_file.is_file() and resume and any(self.answers(d).is_file() for d in self.decoders):
             previous = json.loads(env_file.read_text())
-            differ = [f"{k} {previous.get(k)!r} there, {v!r} here" for k, v in hardware_key.items() if previous.get(k) != v]
+            differ = [f"{k} {previous.get(k)!r} there, {v!r} here" for k, v in hardware_key.items()
+                      if previous.get(k) != v]
             if differ:
                 raise FolderMismatch(
                     f"{self.path} holds results measured elsewhere ({'; '.join(differ)}): numbers from different "
-                    "hardware, software or decoding code are never mixed: pass run_name=<new name> or resume=false to start over"
+                    "hardware, software or decoding code are never mixed: pass run_name=<new name> or resume=false to "
+                    "start over"
                 )
 
     def prepare(self, config_yaml: str, environment: dict, hardware_key: dict, resume: bool) -> set:

@@ -27,21 +27,28 @@ from tqdm.auto import tqdm
 from harness import REPO
 from harness.cluster.slurm import slurm_job
 from harness.running import busy
-from harness.running.execution import SandboxUnavailable
 from harness.running.datasets import Question, load_questions, truncate_middle
 from harness.running.environment import drafts_digest, environment, hardware_key, hardware_name, hardware_slug
+from harness.running.execution import SandboxUnavailable
 from harness.running.metrics import fidelity_failure, format_summary, summarize
-from harness.running.quality import score_records
 from harness.running.prompts import ChatTemplate, Message
-from harness.running.results import RECORDS_FORMAT, FolderMismatch, RunFolder, compact_margins, settings_hash, write_json
-from harness.running.validate import validate, check_group_choices
+from harness.running.quality import score_records
+from harness.running.results import (
+    RECORDS_FORMAT,
+    FolderMismatch,
+    RunFolder,
+    compact_margins,
+    settings_hash,
+    write_json,
+)
+from harness.running.validate import check_group_choices, validate
 from methods.base import BuildContext, Decoder, get_method
 from methods.batched import BatchedDecoder
-from methods.models.loading import load_model, load_tokenizer, choose_dtype, resolve_device
-from methods.models.specs import ModelSpec, ModelUnavailableError
 from methods.engine.hardware import profiles_used
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
+from methods.models.loading import choose_dtype, load_model, load_tokenizer, resolve_device
+from methods.models.specs import ModelSpec, ModelUnavailableError
 
 log = logging.getLogger("harness")
 # Errors that a user's setting or missing file causes: one line and exit code 2, not a traceback
@@ -59,7 +66,8 @@ class Benchmark:
         if cfg.threads:
             torch.set_num_threads(int(cfg.threads))
         self.device = resolve_device(cfg.device)
-        self.dtype, self.dtype_reason = choose_dtype(cfg.dtype, self.device, ModelSpec.from_mapping(cfg.model), cfg.model.name)
+        self.dtype, self.dtype_reason = choose_dtype(cfg.dtype, self.device, ModelSpec.from_mapping(cfg.model),
+                                                     cfg.model.name)
         self.sampling = SamplingConfig(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k))
         self.max_new_tokens = int(cfg.max_new_tokens or cfg.dataset.max_new_tokens)
         self.batch_size = int(cfg.batch_size)  # questions decoded together, AR and the method alike
@@ -77,7 +85,8 @@ class Benchmark:
         params = OmegaConf.to_container(cfg.method, resolve=True)
         skinny, forward, graphs = cfg.engine.skinny_gemm, cfg.engine.decoder, cfg.engine.cuda_graphs
         self.decoders: dict[str, Decoder] = {
-            name: get_method(name)(ModelRunner(self.model, skinny, forward, graphs), params if name == cfg.method.name else {}, context)
+            name: get_method(name)(ModelRunner(self.model, skinny, forward, graphs), params if name == cfg.method.name
+                                   else {}, context)
             for name in self.names}
 
     def engine_record(self) -> dict:
@@ -120,7 +129,8 @@ class Benchmark:
         limits = [max_new_tokens or self.max_new_tokens_for(q.category) for q in questions]
         messages: list[list[Message]] = [[] for _ in questions]
         fields = ("turns", "decoding_steps", "new_tokens", "wall_time", "accept_lengths", "ttft", "prompt_ids",
-                  "output_ids", "logit_margins", "stats", *(("batch_size", "batch_wall_time") if self.batch_size > 1 else ()))
+                  "output_ids", "logit_margins", "stats",
+                  *(("batch_size", "batch_wall_time") if self.batch_size > 1 else ()))
         choices = [{name: [] for name in fields} for _ in questions]
         for turn_index in range(max(len(q.turns) for q in questions)):
             group = [i for i, q in enumerate(questions) if turn_index < len(q.turns)]
@@ -133,7 +143,8 @@ class Benchmark:
                 generators.append(torch.Generator(device=self.device).manual_seed(seed))
             if progress is not None:  # the live count follows the batch's first sequence
                 turn = f" turn {turn_index + 1}" if len(questions[group[0]].turns) > 1 else ""
-                progress.start(decoder.name + turn + (f" (batch of {len(group)})" if self.batch_size > 1 else ""), limits[group[0]])
+                progress.start(decoder.name + turn + (f" (batch of {len(group)})" if self.batch_size > 1 else ""),
+                               limits[group[0]])
                 stops[0] = dataclasses.replace(stops[0], progress=progress)
             try:
                 if self.batch_size > 1:
@@ -148,7 +159,8 @@ class Benchmark:
                 text = self.template.answer_text(out.tokens, stop)
                 messages[i].append(Message("assistant", text))
                 turn_stats = out.stats.to_dict()
-                del turn_stats["accepted_lengths"]  # per target forward; the record keeps Spec-Bench's per decoding step
+                # per target forward; the record keeps Spec-Bench's per decoding step
+                del turn_stats["accepted_lengths"]
                 choice = choices[i]
                 choice["logit_margins"].append(compact_margins(turn_stats.pop("logit_margins")))
                 choice["accept_lengths"].extend(out.stats.accept_lengths)
@@ -220,7 +232,8 @@ class LogProgress:
 
     def _line(self, extra: str = "") -> None:
         self.last = self.clock()
-        self.emit(f"{self.desc}: {self.done}/{len(self.items)} {self.unit}, {(self.last - self.begin) / 60:.1f} min{extra}")
+        self.emit(f"{self.desc}: {self.done}/{len(self.items)} {self.unit}, {(self.last - self.begin) / 60:.1f} "
+                  f"min{extra}")
 
     def __iter__(self):
         for item in self.items:
@@ -249,9 +262,11 @@ def run(cfg: DictConfig, started=None) -> dict:
     method = cfg.method.name
     settings = {
         "model": OmegaConf.to_container(cfg.model, resolve=True),
-        "dataset": {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items() if k not in SELECTION_KEYS},
+        "dataset": {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items()
+                    if k not in SELECTION_KEYS},
         "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling), "seed": cfg.seed, "dtype": dtype_name,
-        "engine": OmegaConf.to_container(cfg.engine, resolve=True), "method": OmegaConf.to_container(cfg.method, resolve=True),
+        "engine": OmegaConf.to_container(cfg.engine, resolve=True),
+        "method": OmegaConf.to_container(cfg.method, resolve=True),
         "questions": [q.question_id for q in questions], "baseline": cfg.baseline, "warmup": cfg.warmup,
     }
     if bench.batch_size > 1:  # its own results folder: a run set never mixes batch sizes (B = 1 keys unchanged)
@@ -269,7 +284,8 @@ def run(cfg: DictConfig, started=None) -> dict:
     environment_record = {**env, "dtype": dtype_name, "engine": engine}
     finished = folder.prepare(OmegaConf.to_yaml(cfg, resolve=True), environment_record, key, resume=bool(cfg.resume))
     todo = [(i, q) for i, q in enumerate(questions) if q.question_id not in finished]
-    log.info("results in %s: %d questions, %d already finished", folder.path, len(questions), len(questions) - len(todo))
+    log.info("results in %s: %d questions, %d already finished", folder.path, len(questions),
+             len(questions) - len(todo))
     if started:
         started(folder.path, len(questions))
     ids = [q.question_id for q in questions]
@@ -312,7 +328,8 @@ def run(cfg: DictConfig, started=None) -> dict:
     records = {name: folder.records(name, ids) for name in bench.decoders}
     summary = summarize(method, records[method], records[BASELINE] if paired else None, meta)
     references = {q.question_id: q.reference for q in questions}
-    metric_by_category = OmegaConf.to_container(cfg.dataset.quality, resolve=True) if cfg.dataset.get("quality") else None
+    metric_by_category = OmegaConf.to_container(cfg.dataset.quality,
+                                                resolve=True) if cfg.dataset.get("quality") else None
     quality = {name: score_records(rows, references, metric_by_category) for name, rows in records.items()}
     if any(quality.values()):
         summary["quality"] = quality

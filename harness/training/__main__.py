@@ -11,20 +11,21 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from . import __doc__ as RECIPES_DOC
-from .distill import corpus
-from .distributed import context, is_main, place, launched
-from .draft_lm import DraftLMRecipe
-from .eagle import EagleRecipe
-from .eagle3 import Eagle3Recipe, attach_cached_features, attach_features
-from .examples import attach_hidden, feature_spread, load_examples, split
-from .loop import ROOT, evaluate, load_target, model_card, train
-from .hydra import HydraRecipe
-from .medusa import MedusaRecipe
 from methods.base import BuildContext
 from methods.engine.vocab import token_frequencies
 from methods.models.heads.eagle3 import feature_layers
 from methods.models.loading import resolve_device
+
+from . import __doc__ as RECIPES_DOC
+from .distill import corpus
+from .distributed import context, is_main, launched, place
+from .draft_lm import DraftLMRecipe
+from .eagle import EagleRecipe
+from .eagle3 import Eagle3Recipe, attach_cached_features, attach_features
+from .examples import attach_hidden, feature_spread, load_examples, split
+from .hydra import HydraRecipe
+from .loop import ROOT, evaluate, load_target, model_card, train
+from .medusa import MedusaRecipe
 
 
 def training_device(name: str) -> torch.device:
@@ -46,9 +47,11 @@ DEFAULTS = {  # kind: (epochs, lr, batch, noise): the committed zoo's settings (
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m harness.training", description=RECIPES_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m harness.training", description=RECIPES_DOC,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kind", choices=["data", "vocab", "states", *DEFAULTS],
-                        help="data: the target's answers; vocab: their token frequencies (reduced-vocabulary drafting); "
+                        help="data: the target's answers; vocab: their token frequencies (reduced-vocabulary "
+                             "drafting); "
                              "states: the target's states every head recipe reads (the EAGLE-3 feature cache, with the "
                              "last hidden state; resumable); then a draft recipe")
     parser.add_argument("--model", default="smollm2-135m")
@@ -68,7 +71,8 @@ def main(argv=None) -> None:
                         help="data: write the prompts (checked disjoint) beside the answers' file, answer none")
     parser.add_argument("--device", default="auto", help="auto (CUDA where present, else cpu), cpu, cuda or cuda:N")
     parser.add_argument("--state-batch-tokens", type=int, default=None,
-                        help="tokens per target forward computing the states (default: 16,384 on a GPU; on a CPU 1,024 for the EAGLE-3 states, 4,096 for the last hidden states)")
+                        help="tokens per target forward computing the states (default: 16,384 on a GPU; on a CPU 1,024 "
+                             "for the EAGLE-3 states, 4,096 for the last hidden states)")
     parser.add_argument("--data", type=Path, default=None, help="default: data/distill/<model>/answers.jsonl")
     parser.add_argument("--out", type=Path, default=None, help="default: drafts/<model>/<kind>")
     parser.add_argument("--seed", type=int, default=0)
@@ -107,7 +111,9 @@ def main(argv=None) -> None:
     cfg, target, tokenizer = load_target(args.model, device=device)
 
     if not data_file.is_file():
-        raise SystemExit(f"no training data at {data_file}: run `python -m harness.training data --model {args.model}` first")
+        raise SystemExit(
+            f"no training data at {data_file}: run `python -m harness.training data --model {args.model}` first"
+        )
     if args.kind == "vocab":
         write_token_frequencies(data_file, args.out or ROOT / "drafts" / args.model / "token_frequencies.json",
                                 target.get_output_embeddings().out_features)
@@ -130,13 +136,15 @@ def main(argv=None) -> None:
             attach_hidden(target, examples, cache=data_file.with_name("hidden_states.pt"), progress=True,
                           **state_batch)
     # classification losses over the model config's reduced draft vocabulary, where it names one
-    vocab = draft_vocabulary(args.model, cfg, target) if (cfg.get("draft_vocabulary") or {}).get("frequencies") else None
+    vocab = draft_vocabulary(args.model, cfg, target) if (cfg.get("draft_vocabulary")
+                                                          or {}).get("frequencies") else None
     target.to("cpu")  # recipes copy the target's weights into fresh modules on the CPU; then all moves to `device`
     recipe = {"draft-lm": lambda: DraftLMRecipe(target, args.layers, vocabulary=vocab),
               "eagle": lambda: EagleRecipe(target, args.seed, cls_weight=1.0, feature_scale=feature_spread(train_set),
                                            vocabulary=vocab),
               "medusa": lambda: MedusaRecipe(target, args.heads, vocabulary=vocab),
-              "eagle3": lambda: Eagle3Recipe(target, args.seed, draft_vocabulary(args.model, cfg, target), args.ttt_steps),
+              "eagle3": lambda: Eagle3Recipe(target, args.seed, draft_vocabulary(args.model, cfg, target),
+                                             args.ttt_steps),
               "hydra": lambda: HydraRecipe(target, args.heads, vocabulary=draft_vocabulary(args.model, cfg, target)),
               }[args.kind]()
     place(recipe, device)
@@ -156,7 +164,8 @@ def draft_vocabulary(model_name: str, cfg, target):
     vocabulary = BuildContext(target, model_name, OmegaConf.to_container(cfg, resolve=True)).draft_vocabulary({})
     if vocabulary is None:
         raise SystemExit(f"model {model_name!r} names no draft_vocabulary (frequencies, size): EAGLE-3 needs one; "
-                         f"run `python -m harness.training vocab --model {model_name}` and add it to conf/model/{model_name}.yaml")
+                         f"run `python -m harness.training vocab --model {model_name}` and add it to "
+                         f"conf/model/{model_name}.yaml")
     return vocabulary
 
 

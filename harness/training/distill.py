@@ -33,9 +33,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from harness.running.datasets import _FILLER
-from harness.running.prompts import Message, ChatTemplate
+from harness.running.prompts import ChatTemplate, Message
 from harness.running.results import read_jsonl, rewrite_jsonl
-from harness.training.loop import ROOT, load_target, _machine
+from harness.training.loop import ROOT, _machine, load_target
 from methods.engine.identity import native_bf16
 
 # the subjects and templates the prompts are drawn from (data, written for this suite; order matters)
@@ -201,7 +201,8 @@ def self_distill(model, template, prompts: list[dict], max_new_tokens: int, batc
     for batch in tqdm(batches, desc="self-distillation", unit="batch", disable=not progress):
         width = max(len(encoded[i]) for i in batch)
         input_ids = torch.tensor([[pad] * (width - len(encoded[i])) + encoded[i] for i in batch], device=device)
-        attention = torch.tensor([[0] * (width - len(encoded[i])) + [1] * len(encoded[i]) for i in batch], device=device)
+        attention = torch.tensor([[0] * (width - len(encoded[i])) + [1] * len(encoded[i]) for i in batch],
+                                 device=device)
         sample = modes[batch[0]] == "sample"
         if sample:
             torch.manual_seed(zlib.crc32(f"{seed}:{prompts[batch[0]]['id']}".encode()))
@@ -316,7 +317,8 @@ def corpus(args, data_file: Path, manifest_file: Path | None = None) -> None:
         "sha256": hashlib.sha256(data_file.read_bytes()).hexdigest(),
         "command": f"python -m harness.training data --model {args.model} --prompts {args.prompts} --seed {args.seed} "
                    f"--max-new-tokens {args.max_new_tokens} --distill-batch {args.distill_batch} "
-                   f"--distill-dtype {args.distill_dtype}" + (f" --prompts-file {prompts_file}" if prompts_file else ""),
+                   f"--distill-dtype {args.distill_dtype}"
+                   + (f" --prompts-file {prompts_file}" if prompts_file else ""),
         "prompts_sha256": hashlib.sha256(prompt_copy.read_bytes()).hexdigest(),
         "prompts": len(records), "answer_tokens": tokens,
         "prompt_tokens": sum(r["answer_start"] for r in records),

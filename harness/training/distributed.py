@@ -166,9 +166,6 @@ class LaneSampler:
         random.Random(f"{self.seed}:{lane}:{passes}").shuffle(order)
         return order[position]
 
-    def global_batch(self, step: int) -> list[int]:
-        return [i for lane in range(self.batch) if (i := self._member(lane, step)) is not None]
-
     def local_batch(self, step: int, rank: int, world: int) -> list[int]:
         return [i for lane in range(rank, self.batch, world) if (i := self._member(lane, step)) is not None]
 

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from .examples import Example, offset_mask, pad_batch
 from methods.models.loading import truncated_copy
+
+from .examples import Example, offset_mask, pad_batch
 
 
 class DraftLMRecipe:

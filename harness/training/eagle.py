@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .examples import Example, offset_mask, pad_batch, target_top
 from methods.models.heads.eagle import EagleHead, head_config
 from methods.models.heads.random_init import eagle_config
+
+from .examples import Example, offset_mask, pad_batch, target_top
 
 
 class EagleRecipe:

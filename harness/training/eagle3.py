@@ -26,8 +26,8 @@ Features (`attach_features`): the inputs of the three layers [T, 3H], the last h
 `examples.attach_states`, `attach_hidden`'s cache: 16-bit rows [features | hidden] (bfloat16 if
 float16 overflows), memory-mapped, rank-sharded under torchrun, reused by later runs while the
 examples (sha256 of their ids) and layers match (batches of ~1,024 tokens: on one core of the EPYC,
-11.2 s per 1,000 answer tokens against 17.1 at 4,096 and 11.9 one conversation at a time): 9,000 conversations of ~440 tokens are ~18 GB on
-disk, of which a process keeps in RAM only the rows it is using.
+11.2 s per 1,000 answer tokens against 17.1 at 4,096 and 11.9 one conversation at a time): 9,000 conversations of ~440
+tokens are ~18 GB on disk, of which a process keeps in RAM only the rows it is using.
 
 Initialization (our choice, for short budgets): the layer from the target's last one (q/k/v read its
 hidden half, o_proj and down_proj zeroed so the head starts as the identity on g), fc selecting the
@@ -42,10 +42,11 @@ from pathlib import Path
 
 import torch
 
-from .examples import Example, _attach_from, attach_states, offset_mask, pad_batch
 from methods.engine.runner import layer_inputs
 from methods.models.heads.eagle3 import Eagle3Head, eagle3_head_config, feature_layers
 from methods.models.heads.random_init import eagle3_config
+
+from .examples import Example, _attach_from, attach_states, offset_mask, pad_batch
 
 
 def _feature_rows(layers: tuple[int, ...]):
@@ -69,7 +70,8 @@ def attach_features(target, examples: list[Example], layers: tuple[int, ...], ca
 
 def _feature_fields(target, layers) -> tuple[dict[str, int], str]:
     hidden = target.get_input_embeddings().embedding_dim
-    return {"features": len(layers) * hidden, "hidden": hidden}, f"eagle3 layer inputs {list(layers)} + last hidden state"
+    return ({"features": len(layers) * hidden, "hidden": hidden},
+            f"eagle3 layer inputs {list(layers)} + last hidden state")
 
 
 def attach_cached_features(target, examples: list[Example], layers: tuple[int, ...], cache: Path) -> bool:
@@ -114,7 +116,8 @@ class Eagle3Recipe:
         self.head.embed_tokens.weight = target.get_input_embeddings().weight  # frozen, shared
         self.head.requires_grad_(True)
         self.head.embed_tokens.requires_grad_(False)
-        self.target_rows = target.get_output_embeddings().weight[ids].detach()  # the target's logits on the draft vocabulary
+        # the target's logits on the draft vocabulary
+        self.target_rows = target.get_output_embeddings().weight[ids].detach()
         self.head.train()
 
     def parameters(self):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,8 @@ class Example:
     answer_start: int
     hidden: torch.Tensor | None = None  # [T, H] target's last hidden state (after the final norm); may be 16-bit
     top: torch.Tensor | None = None  # [T] the target's argmax at each position (predicts token t + 1)
-    features: torch.Tensor | None = None  # [T, 3H] EAGLE-3: the inputs of the target's three feature layers; may be 16-bit
+    # [T, 3H] EAGLE-3: the inputs of the target's three feature layers; may be 16-bit
+    features: torch.Tensor | None = None
 
 
 def load_examples(file: Path) -> list[Example]:
@@ -59,10 +61,16 @@ _HIDDEN = "hidden"  # the kind of attach_hidden's cache (an index without a `kin
 
 
 def _attach_from(cache: Path, examples: list[Example], kind: str, fields: dict[str, int]) -> bool:
-    """Attach memory-mapped views of the cache when it holds exactly these examples and fields."""
+    """Attach memory-mapped views of the cache when it holds exactly these examples and fields. A missing cache, or
+    one torch cannot read back (truncated, not a torch archive, a pickle it refuses), is recomputed; any other error
+    propagates."""
     try:
         index = torch.load(cache, weights_only=True)
-    except Exception:
+    except FileNotFoundError:
+        return False
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:  # unreadable: corrupt or truncated
+        print(f"{cache}: unreadable cache ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+              "recomputing it", flush=True)
         return False
     if not isinstance(index, dict) or index.get("version") != 2 or index.get("digest") != _digest(examples):
         return False
@@ -213,7 +221,8 @@ class _Journal:
             state = json.loads(self.file.read_text())
         except (OSError, ValueError):
             return False
-        return (state.get("settings") == self.settings and self.data.is_file() and self.data.stat().st_size == data_bytes
+        return (state.get("settings") == self.settings and self.data.is_file()
+                and self.data.stat().st_size == data_bytes
                 and self.top_file.is_file())
 
     def start(self, resume: bool, positions: int) -> tuple[set[int], float]:
@@ -254,12 +263,14 @@ def _forward(target, examples, batches, lengths, compute, device):
 
 
 def _convert_to_bf16(target, examples, cache, offsets, width_d, ctx, batches, lengths, compute) -> None:
-    rows = np.memmap(cache.with_name(cache.name + ".bin"), dtype=np.uint16, mode="r+", shape=(int(offsets[-1]), width_d))
+    rows = np.memmap(cache.with_name(cache.name + ".bin"), dtype=np.uint16, mode="r+",
+                     shape=(int(offsets[-1]), width_d))
     device = target.get_output_embeddings().weight.device
     for chunk, states, _ in _forward(target, examples, batches[ctx.rank::ctx.world], lengths, compute, device):
         states = states.cpu()  # recomputed: float16 overflowed
         for row, i in enumerate(chunk):
-            rows[offsets[i]:offsets[i + 1]] = states[row, :lengths[i]].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            rows[offsets[i]:offsets[i + 1]] = states[row,
+                                                     :lengths[i]].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     rows.flush()
     distributed.barrier()
 

@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 
-from .examples import Example, answer_mask
 from methods.models.heads.hydra import HydraHeads
+
+from .examples import Example, answer_mask
 
 
 class HydraRecipe:
@@ -87,7 +88,8 @@ class HydraRecipe:
         with torch.no_grad():
             teacher = (hidden @ self.target_rows.T.float()).softmax(-1)  # [T, K] the label at each position
             top = getattr(example, "top", None)
-            top = (hidden @ self.lm_weight.T.float()).argmax(-1) if top is None else top.to(device)  # [T] the target's choice
+            # [T] the target's choice
+            top = (hidden @ self.lm_weight.T.float()).argmax(-1) if top is None else top.to(device)
             in_vocab = torch.ones(T, dtype=torch.bool, device=device) if self.ids is None else torch.isin(top, self.ids)
             embeds = self.embed_weight[ids].float()
         if noise:  # upstream's NEFTune-style noise on the base hidden states
@@ -105,7 +107,8 @@ class HydraRecipe:
                 continue
             x = torch.cat([h[:n], *[embeds[j + 1: j + 1 + n] for j in range(i + 1)]], -1) if heads.grounded else h[:n]
             logits = heads.logits(i, heads.features(i, x[answer])).float()
-            where = torch.arange(n, device=device)[answer] + offset - 1  # the position whose next-token distribution is the label
+            # the position whose next-token distribution is the label
+            where = torch.arange(n, device=device)[answer] + offset - 1
             keep = in_vocab[where].float()
             ce = -(teacher[where] * logits.log_softmax(-1)).sum(-1)
             total = total + (ce * keep).sum() / answer.sum()

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .examples import Example, target_top
 from methods.models.heads.medusa import MedusaHeads
+
+from .examples import Example, target_top
 
 
 class MedusaRecipe:

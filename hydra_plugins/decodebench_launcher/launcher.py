@@ -36,6 +36,8 @@ import submitit
 from hydra.core.config_store import ConfigStore
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, filter_overrides
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf
 from submitit.slurm.slurm import SlurmInfoWatcher
 
@@ -43,8 +45,6 @@ from harness.cluster.slurm import job_states
 from harness.running.busy import is_busy
 from harness.running.metrics import speedup_status
 from harness.running.results import read_jsonl
-from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 
 log = logging.getLogger(__name__)
 TERMINAL = ("done", "failed")
@@ -260,7 +260,8 @@ def describe(job, record: dict | None) -> tuple[str, str]:
     job_name = f"{slurm['array_job_id']}_{slurm['task_id']}" if slurm.get("array_job_id") else slurm.get("job_id")
     where = f" on {slurm['node']}, job {job_name}" if slurm.get("node") else ""
     if status == "ok":
-        numbers = speedup_status(record.get("speedup"), record.get("speedup_ci95"), record.get("tau"), record.get("caveats"))
+        numbers = speedup_status(record.get("speedup"), record.get("speedup_ci95"), record.get("tau"),
+                                 record.get("caveats"))
         return "done", f"done{where}: {numbers} ({record.get('results')})"
     if status == "failed":
         error = (record.get("error") or "").strip().splitlines()[-1:] or ["no error recorded"]
@@ -279,7 +280,8 @@ def questions_done(record: dict) -> str:
     if not record.get("results") or total is None:
         return "loading"
 
-    rows = {name: read_jsonl(Path(record["results"]) / "answers" / f"{name}.jsonl") for name in {record.get("method"), "ar"}}
+    rows = {name: read_jsonl(Path(record["results"]) / "answers" / f"{name}.jsonl")
+            for name in {record.get("method"), "ar"}}
     done = {row.get("question_id") for row in rows[record.get("method")]}
     busy = {row.get("question_id") for side in rows.values() for row in side if is_busy(row.get("machine"))} & done
     return f"{len(done)}/{total} questions" + (f", BUSY {len(busy)}/{len(done)}" if busy else "")

@@ -246,7 +246,8 @@ def tree_decisions(tree: Tree, target_probs: torch.Tensor, draws: torch.Tensor,
             total = q_rows.sum(-1, keepdim=True)
             q.index_copy_(0, rows, torch.where(total > 0, q_rows / torch.where(total > 0, total, 1.0), q_rows))
     # each inner node's accepted child (-1: none), then whether each node is its parent's accepted child
-    table = torch.tensor([tree.children[node] + [-1] * (width + 1 - len(tree.children[node])) for node in inner], device=device)
+    table = torch.tensor([tree.children[node] + [-1] * (width + 1 - len(tree.children[node])) for node in inner],
+                         device=device)
     taken = torch.full((n,), -1, dtype=torch.long, device=device)
     taken.index_copy_(0, inner_rows, table.gather(1, first[:, None])[:, 0])
     chosen = taken.index_select(0, tree.parent_rows.to(device)) == torch.arange(n, device=device)
@@ -297,7 +298,8 @@ def typical_accept(tree: Tree, target_probs: torch.Tensor, epsilon: float = 0.09
     likelihood (the sum of log p of its tokens). The next token is the argmax of p there (upstream
     takes the argmax when `fast`, its default). `target_probs` [N, V]: fp32, temperature applied.
     Computed on the probabilities' device and read once (the path, its next token, the tree's
-    tokens and, with `logits`, the path rows' margins); path likelihoods are summed in fp64 from the root down, as the rule's walk does."""
+    tokens and, with `logits`, the path rows' margins); path likelihoods are summed in fp64 from the root down, as the
+    rule's walk does."""
     n, device = len(tree), target_probs.device
     tokens = tree.tokens.to(device)
     entropy = -(target_probs * torch.log(target_probs + 1e-5)).sum(-1)

@@ -207,7 +207,8 @@ class RopeTable:
             self._cos = cos[0].contiguous()
             self._sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1).contiguous()
 
-    def lookup(self, positions: torch.Tensor, like: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, positions: torch.Tensor, like: torch.Tensor,
+               bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, n] -> cos, sin [B, n, 1, d] in `like`'s dtype (broadcast over heads).
         `bound`: positions are below it, known on the host (no read of `positions` back)."""
         needed = bound if bound is not None else int(positions.max()) + 1

@@ -80,13 +80,15 @@ def static_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
     of x (EAGLE-3's layer), as `FusedLayer.forward`."""
     rows = x.shape[1]
     heads, kv_heads, d = layer.heads, layer.kv_heads, layer.head_dim
-    qkv = _linear(layer.qkv, rms_norm(x, layer.input_norm) if attn_in is None else attn_in).view(1, rows, heads + 2 * kv_heads, d)
+    qkv = _linear(layer.qkv, rms_norm(x, layer.input_norm) if attn_in is None
+                  else attn_in).view(1, rows, heads + 2 * kv_heads, d)
     qk = qkv[:, :, : heads + kv_heads]
     qk = qk * cos + qk.roll(d // 2, -1) * sin
     q = qk[:, :, :heads].transpose(1, 2)
     keys.index_copy_(2, slots, qk[:, :, heads:].transpose(1, 2))
     values.index_copy_(2, slots, qkv[:, :, heads + kv_heads:].transpose(1, 2))
-    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling, enable_gqa=heads != kv_heads)
+    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling,
+                                          enable_gqa=heads != kv_heads)
     x = x + _linear(layer.o_proj, attn.transpose(1, 2).reshape(1, rows, heads * d))
     h = _linear(layer.gate_up, rms_norm(x, layer.post_norm))
     return x + _linear(layer.down_proj, F.silu(h[..., : layer.intermediate]) * h[..., layer.intermediate:])
@@ -184,7 +186,8 @@ class StaticSteps:
         capacity = cache.capacity
         fused = self.runner.fused
         rope = fused.rope
-        return (rows in BUCKETS and (fused.window is None or capacity <= fused.window) and capacity is not None and start + rows <= capacity and start > 0
+        return (rows in BUCKETS and (fused.window is None or capacity <= fused.window) and capacity is not None
+                and start + rows <= capacity and start > 0
                 and rope._cos is not None and rope._cos.shape[0] >= capacity and rope._cos.dtype == self.runner.dtype
                 and len(cache.layers) == len(self.runner.fused.layers)
                 and all(layer.is_initialized and layer._keys is not None and layer._keys.shape[-2] == capacity

@@ -29,7 +29,6 @@ import torch
 from . import load, native
 from .identity import l3_bytes, machine, profile_dir
 from .linear import KERNELS, LinearPath, LinearPlan, linear_shapes, measure_plan
-from .tree import attention_mask
 
 SKINNY_GEMM_MODES = ("auto", "off")
 log = logging.getLogger(__name__)
@@ -50,7 +49,8 @@ def _measure(file: Path, what: str, measure):
     _MEASURED_HERE.add(file)
     if record["busy"]:
         log.warning("%s was measured beside other work (other processes %.2f cores, steal %.0f%%): this run uses it, "
-                    "the next one measures it again (%s)", what, record["other_cores"] or 0, 100 * (record["steal"] or 0), file)
+                    "the next one measures it again (%s)", what, record["other_cores"] or 0,
+                    100 * (record["steal"] or 0), file)
     return result, record
 
 
@@ -96,7 +96,8 @@ def linear_path(models, mode: str = "auto") -> LinearPath:
         path = _PATHS[key] = LinearPath(plan)
     shapes = {k: v for k, v in linear_shapes(*models).items() if k not in path.plan.kernels}
     if shapes:
-        log.info("measuring the linear path for %d weight shape(s) (once per machine and dtype, then cached)", len(shapes))
+        log.info("measuring the linear path for %d weight shape(s) (once per machine and dtype, then cached)",
+                 len(shapes))
         measured, record = _measure(file, "the linear plan", lambda: measure_plan(shapes))
         path.plan.kernels.update(measured.kernels)
         path.plan.seconds.update(measured.seconds)
@@ -255,8 +256,10 @@ def latency_curve(runner, model_name: str, sizes=(1, 2, 4, 8, 16, 32, 64), prefi
             return {int(n): s for n, s in stored["seconds"].items() if int(n) in sizes}
     log.info("measuring %s's forward latency at %s tokens (once per machine, model and dtype, then cached)",
              model_name, ", ".join(map(str, sizes)))
-    seconds, record = _measure(file, f"{model_name}'s latency curve", lambda: forward_latency(runner, sizes, prefix, repeats))
-    _write_json(file, {"model": model_name, "method": CURVE_METHOD, "kernels": _candidates(), "prefix": prefix, "repeats": repeats,
+    seconds, record = _measure(file, f"{model_name}'s latency curve",
+                               lambda: forward_latency(runner, sizes, prefix, repeats))
+    _write_json(file, {"model": model_name, "method": CURVE_METHOD, "kernels": _candidates(), "prefix": prefix,
+                       "repeats": repeats,
                        "load": record, "seconds": {str(n): s for n, s in seconds.items()}})
     _used(file, [record])
     return seconds

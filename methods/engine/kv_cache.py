@@ -188,7 +188,8 @@ class TreeKVCache(Cache):
         index = None
         for layer in self.layers:
             if layer.is_initialized:
-                index = torch.tensor(kept, device=layer.device) if index is None or index.device != layer.device else index
+                index = torch.tensor(kept,
+                                     device=layer.device) if index is None or index.device != layer.device else index
                 layer.keep(start, index)
 
 
@@ -215,7 +216,8 @@ class BatchKVCache(TreeKVCache):
         for b, path in enumerate(paths):
             path = list(path)
             if path and path[-1] >= self.get_seq_length() - start:
-                raise ValueError(f"commit of row {path[-1]} but only {self.get_seq_length() - start} rows follow {start}")
+                raise ValueError(f"commit of row {path[-1]} but only {self.get_seq_length() - start} rows follow "
+                                 f"{start}")
             if self.lengths[b] != start or path != list(range(len(path))):  # else already in place
                 rows += [b] * len(path)
                 sources += [start + node for node in path]

@@ -53,7 +53,9 @@ _MEMO: contextvars.ContextVar["dict | None"] = contextvars.ContextVar("linear_me
 
 
 def onednn_available(device: torch.device) -> bool:
-    return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return (
+        device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 def kernel_available(kernel: str, weight: torch.Tensor) -> bool:
@@ -125,7 +127,8 @@ class LinearPlan:
     def from_dict(cls, data: dict) -> "LinearPlan":
         seconds = {k: {int(b): v for b, v in d.items()} for k, d in data.get("seconds", {}).items()}
         kernels = {k: {int(b): v for b, v in d.items()} for k, d in data.get("kernels", {}).items()}
-        return cls({k: {b: choose(s) for b, s in seconds[k].items()} if k in seconds else d for k, d in kernels.items()},
+        return cls({k: {b: choose(s) for b, s in seconds[k].items()} if k in seconds else d
+                    for k, d in kernels.items()},
                    seconds)
 
 
@@ -264,7 +267,8 @@ def native_active(x: torch.Tensor) -> bool:
     """Whether the engine computes this tensor's small operations (RMSNorm, RoPE) with the native
     kernels (`native.c`) too: a measured linear path is active (`engine.skinny_gemm=auto`; `off`
     is stock torch throughout), x is fp32 on a CPU where they run, and no gradient is recorded."""
-    return (not torch.compiler.is_compiling() and _ACTIVE.get() is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+    return (not torch.compiler.is_compiling() and _ACTIVE.get() is not None and x.dtype == torch.float32
+            and x.device.type == "cpu"
             and not torch.is_grad_enabled() and native.unavailable_reason() is None)
 
 

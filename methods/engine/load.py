@@ -35,7 +35,8 @@ def snapshot() -> dict:
     """The counters at one instant; `state(before, after)` turns two of them into a record. This
     process's own CPU time includes its finished children's (a compiler it ran is not other work)."""
     times = os.times()
-    return {"wall": time.monotonic(), "self_cpu": times.user + times.system + times.children_user + times.children_system,
+    return {"wall": time.monotonic(), "self_cpu": times.user + times.system + times.children_user
+            + times.children_system,
             "stat": _proc_stat(), "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 

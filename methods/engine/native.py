@@ -5,8 +5,8 @@ ctypes (no torch headers, so it builds quickly, once per machine class).
   row of a 135M model's weights stream them at well under the machine's read bandwidth, and their
   GEMM for 2-16 rows computes slower than the weights stream (docs/performance-history.md). This one reads
   a copy of each weight packed once into panels of 16 outputs (AVX-512) or 8 (AVX2) and computes
-  8 rows x 48 outputs (AVX-512) or 4 rows x 24 outputs (AVX2) per step from registers. Whether it wins is measured like every other kernel
-  (`linear.measure_plan`), per weight shape and row count.
+  8 rows x 48 outputs (AVX-512) or 4 rows x 24 outputs (AVX2) per step from registers. Whether it wins is measured like
+  every other kernel (`linear.measure_plan`), per weight shape and row count.
 * `rms_norm` and `rope_store`: the fused forward's small operations (`fused.py`), bit for bit what
   torch computes, in one call each instead of four to ten.
 * `NativeLayer`: a whole decoder layer in one call (`decodebench_layer_f32`), where every
@@ -96,7 +96,9 @@ def _library(build: str | None = None) -> ctypes.CDLL:
                               capture_output=True, text=True)
         if done.returncode != 0:
             tmp.unlink(missing_ok=True)
-            raise NativeUnavailable(f"{compiler} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+            raise NativeUnavailable(
+                f"{compiler} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"
+            )
         tmp.replace(target)
     # torch is imported, so libgomp.so.1 resolves to the OpenMP runtime torch loaded: one thread pool
     lib = ctypes.CDLL(str(target))
@@ -230,7 +232,8 @@ def _cache(keys: torch.Tensor, values: torch.Tensor, batch: int, kv_heads: int, 
     _need(keys, "keys", (batch, kv_heads, None, d))
     _need(values, "values", tuple(keys.shape))
     if start < 0 or start + n > keys.shape[2]:
-        raise ValueError(f"native kernels: positions {start}..{start + n - 1} outside the cache's capacity {keys.shape[2]}")
+        raise ValueError(f"native kernels: positions {start}..{start + n - 1} outside the cache's capacity "
+                         f"{keys.shape[2]}")
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -283,7 +286,8 @@ class NativeLayer:
             _need(norm, name, (hidden,), optional=True)
         self.hidden = hidden
         self.constants = (_pointer(self.norms[0]), _pointer(self.norms[1]), eps[0], eps[1],
-                          *(p for pair in zip(self.packed, self.biases) for p in (pair[0].data_ptr(), _pointer(pair[1]))))
+                          *(p for pair in zip(self.packed, self.biases)
+                            for p in (pair[0].data_ptr(), _pointer(pair[1]))))
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                  values: torch.Tensor, start: int, mask: torch.Tensor | None, skip_gemms: bool = False,

@@ -48,7 +48,8 @@ def _is_int(value) -> bool:
 
 def integer(low: int | None = None, high: int | None = None) -> Check:
     bounds = (f" >= {low}" if low is not None else "") + (f" <= {high}" if high is not None else "")
-    return Check(lambda v: _is_int(v) and (low is None or v >= low) and (high is None or v <= high), f"an integer{bounds}")
+    return Check(lambda v: _is_int(v) and (low is None or v >= low) and (high is None or v <= high),
+                 f"an integer{bounds}")
 
 
 def number(low: float | None = None, high: float | None = None, low_open: bool = False) -> Check:
@@ -56,7 +57,8 @@ def number(low: float | None = None, high: float | None = None, low_open: bool =
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             return False
         return (low is None or (v > low if low_open else v >= low)) and (high is None or v <= high)
-    bounds = (f" {'>' if low_open else '>='} {low}" if low is not None else "") + (f" <= {high}" if high is not None else "")
+    bounds = (f" {'>' if low_open else '>='} {low}" if low is not None
+              else "") + (f" <= {high}" if high is not None else "")
     return Check(test, f"a number{bounds}")
 
 

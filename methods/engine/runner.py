@@ -200,7 +200,8 @@ class ModelRunner:
             else nullcontext({})
         with self.linear.active(), capturing as captured:
             if fused:
-                hidden, captured = self.fused.forward(ids, positions.view(1, -1), mask, self.cache, self.feature_layers, bound)
+                hidden, captured = self.fused.forward(ids, positions.view(1, -1), mask, self.cache, self.feature_layers,
+                                                      bound)
                 hidden = hidden[0]  # [n, H]
             else:
                 out = self.decoder(
@@ -235,8 +236,10 @@ class ModelRunner:
         sizes = [len(tokens) for tokens, _, _ in rows]
         width = max(sizes)
         self.check_room(max(cache.lengths) + width)
-        ids = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(t, dtype=torch.long, device=device) for t, _, _ in rows], batch_first=True)
-        depths = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(d, dtype=torch.long, device=device) for _, d, _ in rows],
+        ids = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(t, dtype=torch.long, device=device) for t, _, _ in rows],
+                                              batch_first=True)
+        depths = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(d, dtype=torch.long, device=device)
+                                                  for _, d, _ in rows],
                                                  batch_first=True)
         own = torch.eye(width, dtype=torch.bool, device=device).repeat(batch, 1, 1)  # padding rows: themselves
         for b, (_, _, visible) in enumerate(rows):
@@ -252,7 +255,8 @@ class ModelRunner:
             else nullcontext({})
         with self.linear.active(), capturing as captured:
             if fused:
-                hidden, captured = self.fused.forward(ids, positions, mask, cache, self.feature_layers, max(cache.lengths) + width)
+                hidden, captured = self.fused.forward(ids, positions, mask, cache, self.feature_layers,
+                                                      max(cache.lengths) + width)
             else:
                 hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=mask,
                                       past_key_values=cache, use_cache=True).last_hidden_state
@@ -290,7 +294,6 @@ class ModelRunner:
     def verify(self, tree: Tree) -> ForwardOutput:
         """One forward over all tree nodes; node i sees the prefix, its ancestors and itself. A tree's
         `extra_rows` follow its nodes in the same forward (their logits after the nodes')."""
-        start = self.length
         tokens, depths, visible = tree.forward_rows()
         rows = len(tokens)
         padded = self._bucket(rows)

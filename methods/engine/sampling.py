@@ -55,7 +55,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def draw_children(q: torch.Tensor, k: int, without_replacement: bool, generator: torch.Generator | None) -> torch.Tensor:
+def draw_children(q: torch.Tensor, k: int, without_replacement: bool,
+                  generator: torch.Generator | None) -> torch.Tensor:
     """k tokens per row of q [m, V], in draw order, on q's device (nothing read back). With
     replacement: independent draws. Without: the Gumbel top-k of log q, which is k sequential draws
     without replacement (Kool et al. 2019) and, unlike `torch.multinomial`, needs no count of q's
@@ -64,6 +65,7 @@ def draw_children(q: torch.Tensor, k: int, without_replacement: bool, generator:
     then: `acceptance.tree_decisions`)."""
     if not without_replacement:
         return torch.multinomial(q, k, replacement=True, generator=generator)
-    u = torch.rand(q.shape, generator=generator, device=generator.device if generator is not None else q.device).to(q.device)
+    u = torch.rand(q.shape, generator=generator, device=generator.device if generator is not None
+                   else q.device).to(q.device)
     gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
     return torch.topk(torch.log(q) + gumbel, k, dim=-1).indices

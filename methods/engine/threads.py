@@ -16,10 +16,10 @@ AR on the embedded model, fp32, tokens/s, x its fair share = quiet / k):
 
 No one setting is good both ways, so `auto` (the default) looks before it chooses: it samples the
 machine for SAMPLE_SECONDS and keeps libgomp's spinning when nothing else runs, PASSIVE when
-other processes use at least PASSIVE_CORES cores (or the hypervisor steals `load.BUSY_STEAL`). Work that starts later, mid-run, is not
-seen (the policy cannot change once torch has loaded); the busy flag marks those questions.
-DECODEBENCH_OMP_POLICY=auto|spin|passive|inherit overrides (`inherit`: what the environment says);
-an OMP_WAIT_POLICY or GOMP_SPINCOUNT already set is always kept.
+other processes use at least PASSIVE_CORES cores (or the hypervisor steals `load.BUSY_STEAL`). Work that starts later,
+mid-run, is not seen (the policy cannot change once torch has loaded); the busy flag marks those questions.
+DECODEBENCH_OMP_POLICY=auto|spin|passive|inherit overrides (`inherit`: what the environment says); an OMP_WAIT_POLICY or
+GOMP_SPINCOUNT already set is always kept.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def configure() -> dict:
     given = {knob: os.environ[knob] for knob in KNOBS if knob in os.environ}
     described = " ".join(f"{k}={v}" for k, v in given.items()) or "libgomp default (spin)"
     if "torch" in sys.modules:
-        _CHOSEN.update(policy=described, why="torch was imported before the suite: its OpenMP runtime had read the policy")
+        _CHOSEN.update(policy=described,
+                       why="torch was imported before the suite: its OpenMP runtime had read the policy")
     elif given or choice == "inherit":
         _CHOSEN.update(policy=described, why="set by the environment")
     elif choice == "passive":
@@ -67,8 +68,12 @@ def configure() -> dict:
         if others >= PASSIVE_CORES or (record.get("steal") or 0.0) >= load.BUSY_STEAL:
             os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
             _CHOSEN.update(policy="OMP_WAIT_POLICY=PASSIVE",
-                           why=f"other processes used {others:.2f} cores at start (steal {100 * (record.get('steal') or 0):.0f}%): "
+                           why=f"other processes used {others:.2f} cores at start (steal "
+                               f"{100 * (record.get('steal') or 0):.0f}%): "
                                "spinning threads would stall every barrier")
         else:
-            _CHOSEN.update(policy=described, why=f"quiet at start (other processes {others:.2f} cores): spinning saves a wake-up per region")
+            _CHOSEN.update(
+                policy=described,
+                why=f"quiet at start (other processes {others:.2f} cores): spinning saves a wake-up per region",
+            )
     return dict(_CHOSEN)

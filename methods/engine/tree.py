@@ -185,7 +185,8 @@ class ExtraRows:
     def check(self, nodes: int) -> None:
         m = len(self)
         if len(self.depths) != m or tuple(self.visible.shape) != (m, nodes + m):
-            raise ValueError(f"extra rows: {m} tokens, {len(self.depths)} depths, visibility {tuple(self.visible.shape)}; "
+            raise ValueError(f"extra rows: {m} tokens, {len(self.depths)} depths, visibility "
+                             f"{tuple(self.visible.shape)}; "
                              f"expected [{m}, {nodes + m}] for a tree of {nodes} nodes")
         if not bool(self.visible[:, nodes:].diagonal().all()):
             raise ValueError("extra rows must see themselves")
@@ -216,7 +217,8 @@ def attention_mask(ancestors: torch.Tensor, prefix_length: int, dtype: torch.dty
     return mask
 
 
-def level_mask(prefix_length: int, drafted: int, visible: Sequence[Sequence[int]] | torch.Tensor, dtype, device) -> torch.Tensor:
+def level_mask(prefix_length: int, drafted: int, visible: Sequence[Sequence[int]] | torch.Tensor, dtype,
+               device) -> torch.Tensor:
     """Mask for feeding one level of a draft tree into a drafter's cache, which holds
     `prefix_length` committed entries and then `drafted` entries of this tree's earlier levels.
     New node i sees the prefix, the earlier-level slots in `visible[i]` (its ancestors) and itself.

@@ -28,7 +28,8 @@ from .params import integer, one_of, setting
 def draft_vocab_setting(note: str = ""):
     """`method.draft_vocab` of the methods whose drafts project onto the vocabulary."""
     return setting("auto", one_of("auto", "full") | integer(1),
-                   "auto = the model's draft_vocabulary (FR-Spec subset) if it names one; full; or a token count" + note)
+                   "auto = the model's draft_vocabulary (FR-Spec subset) if it names one; full; or a token count"
+                   + note)
 
 
 class DraftVocabulary:
@@ -45,7 +46,8 @@ class DraftVocabulary:
         return self.ids.numel()
 
     @classmethod
-    def most_frequent(cls, file: str | Path, size: int, full_size: int, always: tuple[int, ...] = ()) -> "DraftVocabulary":
+    def most_frequent(cls, file: str | Path, size: int, full_size: int,
+                      always: tuple[int, ...] = ()) -> "DraftVocabulary":
         """The `size` most frequent tokens of a frequency file, plus `always` (e.g. EOS ids). When
         the corpus showed fewer than `size` distinct tokens, the unseen ones follow in token-id
         order: for BPE vocabularies that is merge order, a proxy for frequency in the tokenizer's
@@ -53,7 +55,8 @@ class DraftVocabulary:
         if size < 1:
             raise ValueError(f"draft_vocab={size}: must be a positive number of tokens, or full")
         data = json.loads(Path(file).read_text())
-        ranked = [int(token) for token, _ in sorted(data["counts"], key=lambda tc: (-tc[1], tc[0])) if token < full_size]
+        ranked = [int(token) for token, _ in sorted(data["counts"], key=lambda tc: (-tc[1], tc[0]))
+                  if token < full_size]
         seen = len(ranked)
         if seen < size:
             known = set(ranked)

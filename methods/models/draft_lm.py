@@ -19,7 +19,8 @@ from ..engine.tree import Tree, ancestors_of, level_mask
 
 
 class DraftLM:
-    def __init__(self, model, target_vocab_size: int, vocabulary=None, skinny_gemm: str = "auto", decoder: str = "auto"):
+    def __init__(self, model, target_vocab_size: int, vocabulary=None, skinny_gemm: str = "auto",
+                 decoder: str = "auto"):
         self.runner = ModelRunner(model, skinny_gemm, decoder)
         self.runner.restrict_vocabulary(vocabulary)
         self.target_vocab_size = target_vocab_size

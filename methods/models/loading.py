@@ -25,8 +25,8 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file, load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, AutoConfig
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..engine import load
 from ..engine.hardware import latency_curve

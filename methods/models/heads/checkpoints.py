@@ -23,7 +23,8 @@ def checkpoint_folder(spec: ModelSpec, weight_files: tuple[str, ...]) -> Path:
 
     patterns = ["config.json", *weight_files]
     try:
-        return Path(snapshot_download(spec.path, revision=spec.revision, allow_patterns=patterns, local_files_only=True))
+        return Path(snapshot_download(spec.path, revision=spec.revision, allow_patterns=patterns,
+                                      local_files_only=True))
     except Exception as err:  # not cached
         if not hub_reachable():
             raise unavailable_error(spec, "draft head", err) from None

@@ -40,7 +40,8 @@ def _layer_classes(qkv_bias: bool):
 
 def head_config(config: dict, qkv_bias: bool):
     config_class, _, _ = _layer_classes(qkv_bias)
-    fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "bias", "transformers_version")}
+    fields = {k: v for k, v in config.items()
+              if k not in ("architectures", "model_type", "bias", "transformers_version")}
     fields["num_hidden_layers"] = 1
     fields.pop("layer_types", None)
     cfg = config_class(**fields)
@@ -70,7 +71,7 @@ class EagleHead(nn.Module):
         return self.inputs(tokens, features), None
 
     def fused(self):
-        """(layer, rope table) on the engine's fused forward (`engine/fused.py`) for drafting, or
+        """(layer, rope table) on the engine's fused forward (`methods/engine/fused.py`) for drafting, or
         None where its layer type is not supported; training keeps `forward`."""
         if unsupported_layers(self.config, self.rotary_emb):
             return None
@@ -111,5 +112,6 @@ def load_eagle_head(spec: ModelSpec, target_model) -> EagleHead:
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith("rotary_emb")]
     if missing or unexpected:
-        raise ValueError(f"{folder / file}: not an EAGLE checkpoint (missing {missing[:4]}, unexpected {unexpected[:4]})")
+        raise ValueError(f"{folder / file}: not an EAGLE checkpoint (missing {missing[:4]}, unexpected "
+                         f"{unexpected[:4]})")
     return place_like_target(head, target_model, target_embed if share_embedding else None)

@@ -91,7 +91,7 @@ class Eagle3Head(nn.Module):
         self.vocabulary: DraftVocabulary | None = None  # the target ids of the draft vocabulary (None: all, in order)
 
     def fused(self):
-        """(layer, rope table) on the engine's fused forward (`engine/fused.py`) for drafting: the
+        """(layer, rope table) on the engine's fused forward (`methods/engine/fused.py`) for drafting: the
         midlayer as a fused layer whose q, k, v read `layer_inputs`' second part; None where its
         layer type is not supported; training keeps `forward`."""
         if unsupported_layers(self.config, self.rotary_emb):
@@ -162,7 +162,8 @@ def load_eagle3_head(spec: ModelSpec, target_model) -> Eagle3Head:
     draft_vocab = int(config["draft_vocab_size"])
     if "d2t" not in state or "t2d" not in state:
         if draft_vocab != target_vocab:
-            raise ValueError(f"{where}: d2t/t2d missing, and draft_vocab_size {draft_vocab} != vocab_size {target_vocab}")
+            raise ValueError(f"{where}: d2t/t2d missing, and draft_vocab_size {draft_vocab} != vocab_size "
+                             f"{target_vocab}")
         state.setdefault("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         state.setdefault("t2d", torch.ones(target_vocab, dtype=torch.bool))
     share_embedding = "embed_tokens.weight" not in state
@@ -190,5 +191,6 @@ def load_eagle3_head(spec: ModelSpec, target_model) -> Eagle3Head:
         ids = ids[order]
         head.d2t.copy_(ids - torch.arange(draft_vocab))
     if not torch.equal(ids, torch.arange(target_vocab)):
-        head.vocabulary = DraftVocabulary(ids, target_vocab, f"{spec.describe()}: d2t, {draft_vocab} of {target_vocab} tokens")
+        head.vocabulary = DraftVocabulary(ids, target_vocab,
+                                          f"{spec.describe()}: d2t, {draft_vocab} of {target_vocab} tokens")
     return place_like_target(head, target_model, target_embed if share_embedding else None)

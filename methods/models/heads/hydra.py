@@ -180,18 +180,23 @@ def load_hydra_heads(spec: ModelSpec, target_model) -> tuple[HydraHeads, dict]:
     folder = checkpoint_folder(spec, WEIGHT_FILES)
     config = read_config(folder)
     if not config:
-        raise ValueError(f"{folder}: config.json missing (a Hydra checkpoint has hydra_num_heads, hydra_head_arch, ...)")
+        raise ValueError(
+            f"{folder}: config.json missing (a Hydra checkpoint has hydra_num_heads, hydra_head_arch, ...)"
+        )
     arch = config.get("hydra_head_arch", "mlp")
     if arch not in ARCHS:
-        raise ValueError(f"{spec.describe()}: Hydra head architecture {arch!r} is not supported; supported: {', '.join(ARCHS)}")
+        raise ValueError(f"{spec.describe()}: Hydra head architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(ARCHS)}")
     state, file = read_state_dict(folder, WEIGHT_FILES)
     state = {k: v for k, v in state.items()
-             if not k.startswith(("input_embed_fn.", "prefix_embeding_layer.embed_tokens.")) and not k.endswith("inv_freq")}
+             if not k.startswith(("input_embed_fn.", "prefix_embeding_layer.embed_tokens."))
+             and not k.endswith("inv_freq")}
     grounded = bool(config.get("grounded_heads", False))
     num_heads, num_layers = count_heads_and_layers(state, prefix="hydra_mlp.", kind="Hydra")
     declared = config.get("hydra_num_heads")
     if declared is not None and declared != num_heads:
-        raise ValueError(f"{spec.describe()}: config.json says hydra_num_heads={declared}, the weights hold {num_heads} heads")
+        raise ValueError(f"{spec.describe()}: config.json says hydra_num_heads={declared}, the weights hold "
+                         f"{num_heads} heads")
     if config.get("hydra_num_layers", num_layers) != num_layers:
         raise ValueError(f"{spec.describe()}: config.json says hydra_num_layers={config['hydra_num_layers']}, "
                          f"the weights hold {num_layers} blocks per head")
@@ -218,7 +223,8 @@ def load_hydra_heads(spec: ModelSpec, target_model) -> tuple[HydraHeads, dict]:
     missing, unexpected = heads.load_state_dict(state, strict=False)
     missing = [k for k in missing if "rotary_emb" not in k]
     if missing or unexpected:
-        raise ValueError(f"{folder / file}: not a Hydra {arch} checkpoint (missing {missing[:4]}, unexpected {unexpected[:4]})")
+        raise ValueError(f"{folder / file}: not a Hydra {arch} checkpoint (missing {missing[:4]}, unexpected "
+                         f"{unexpected[:4]})")
     param = next(target_model.parameters())
     heads = heads.to(param.device).eval().requires_grad_(False)
     for weight in heads.parameters():

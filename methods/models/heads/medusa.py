@@ -47,7 +47,8 @@ class MedusaHeads(nn.ModuleList):
 
     def __init__(self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int):
         super().__init__(
-            nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)], nn.Linear(hidden_size, vocab_size, bias=False))
+            nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)],
+                          nn.Linear(hidden_size, vocab_size, bias=False))
             for _ in range(num_heads)
         )
         self.num_layers = num_layers
@@ -105,7 +106,8 @@ def load_medusa_heads(spec: ModelSpec, target_model) -> MedusaHeads:
         state[f"{i}.{num_layers}.weight"] = lm_head.weight.detach()
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{folder} ({file}): not a Medusa checkpoint (missing {missing[:4]}, unexpected {unexpected[:4]})")
+        raise ValueError(f"{folder} ({file}): not a Medusa checkpoint (missing {missing[:4]}, unexpected "
+                         f"{unexpected[:4]})")
     param = next(target_model.parameters())
     heads = heads.to(device=param.device, dtype=param.dtype).eval().requires_grad_(False)
     for i in shared:

@@ -40,9 +40,12 @@ def random_head_folder(kind: str, target_model, seed: int) -> Path:
         q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
         state = {
             "fc.weight": normal(hidden, 2 * hidden), "fc.bias": torch.zeros(hidden),
-            "layers.0.self_attn.q_proj.weight": normal(q, hidden), "layers.0.self_attn.k_proj.weight": normal(kv, hidden),
-            "layers.0.self_attn.v_proj.weight": normal(kv, hidden), "layers.0.self_attn.o_proj.weight": normal(hidden, q),
-            "layers.0.mlp.gate_proj.weight": normal(inter, hidden), "layers.0.mlp.up_proj.weight": normal(inter, hidden),
+            "layers.0.self_attn.q_proj.weight": normal(q, hidden),
+            "layers.0.self_attn.k_proj.weight": normal(kv, hidden),
+            "layers.0.self_attn.v_proj.weight": normal(kv, hidden),
+            "layers.0.self_attn.o_proj.weight": normal(hidden, q),
+            "layers.0.mlp.gate_proj.weight": normal(inter, hidden),
+            "layers.0.mlp.up_proj.weight": normal(inter, hidden),
             "layers.0.mlp.down_proj.weight": normal(hidden, inter),
             "layers.0.post_attention_layernorm.weight": torch.ones(hidden),
         }
@@ -57,13 +60,17 @@ def random_head_folder(kind: str, target_model, seed: int) -> Path:
         t2d[:draft_vocab] = True
         state = {
             "fc.weight": normal(hidden, 3 * hidden),
-            "midlayer.self_attn.q_proj.weight": normal(q, 2 * hidden), "midlayer.self_attn.k_proj.weight": normal(kv, 2 * hidden),
-            "midlayer.self_attn.v_proj.weight": normal(kv, 2 * hidden), "midlayer.self_attn.o_proj.weight": normal(hidden, q),
-            "midlayer.mlp.gate_proj.weight": normal(inter, hidden), "midlayer.mlp.up_proj.weight": normal(inter, hidden),
+            "midlayer.self_attn.q_proj.weight": normal(q, 2 * hidden),
+            "midlayer.self_attn.k_proj.weight": normal(kv, 2 * hidden),
+            "midlayer.self_attn.v_proj.weight": normal(kv, 2 * hidden),
+            "midlayer.self_attn.o_proj.weight": normal(hidden, q),
+            "midlayer.mlp.gate_proj.weight": normal(inter, hidden),
+            "midlayer.mlp.up_proj.weight": normal(inter, hidden),
             "midlayer.mlp.down_proj.weight": normal(hidden, inter),
             "midlayer.hidden_norm.weight": torch.ones(hidden), "midlayer.input_layernorm.weight": torch.ones(hidden),
             "midlayer.post_attention_layernorm.weight": torch.ones(hidden), "norm.weight": torch.ones(hidden),
-            "lm_head.weight": normal(draft_vocab, hidden), "d2t": torch.zeros(draft_vocab, dtype=torch.long), "t2d": t2d,
+            "lm_head.weight": normal(draft_vocab, hidden), "d2t": torch.zeros(draft_vocab, dtype=torch.long),
+            "t2d": t2d,
         }
         torch.save(state, folder / "pytorch_model.bin")  # embed_tokens left out: the target's
     else:
@@ -91,6 +98,7 @@ def eagle_config(target_model) -> dict:
 def eagle3_config(target_model, draft_vocab_size: int) -> dict:
     """config.json of an EAGLE-3 head for this target, as released heads write it: a one-layer
     LlamaConfig with the target's shapes and `draft_vocab_size` (no `bias`: fc has none)."""
-    config = {**eagle_config(target_model), "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab_size}
+    config = {**eagle_config(target_model), "architectures": ["LlamaForCausalLMEagle3"],
+              "draft_vocab_size": draft_vocab_size}
     del config["bias"], config["head_dim"]
     return config

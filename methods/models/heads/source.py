@@ -10,7 +10,8 @@ from .random_init import random_head_folder
 def head_setting(kind: str):
     """`method.head` of a method with draft heads of `kind` (the model config's `drafts.<kind>`)."""
     return setting(None, null() | mapping(),
-                   f"null = the model's drafts.{kind}; or {{path: <hub id or folder>}} (released format) or {{random_init: <seed>}}")
+                   f"null = the model's drafts.{kind}; or {{path: <hub id or folder>}} (released format) or "
+                   f"{{random_init: <seed>}}")
 
 
 def head_spec(params: dict, context, kind: str) -> ModelSpec:
