@@ -248,11 +248,12 @@ ENTRY_POINTS = "decodebench.methods"  # the entry-point group of methods from ot
 
 
 def available_methods() -> list[str]:
-    """Every registered method: each module beside this one is a method file that registers itself
-    on import (subpackages are the shared machinery: `engine/`, `models/`), and so is each module an
+    """Every registered method: each module or package beside this one registers the methods it holds
+    on import (a method file; a family's package, `eagle/`, whose `__init__` imports its registering
+    modules; the shared machinery, `engine/` and `models/`, holds none), and so does each module an
     installed distribution names in the entry-point group `decodebench.methods`."""
     for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        if not module.ispkg and module.name != "base" and not module.name.startswith("_"):
+        if module.name != "base" and not module.name.startswith("_"):
             importlib.import_module(f"{__package__}.{module.name}")
     for entry in entry_points(group=ENTRY_POINTS):
         try:

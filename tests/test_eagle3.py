@@ -13,7 +13,7 @@ import torch
 
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext, check_method_params, get_method
-from methods.eagle3 import Eagle3Decoder, Eagle3Drafter
+from methods.eagle.eagle3 import Eagle3Decoder, Eagle3Drafter
 from methods.engine.params import ConfigError
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig

@@ -45,18 +45,18 @@ from typing import Sequence
 
 import torch
 
-from .base import BuildContext, DraftVerifyDecoder, register
-from .engine.graphs import capture, static_layer, static_mask
-from .engine.hardware import forward_latency, latency_curve
-from .engine.kv_cache import TreeKVCache
-from .engine.params import Settings, integer, one_of, paths, setting
-from .engine.sampling import draw_children, logits_to_probs
-from .engine.sizing import verify_cost
-from .engine.static_trees import NAMED_TREES, StaticTree
-from .engine.tree import DeviceTree, Tree, ancestors_of, attention_mask, level_mask
-from .engine.vocab import draft_vocab_setting
-from .models.heads.eagle import EagleHead, load_eagle_head
-from .models.heads.source import head_setting, head_spec
+from ..base import BuildContext, DraftVerifyDecoder, register
+from ..engine.graphs import capture, static_layer, static_mask
+from ..engine.hardware import forward_latency, latency_curve
+from ..engine.kv_cache import TreeKVCache
+from ..engine.params import Settings, integer, one_of, paths, setting
+from ..engine.sampling import draw_children, logits_to_probs
+from ..engine.sizing import verify_cost
+from ..engine.static_trees import NAMED_TREES, StaticTree
+from ..engine.tree import DeviceTree, Tree, ancestors_of, attention_mask, level_mask
+from ..engine.vocab import draft_vocab_setting
+from ..models.heads.eagle import EagleHead, load_eagle_head
+from ..models.heads.source import head_setting, head_spec
 
 
 class EagleDrafter:

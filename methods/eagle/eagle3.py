@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BuildContext, register
-from .eagle import DynamicTreeSettings, Eagle2Decoder, EagleDrafter, build_dynamic
-from .engine.params import integer, setting
-from .models.heads.eagle3 import Eagle3Head, load_eagle3_head
-from .models.heads.source import head_setting, head_spec
+from ..base import BuildContext, register
+from ..engine.params import integer, setting
+from ..models.heads.eagle3 import Eagle3Head, load_eagle3_head
+from ..models.heads.source import head_setting, head_spec
+from .dynamic import DynamicTreeSettings, Eagle2Decoder, EagleDrafter, build_dynamic
 
 
 class Eagle3Drafter(EagleDrafter):
