@@ -1,7 +1,8 @@
 """Decoding methods. `base.py` holds the `Decoder` interface, the loop every lossless method shares
 and the registry; every other module here is one method (its drafter only) and registers itself by
-name; `engine/` is the machinery they share (target forward + KV cache, trees, acceptance,
-sampling, stopping); `models/` loads targets, draft LMs and draft heads."""
+name, and `eagle/` is the EAGLE family's package (it registers `eagle`, `eagle2` and `eagle3`);
+`engine/` is the machinery they share (target forward + KV cache, trees, acceptance, sampling,
+stopping); `models/` loads targets, draft LMs and draft heads."""
 
 from .engine import threads as _threads
 

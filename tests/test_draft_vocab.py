@@ -10,7 +10,8 @@ import torch
 
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
-from methods.eagle.dynamic import Eagle2Decoder, EagleDecoder
+from methods.eagle.dynamic import Eagle2Decoder
+from methods.eagle.template import EagleDecoder
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.static_trees import StaticTree

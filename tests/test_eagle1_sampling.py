@@ -17,7 +17,7 @@ import torch
 
 from methods.ar import AutoregressiveDecoder
 from methods.base import check_method_params
-from methods.eagle.dynamic import EagleDecoder
+from methods.eagle.template import EagleDecoder
 from methods.engine.acceptance import sample_accept
 from methods.engine.params import ConfigError
 from methods.engine.runner import ModelRunner
@@ -177,11 +177,11 @@ def test_eagle1_decoder_with_a_broken_acceptor_is_caught(tiny_target, tiny_head)
 def test_top_k_children_verified_with_the_drafts_q_are_caught(tiny_target, tiny_head, monkeypatch):
     """The two rules mixed (ranked children, EAGLE-1's verification with q) are not lossless: the
     distribution test depends on the children really being drawn from q."""
-    import methods.eagle.dynamic
+    import methods.eagle.template
 
     sampling = SamplingConfig(temperature=1.0)
     decoder = decoder_for(tiny_target, tiny_head)
-    monkeypatch.setattr(methods.eagle.dynamic, "draw_children",
+    monkeypatch.setattr(methods.eagle.template, "draw_children",
                         lambda q, k, without_replacement, generator: torch.topk(q, k).indices)
     samples = draw(decoder, 1200, seed=7, sampling=sampling)
     assert chi_square_pvalue(samples, exact_joint(tiny_target, PROMPT, 3, sampling)) < 1e-6

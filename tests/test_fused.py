@@ -141,7 +141,7 @@ def test_eagle_head_drafts_the_same_on_the_fused_layer(qkv_bias, native_call, mo
     """The EAGLE drafter runs its head's decoder layer on the fused forward: the committed pairs
     and two tree levels (with their level masks) give the head's own forward's outputs; also with
     every linear on the native kernel, where the layer (no input norm) is one native call."""
-    from methods.eagle.dynamic import EagleDrafter
+    from methods.eagle.drafter import EagleDrafter
     from methods.models.heads.eagle import EagleHead, head_config
     from tests.test_native import all_native, layer_calls, native
 

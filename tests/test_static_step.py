@@ -97,7 +97,7 @@ def test_the_draft_loop_runs_static_and_drafts_what_the_ordinary_loop_drafts(met
     what a CUDA graph captures, run eagerly here) drafts, step by step, what the ordinary loop drafts
     (EAGLE-1's template tokens; EAGLE-2/3's candidates: tokens, parents, path values), and the head
     cache's buffers never move over two answers."""
-    from methods.eagle.dynamic import StaticDraft
+    from methods.eagle.static_draft import StaticDraft
 
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
     target = tiny_model("llama", seed=3, layers=8)

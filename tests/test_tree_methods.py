@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
-from methods.eagle.dynamic import Eagle2Decoder, EagleDecoder
+from methods.eagle.dynamic import Eagle2Decoder
+from methods.eagle.template import EagleDecoder
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.static_trees import StaticTree
@@ -171,7 +172,7 @@ def test_eagle_loader_matches_the_reference_layer(tmp_path, fc_bias, qkv_bias, e
         assert head.embed_tokens.weight is target.get_input_embeddings().weight
     tokens = torch.tensor([3, 17, 5, 9])
     features = torch.randn(4, target.config.hidden_size)
-    from methods.eagle.dynamic import EagleDrafter
+    from methods.eagle.drafter import EagleDrafter
 
     drafter = EagleDrafter(head, target.lm_head)
     drafter.follow(tokens.tolist(), features)
@@ -410,7 +411,7 @@ def test_head_cache_after_commit_equals_cache_built_along_the_accepted_path(tmp_
     sequence = prompt + out.tokens
     runner = ModelRunner(target)
     features = runner.prefill(sequence[:-1]).hidden
-    from methods.eagle.dynamic import EagleDrafter
+    from methods.eagle.drafter import EagleDrafter
 
     fresh = EagleDrafter(decoder.drafter.head, target.lm_head)
     fresh.follow(sequence[1:], features)

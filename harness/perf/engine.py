@@ -39,7 +39,7 @@ from harness.running.environment import environment, hardware_name, hardware_slu
 from harness.running.prompts import ChatTemplate
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
-from methods.eagle.dynamic import EagleDrafter
+from methods.eagle.drafter import EagleDrafter
 from methods.eagle.eagle3 import Eagle3Drafter
 from methods.engine import native
 from methods.engine.hardware import forward_latencies, forward_latency, read_bandwidth, weight_bytes

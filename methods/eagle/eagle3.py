@@ -1,5 +1,5 @@
 """EAGLE-3 decoding (arXiv 2503.01840; SafeAILab/EAGLE main): the EAGLE-3 head drafts EAGLE-2's
-dynamic tree (`eagle.Eagle2Decoder`: the same expansion, rerank and sizing) from the target's
+dynamic tree (`dynamic.Eagle2Decoder`: the same expansion, rerank and sizing) from the target's
 hidden states at three depths.
 
 The target runner also returns the hidden states entering its layers 2, L//2 and L-3
@@ -13,15 +13,14 @@ greedy output exact and sampling lossless (EAGLE-2's rule, as `eagle2`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..base import BuildContext, register
-from ..engine.params import integer, setting
 from ..models.heads.eagle3 import Eagle3Head, load_eagle3_head
-from ..models.heads.source import head_setting, head_spec
-from .dynamic import DynamicTreeSettings, Eagle2Decoder, EagleDrafter, build_dynamic
+from ..models.heads.source import head_spec
+from .drafter import EagleDrafter
+from .dynamic import Eagle2Decoder, build_dynamic
+from .settings import Eagle3Settings
 
 
 class Eagle3Drafter(EagleDrafter):
@@ -39,19 +38,6 @@ class Eagle3Drafter(EagleDrafter):
         with torch.inference_mode():
             fused = self.head.fuse(features)
         super().follow(tokens, fused)
-
-
-@dataclass(frozen=True)
-class Eagle3Settings(DynamicTreeSettings):
-    """EAGLE-3: the EAGLE-3 head (fc over the inputs of the target's layers 2, L//2 and L-3, one decoder
-    layer, its own lm_head over a reduced draft vocabulary mapped by d2t) drafts EAGLE-2's dynamic tree."""
-
-    paper = "Li et al. 2025 (SafeAILab/EAGLE)"
-    draft_kind = "eagle3"
-
-    depth: int = setting(7, integer(0),
-                         "expansion steps (up to depth + 1 draft tokens per path); upstream's EAGLE-3 default")
-    head: dict | None = head_setting("eagle3")
 
 
 class Eagle3Decoder(Eagle2Decoder):

@@ -12,7 +12,7 @@ Written once for trees; a chain (SpS) and a root alone (AR) are special trees.
   min(1, p(x)/q(x)); on rejection p <- norm(max(0, p - q)) and, when the children were drawn
   without replacement, q(x) <- 0, q <- norm(q). When no child is accepted, sample from the current p.
   EAGLE-1 at T > 0 (SafeAILab/EAGLE v1 `evaluate_posterior`) is this rule on children sampled
-  from the head without replacement (`methods/eagle.py`).
+  from the head without replacement (`methods/eagle/template.py`).
   For deterministic drafts (no q: top-k trees, EAGLE-2) q is the point mass at x, which gives
   EAGLE-2's rule: accept x with probability p(x), else p(x) <- 0 and renormalize.
   This preserves the target's (processed) distribution exactly.

@@ -18,7 +18,7 @@ padding rows at the root's position seeing only themselves) over a reserved KV c
     captures for EAGLE-3) lands in buffers the graph owns; the LM head runs after it.
 
 The same pieces (`static_mask`, `static_layer`, `capture`) make the EAGLE family's draft depth loop one
-graph over the head's reserved cache (`methods/eagle.py`, `StaticDraft`).
+graph over the head's reserved cache (`methods/eagle/static_draft.py`, `StaticDraft`).
 
 `engine.cuda_graphs`: `auto` (= `on` on a GPU, `off` on a CPU), `on`, `off`. On a GPU `on`
 captures one graph per rows bucket the first time that size runs (after two warm-up runs on a side

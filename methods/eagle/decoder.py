@@ -1,0 +1,67 @@
+"""What the EAGLE family's decoders share: one drafter per lane of a batch, the head following the
+prefill and every accepted path with the target's features, and the draft loop `StaticDraft` runs."""
+
+from __future__ import annotations
+
+import torch
+
+from ..base import DraftVerifyDecoder
+from ..models.heads.eagle import EagleHead
+from .drafter import EagleDrafter
+from .static_draft import StaticDraft
+
+
+class EagleBase(DraftVerifyDecoder):
+    def __init__(self, target, head: EagleHead, vocabulary=None):
+        super().__init__(target)
+        self.drafter = self.make_drafter(head, vocabulary)
+        self.lane_drafters = [self.drafter]  # lane i of a batch drafts with lane_drafters[i] (`lane`)
+        # `engine.cuda_graphs`: the draft depth loop as a static computation (a CUDA graph on a GPU)
+        self.static = None if target.graph_mode == "off" else StaticDraft(self, target.graph_mode == "graphs")
+
+    # the draft loop a `StaticDraft` runs: its levels from the root's state, fed by `feed`; the head
+    # entries a loop of depth `key` feeds; the depth a graph is captured at
+    def draft_levels(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, key: int,
+                     feed) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def drafted_entries(self, key: int) -> int:
+        raise NotImplementedError
+
+    def full_depth(self) -> int:
+        raise NotImplementedError
+
+    def lane(self, index, stop):
+        """Sequence `index` of a batch: its own drafter (the head's cache), drafting eagerly."""
+        lane = super().lane(index, stop)
+        while len(self.lane_drafters) <= index:
+            self.lane_drafters.append(self.make_drafter(self.drafter.head, self.drafter.vocabulary))
+        lane.drafter = self.lane_drafters[index]
+        lane.static = None
+        return lane
+
+    def make_drafter(self, head, vocabulary) -> EagleDrafter:
+        drafter = EagleDrafter(head, self.target.lm_head, vocabulary)
+        self.target.cover(head, *drafter.linears,
+                          *([vocabulary.head(self.target.lm_head.weight)] if vocabulary else []))
+        return drafter
+
+    def features(self, out) -> torch.Tensor:
+        """[n, .] the target features the head reads at each position of a target forward: EAGLE's
+        last hidden state (EAGLE-3 overrides: three layers' inputs)."""
+        return out.hidden
+
+    def describe(self):
+        vocabulary = self.drafter.vocabulary
+        return {**super().describe(), "draft_vocab": len(vocabulary) if vocabulary else None}
+
+    def start(self, prompt, prefill) -> None:
+        self.drafter.reset(self.target.cache.capacity)  # the target's reserved capacity
+        # pairs (x_{i+1}, f_i) for every prompt position: the tokens are shifted by one
+        self.drafter.follow(self.sequence[1:], self.features(prefill))
+
+    def advance(self, tree, acceptance, verified) -> None:
+        path = acceptance.path
+        # the emitted tokens are on the host already (the step's one read): no second read of the tree
+        tokens = acceptance.emitted or tree.tokens[path[1:]].tolist() + [acceptance.next_token]
+        self.drafter.follow(tokens, self.features(verified)[path])

@@ -1,0 +1,110 @@
+"""The EAGLE head as a drafter: its KV cache of (token, feature) pairs along the accepted sequence,
+the tree levels fed over it, and its logits over the (draft) vocabulary."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..engine.graphs import static_layer, static_mask
+from ..engine.kv_cache import TreeKVCache
+from ..engine.tree import attention_mask, level_mask
+from ..models.heads.eagle import EagleHead
+
+
+class EagleDrafter:
+    """The head, its KV cache (committed pairs + the current tree's entries) and the target's lm_head
+    (over the draft vocabulary's tokens only, when one is given)."""
+
+    def __init__(self, head: EagleHead, lm_head, vocabulary=None):
+        self.head, self.lm_head, self.vocabulary = head, lm_head, vocabulary
+        self.device = head.fc.weight.device
+        self.dtype = head.fc.weight.dtype
+        # the head's layer on the engine's fused forward where it runs (EAGLE's and EAGLE-3's)
+        self.fused = head.fused()
+        self.linears = [self.fused[0].qkv, self.fused[0].gate_up] if self.fused else []
+        self._reserved: TreeKVCache | None = None  # the last reserved head cache, reused while large enough
+        self.reset()
+
+    def reset(self, capacity: int | None = None) -> None:
+        """An empty head cache; with `capacity` (the target's reserved one: it holds the committed pairs
+        and a tree's entries), its buffers are allocated once at that size and the RoPE table as long,
+        and the next answer reuses them while they are large enough (as `ModelRunner.reserve`)."""
+        self.committed = 0
+        if capacity is None:
+            self.cache = TreeKVCache()
+            return
+        self.cache = self._reserved = TreeKVCache.reserved(self._reserved, capacity)
+        if self.fused is not None:
+            self.fused[1].reserve(self.cache.capacity, self.dtype, self.device)  # (a table already that long is kept)
+
+    @torch.inference_mode()
+    def _feed(self, tokens: Sequence[int] | torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+              mask: torch.Tensor | None, bound: int) -> torch.Tensor:
+        """`bound`: the positions are below it (known on the host: the RoPE table is not read back)."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        if self.fused is None:
+            return self.head(tokens, features, positions, mask, self.cache)
+        layer, rope = self.fused
+        x, attn_in = self.head.layer_inputs(tokens, features)
+        cos, sin = rope.lookup(positions.view(1, -1), x, bound)
+        return layer.forward(x[None], cos, sin, mask, self.cache, None if attn_in is None else attn_in[None])[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            if self.vocabulary is not None:
+                return self.vocabulary.project(hidden, self.lm_head.weight)
+            return self.lm_head(hidden).float()
+
+    def follow(self, tokens: Sequence[int], features: torch.Tensor) -> None:
+        """Drop the tree entries; append pairs (tokens[i], features[i]) of the accepted sequence.
+        Sets `root_hidden` / `root_logits`: the head's prediction for the new root's children."""
+        self.cache.rollback(self.committed)
+        n = len(tokens)
+        positions = torch.arange(self.committed, self.committed + n, device=self.device)
+        causal = torch.ones(n, n, dtype=torch.bool).tril_()
+        mask = attention_mask(causal, self.committed, self.dtype, self.device) if n > 1 else None
+        hidden = self._feed(tokens, features, positions, mask, self.committed + n)
+        self.committed += n
+        self.root_hidden = hidden[-1]
+        self.root_logits = self.logits(hidden[-1])
+
+    def feed_level(self, tokens: Sequence[int] | torch.Tensor, parent_hidden: torch.Tensor, depth: int,
+                   visible: list[list[int]] | torch.Tensor) -> torch.Tensor:
+        """Feed tree nodes of one depth. `visible[i]`: tree-entry slots (0-based, after the
+        committed pairs) that node i may attend to besides itself (its ancestors), as lists or as a
+        bool tensor [n, drafted] on the device (`level_mask`). Returns their
+        outputs; the new nodes take the next slots in order."""
+        drafted = self.cache.get_seq_length() - self.committed
+        mask = level_mask(self.committed, drafted, visible, self.dtype, self.device)
+        n = len(tokens)
+        positions = torch.full((n,), self.committed + depth - 1, device=self.device)
+        return self._feed(tokens, parent_hidden, positions, mask, self.committed + depth)
+
+    def static_room(self, drafted: int) -> bool:
+        """Whether `drafted` tree entries can be fed at device positions after the committed pairs
+        (`feed_static`): a fused layer over a reserved cache whose buffers exist, with room for them."""
+        capacity, layers = self.cache.capacity, self.cache.layers
+        return (self.fused is not None and capacity is not None and len(layers) == 1 and layers[0]._keys is not None
+                and layers[0]._keys.shape[-2] == capacity and self.committed + drafted <= capacity
+                and self.fused[1]._cos is not None and self.fused[1]._cos.shape[0] >= capacity)
+
+    def feed_static(self, tokens: torch.Tensor, parent_hidden: torch.Tensor, depth: int, visible: torch.Tensor,
+                    start: torch.Tensor) -> torch.Tensor:
+        """`feed_level` at device positions, what a CUDA graph captures (`StaticDraft`): `start` [1]
+        holds the committed pairs' count on the device; the nodes' keys/values go to the slots after
+        the `visible.shape[1]` drafted ones (`graphs.static_layer`), attention reads the whole buffer
+        under a mask built on the device. Nothing is read back, and the cache's length does not move:
+        the next `follow` writes over these entries."""
+        layer, rope = self.fused
+        n, drafted = tokens.shape[0], visible.shape[1]
+        x, attn_in = self.head.layer_inputs(tokens, parent_hidden)
+        positions = (start + (depth - 1)).expand(n)
+        cos, sin = rope._cos[positions].view(1, n, 1, -1), rope._sin[positions].view(1, n, 1, -1)
+        slots = start + drafted + torch.arange(n, device=self.device)
+        own = torch.cat([visible, torch.eye(n, dtype=torch.bool, device=self.device)], 1)
+        columns = torch.arange(self.cache.capacity, device=self.device)
+        buffers = self.cache.layers[0]
+        return static_layer(layer, x[None], cos, sin, buffers._keys, buffers._values, slots,
+                            static_mask(columns, start, own, self.dtype), None if attn_in is None else attn_in[None])[0]

@@ -1,0 +1,162 @@
+"""`eagle`: EAGLE-1's static template tree filled by the EAGLE head, level by level on the head's
+device; at temperature > 0 by default EAGLE-1's own sampling (children drawn from the head's q)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..base import BuildContext, register
+from ..engine.sampling import draw_children, logits_to_probs
+from ..engine.static_trees import StaticTree
+from ..engine.tree import Tree, ancestors_of
+from ..models.heads.eagle import EagleHead, load_eagle_head
+from ..models.heads.source import head_spec
+from .decoder import EagleBase
+from .settings import SAMPLING_RULES, EagleSettings
+
+
+@dataclass(frozen=True)
+class TemplateLevel:
+    """One depth of EAGLE-1's template tree, as index tensors on the head's device (made once per
+    depth limit: `EagleDecoder.plan`), so that filling it reads and sends nothing."""
+
+    depth: int
+    rows: torch.Tensor  # the parents of this level's nodes, each once (node ids)
+    nodes: torch.Tensor  # this level's nodes
+    row_of: torch.Tensor  # each node's parent's place in `rows`
+    rank: torch.Tensor  # each node's rank in its parent's top-k (greedy)
+    draw: torch.Tensor  # each node's place among its parent's children (its draw, sampled)
+    top_k: int
+    width: int  # the most children of one parent
+    expand: torch.Tensor | None  # the nodes fed to the head after this level (those with children)
+    expand_parents: torch.Tensor | None
+    visible: torch.Tensor | None  # [expand, fed so far] bool: each fed node's ancestors among the fed nodes
+
+
+class EagleDecoder(EagleBase):
+    name = "eagle"
+
+    def __init__(self, target, head: EagleHead, tree: StaticTree, vocabulary=None,
+                 sampling_rule: str = EagleSettings.sampling_rule):
+        if sampling_rule not in SAMPLING_RULES:
+            raise ValueError(f"eagle sampling_rule={sampling_rule!r}; valid: {', '.join(SAMPLING_RULES)}")
+        super().__init__(target, head, vocabulary)
+        self.tree = tree
+        self.sampling_rule = sampling_rule
+        self._plans: dict[int, tuple] = {}  # depth limit -> the template's levels on the device (`plan`)
+
+    def describe(self):
+        return {**super().describe(), "tree_nodes": len(self.tree), "tree_depth": self.tree.max_depth,
+                "top_k": self.tree.top_k(), "sampling_rule": self.sampling_rule}
+
+    def _sampled(self) -> bool:
+        """Whether this step's children are sampled (EAGLE-1 at temperature > 0)."""
+        sampling = getattr(self, "sampling", None)
+        return self.sampling_rule == "eagle1" and sampling is not None and not sampling.greedy
+
+    def propose(self, root: int, budget: int) -> Tree:
+        depth_limit = min(self.tree.max_depth, budget)
+        sampled = self._sampled()
+        drafter = self.drafter
+        if not sampled and self.static is not None and self.static.ready(depth_limit):
+            tokens, _ = self.static.run(depth_limit)
+            draft_probs = None
+        else:
+            with torch.inference_mode():
+                tokens, draft_probs = self._fill(drafter.root_hidden, drafter.root_logits, depth_limit,
+                                                 drafter.feed_level, sampled)
+        _, parents, _ = self.plan(depth_limit)
+        tokens = torch.cat([tokens.new_tensor([root]), tokens[1:]])
+        return Tree(tokens, parents, draft_probs, without_replacement=sampled)
+
+    def plan(self, depth_limit: int) -> tuple[int, list[int], list[TemplateLevel]]:
+        """The template cut at `depth_limit`: its node count, parents and levels (made once)."""
+        plans = self._plans
+        if depth_limit in plans:
+            return plans[depth_limit]
+        tree, device = self.tree, self.drafter.device
+        count = sum(1 for d in tree.depths if d <= depth_limit)
+        parents = tree.parents[:count]
+        children = [[] for _ in range(count)]
+        for node in range(1, count):
+            children[parents[node]].append(node)  # in rank order: the template lists paths by (depth, ranks)
+        levels, slot_of = [], {}
+
+        def index(values):
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        for depth in range(1, depth_limit + 1):
+            level = [n for n in range(1, count) if tree.depths[n] == depth]
+            if not level:
+                break
+            rows = list(dict.fromkeys(parents[n] for n in level))
+            expand = [n for n in level if children[n]] if depth < depth_limit else []
+            visible = torch.zeros(len(expand), len(slot_of), dtype=torch.bool)
+            for i, node in enumerate(expand):
+                visible[i, [slot_of[a] for a in ancestors_of(parents, node)]] = True
+            for node in expand:
+                slot_of[node] = len(slot_of)
+            levels.append(TemplateLevel(
+                depth, index(rows), index(level), index([rows.index(parents[n]) for n in level]),
+                index([tree.ranks[n] for n in level]), index([children[parents[n]].index(n) for n in level]),
+                tree.top_k(depth), max(len(children[p]) for p in rows),
+                index(expand) if expand else None, index([parents[n] for n in expand]) if expand else None,
+                visible.to(device) if expand else None))
+        plans[depth_limit] = count, parents, levels
+        return plans[depth_limit]
+
+    def _fill(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, depth_limit: int, feed,
+              sampled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The template filled level by level on the head's device (`plan`'s index tensors: nothing
+        read, nothing sent), the tokens never coming back to the host (the verification's read
+        brings the accepted ones). Greedy (or the `eagle2` rule): each parent's top-k children by
+        rank. EAGLE-1 sampling: each parent's children drawn from its q without replacement, in draw
+        order (`sampling.draw_children`; where q has fewer tokens than children, the extra ones
+        hold tokens of probability 0 and are never accepted), q kept for verification. Rows are in
+        node order: node n's token, hidden state and logits are row n (row 0's token: the root's,
+        set by the caller). Returns the tokens and, sampled, each node's q."""
+        count, _, levels = self.plan(depth_limit)
+        tokens = torch.zeros(count, dtype=torch.long, device=root_logits.device)
+        hidden = torch.cat([root_hidden[None], root_hidden.new_empty(count - 1, root_hidden.shape[-1])])
+        logits = torch.cat([root_logits[None], root_logits.new_empty(count - 1, root_logits.shape[-1])])
+        draft_probs = torch.zeros(count, logits.shape[-1], device=logits.device) if sampled else None
+        for level in levels:
+            parent_logits = logits.index_select(0, level.rows)
+            if sampled:  # a child's place among its parent's children is its draw
+                q = logits_to_probs(parent_logits, self.sampling)
+                draft_probs.index_copy_(0, level.rows, q)
+                drawn = draw_children(q, level.width, True, self.generator)
+                tokens.index_copy_(0, level.nodes, drawn[level.row_of, level.draw])
+            else:
+                ranked = torch.topk(parent_logits, level.top_k).indices  # [parents, k]
+                tokens.index_copy_(0, level.nodes, ranked[level.row_of, level.rank])
+            if level.expand is None:
+                break
+            out = feed(tokens.index_select(0, level.expand), hidden.index_select(0, level.expand_parents), level.depth,
+                       level.visible)
+            hidden.index_copy_(0, level.expand, out)
+            logits.index_copy_(0, level.expand, self.drafter.logits(out))
+        return tokens, draft_probs
+
+    def draft_levels(self, root_hidden, root_logits, key, feed):
+        return self._fill(root_hidden, root_logits, key, feed, False)
+
+    def drafted_entries(self, key: int) -> int:
+        return sum(len(level.expand) for level in self.plan(key)[2] if level.expand is not None)
+
+    def full_depth(self) -> int:
+        return self.tree.max_depth
+
+
+@register("eagle", settings=EagleSettings)
+def build_eagle(target, settings: EagleSettings, context: BuildContext) -> EagleDecoder:
+    params = {"name": "eagle", **settings.to_dict()}
+    head = load_eagle_head(head_spec(params, context, "eagle"), context.target_model)
+    # auto: EAGLE's own tree, cut to what one verification may hold on this machine
+    tree, sizing = context.static_tree(params, target, "eagle_mc_sim_7b_63")
+    decoder = EagleDecoder(target, head, tree, vocabulary=context.draft_vocabulary(params),
+                           sampling_rule=settings.sampling_rule)
+    decoder.sizing = sizing
+    return decoder
