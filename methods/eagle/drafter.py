@@ -23,7 +23,7 @@ class EagleDrafter:
         self.dtype = head.fc.weight.dtype
         # the head's layer on the engine's fused forward where it runs (EAGLE's and EAGLE-3's)
         self.fused = head.fused()
-        self.linears = [self.fused[0].qkv, self.fused[0].gate_up] if self.fused else []
+        self.linears = [self.fused.layer.qkv, self.fused.layer.gate_up] if self.fused else []
         self._reserved: TreeKVCache | None = None  # the last reserved head cache, reused while large enough
         self.reset()
 
@@ -37,7 +37,7 @@ class EagleDrafter:
             return
         self.cache = self._reserved = TreeKVCache.reserved(self._reserved, capacity)
         if self.fused is not None:
-            self.fused[1].reserve(self.cache.capacity, self.dtype, self.device)  # (a table already that long is kept)
+            self.fused.rope.reserve(self.cache.capacity, self.dtype, self.device)  # (a table already that long is kept)
 
     @torch.inference_mode()
     def _feed(self, tokens: Sequence[int] | torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
@@ -46,7 +46,7 @@ class EagleDrafter:
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
         if self.fused is None:
             return self.head(tokens, features, positions, mask, self.cache)
-        layer, rope = self.fused
+        layer, rope = self.fused.layer, self.fused.rope
         x, attn_in = self.head.layer_inputs(tokens, features)
         cos, sin = rope.lookup(positions.view(1, -1), x, bound)
         return layer.forward(x[None], cos, sin, mask, self.cache, None if attn_in is None else attn_in[None])[0]
@@ -86,9 +86,10 @@ class EagleDrafter:
         """Whether `drafted` tree entries can be fed at device positions after the committed pairs
         (`feed_static`): a fused layer over a reserved cache whose buffers exist, with room for them."""
         capacity, layers = self.cache.capacity, self.cache.layers
-        return (self.fused is not None and capacity is not None and len(layers) == 1 and layers[0]._keys is not None
-                and layers[0]._keys.shape[-2] == capacity and self.committed + drafted <= capacity
-                and self.fused[1]._cos is not None and self.fused[1]._cos.shape[0] >= capacity)
+        return (self.fused is not None and capacity is not None and len(layers) == 1
+                and layers[0].key_buffer is not None and layers[0].key_buffer.shape[-2] == capacity
+                and self.committed + drafted <= capacity
+                and self.fused.rope.cos is not None and self.fused.rope.cos.shape[0] >= capacity)
 
     def feed_static(self, tokens: torch.Tensor, parent_hidden: torch.Tensor, depth: int, visible: torch.Tensor,
                     start: torch.Tensor) -> torch.Tensor:
@@ -97,14 +98,14 @@ class EagleDrafter:
         the `visible.shape[1]` drafted ones (`graphs.static_layer`), attention reads the whole buffer
         under a mask built on the device. Nothing is read back, and the cache's length does not move:
         the next `follow` writes over these entries."""
-        layer, rope = self.fused
+        layer, rope = self.fused.layer, self.fused.rope
         n, drafted = tokens.shape[0], visible.shape[1]
         x, attn_in = self.head.layer_inputs(tokens, parent_hidden)
         positions = (start + (depth - 1)).expand(n)
-        cos, sin = rope._cos[positions].view(1, n, 1, -1), rope._sin[positions].view(1, n, 1, -1)
+        cos, sin = rope.cos[positions].view(1, n, 1, -1), rope.sin[positions].view(1, n, 1, -1)
         slots = start + drafted + torch.arange(n, device=self.device)
         own = torch.cat([visible, torch.eye(n, dtype=torch.bool, device=self.device)], 1)
         columns = torch.arange(self.cache.capacity, device=self.device)
         buffers = self.cache.layers[0]
-        return static_layer(layer, x[None], cos, sin, buffers._keys, buffers._values, slots,
+        return static_layer(layer, x[None], cos, sin, buffers.key_buffer, buffers.value_buffer, slots,
                             static_mask(columns, start, own, self.dtype), None if attn_in is None else attn_in[None])[0]

@@ -43,9 +43,9 @@ class StaticDraft:
         self.start.fill_(drafter.committed)
         if not self.graphed or key != self.decoder.full_depth():
             return self.compute(key)
-        rope = drafter.fused[1]
-        addresses = [drafter.cache.layers[0]._keys.data_ptr(), drafter.cache.layers[0]._values.data_ptr(),
-                     rope._cos.data_ptr(), rope._sin.data_ptr()]
+        rope, buffers = drafter.fused.rope, drafter.cache.layers[0]
+        addresses = [buffers.key_buffer.data_ptr(), buffers.value_buffer.data_ptr(), rope.cos.data_ptr(),
+                     rope.sin.data_ptr()]
         if self.graph is None or addresses != self.addresses:  # a new cache or table: capture again
             self.graph, self.outputs = capture(lambda: self.compute(key))
             self.addresses = addresses

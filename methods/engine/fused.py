@@ -27,7 +27,7 @@ says why), exactly as before.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -207,6 +207,17 @@ class RopeTable:
             self._cos = cos[0].contiguous()
             self._sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1).contiguous()
 
+    @property
+    def cos(self) -> torch.Tensor | None:
+        """The cos table [positions, head_dim] (None before the first `reserve`), what a static step
+        gathers at device positions."""
+        return self._cos
+
+    @property
+    def sin(self) -> torch.Tensor | None:
+        """The sign-folded sin table, as `cos`."""
+        return self._sin
+
     def lookup(self, positions: torch.Tensor, like: torch.Tensor,
                bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, n] -> cos, sin [B, n, 1, d] in `like`'s dtype (broadcast over heads).
@@ -216,6 +227,13 @@ class RopeTable:
             current = 0 if self._cos is None or self._cos.dtype != like.dtype else self._cos.shape[0]
             self.reserve(max(needed, 256, 2 * current), like.dtype, like.device)
         return self._cos[positions].unsqueeze(2), self._sin[positions].unsqueeze(2)
+
+
+class FusedHeadLayer(NamedTuple):
+    """A draft head's decoder layer on the fused forward and its RoPE table (the heads' `fused()`)."""
+
+    layer: FusedLayer
+    rope: RopeTable
 
 
 def fused_layer(layer, config) -> FusedLayer:

@@ -113,7 +113,7 @@ class StaticStep:
         self.outputs = None
 
     def buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer._keys, layer._values) for layer in self.cache.layers]
+        return [(layer.key_buffer, layer.value_buffer) for layer in self.cache.layers]
 
     def compute(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The step from the input buffers: every layer's keys/values written at start + offsets."""
@@ -122,7 +122,7 @@ class StaticStep:
         slots = self.start + self.offsets  # [rows]: where the new rows' keys/values go
         mask = static_mask(self.columns, self.start, self.visible, self.dtype)
         x = fused.embed(self.ids)
-        cos, sin = fused.rope._cos[positions].view(1, rows, 1, -1), fused.rope._sin[positions].view(1, rows, 1, -1)
+        cos, sin = fused.rope.cos[positions].view(1, rows, 1, -1), fused.rope.sin[positions].view(1, rows, 1, -1)
         captured = []
         for i, (layer, (keys, values)) in enumerate(zip(fused.layers, self.buffers())):
             if i in self.capture:
@@ -188,16 +188,16 @@ class StaticSteps:
         rope = fused.rope
         return (rows in BUCKETS and (fused.window is None or capacity <= fused.window) and capacity is not None
                 and start + rows <= capacity and start > 0
-                and rope._cos is not None and rope._cos.shape[0] >= capacity and rope._cos.dtype == self.runner.dtype
+                and rope.cos is not None and rope.cos.shape[0] >= capacity and rope.cos.dtype == self.runner.dtype
                 and len(cache.layers) == len(self.runner.fused.layers)
-                and all(layer.is_initialized and layer._keys is not None and layer._keys.shape[-2] == capacity
+                and all(layer.is_initialized and layer.key_buffer is not None and layer.key_buffer.shape[-2] == capacity
                         for layer in cache.layers))
 
     def step(self, rows: int) -> StaticStep:
         cache = self.runner.cache
         rope = self.runner.fused.rope
-        addresses = [t.data_ptr() for layer in cache.layers for t in (layer._keys, layer._values)] + \
-            [rope._cos.data_ptr(), rope._sin.data_ptr()]
+        addresses = [t.data_ptr() for layer in cache.layers for t in (layer.key_buffer, layer.value_buffer)] + \
+            [rope.cos.data_ptr(), rope.sin.data_ptr()]
         if cache is not self.cache or addresses != self.addresses:
             self.steps, self.cache, self.addresses = {}, cache, addresses
         step = self.steps.get(rows)

@@ -90,6 +90,17 @@ class BufferedLayer(DynamicLayer):
         self.length = start + added
         return self.keys, self.values
 
+    @property
+    def key_buffer(self) -> torch.Tensor | None:
+        """The whole keys buffer [batch, kv_heads, capacity, head_dim] (None before the first update or
+        after `reset`): what a static step writes and reads at device positions (`graphs.static_layer`)."""
+        return self._keys
+
+    @property
+    def value_buffer(self) -> torch.Tensor | None:
+        """The whole values buffer, as `key_buffer`."""
+        return self._values
+
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, Qwen2Config
 
-from ...engine.fused import RopeTable, fused_layer, unsupported_layers
+from ...engine.fused import FusedHeadLayer, RopeTable, fused_layer, unsupported_layers
 from ..specs import ModelSpec
 from .checkpoints import checkpoint_folder, place_like_target, read_config, read_state_dict
 
@@ -71,12 +71,12 @@ class EagleHead(nn.Module):
         return self.inputs(tokens, features), None
 
     def fused(self):
-        """(layer, rope table) on the engine's fused forward (`methods/engine/fused.py`) for drafting, or
-        None where its layer type is not supported; training keeps `forward`."""
+        """(layer, rope table) on the engine's fused forward (`methods/engine/fused.py`), a `FusedHeadLayer`,
+        for drafting, or None where its layer type is not supported; training keeps `forward`."""
         if unsupported_layers(self.config, self.rotary_emb):
             return None
         layer = fused_layer(self.layers[0], self.config)
-        return layer, RopeTable(self.rotary_emb, layer.head_dim)
+        return FusedHeadLayer(layer, RopeTable(self.rotary_emb, layer.head_dim))
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor | None, cache) -> torch.Tensor:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...engine.fused import RopeTable, fused_layer, rms_norm, unsupported_layers
+from ...engine.fused import FusedHeadLayer, RopeTable, fused_layer, rms_norm, unsupported_layers
 from ...engine.linear import native_active
 from ...engine.vocab import DraftVocabulary
 from ..specs import ModelSpec
@@ -91,13 +91,13 @@ class Eagle3Head(nn.Module):
         self.vocabulary: DraftVocabulary | None = None  # the target ids of the draft vocabulary (None: all, in order)
 
     def fused(self):
-        """(layer, rope table) on the engine's fused forward (`methods/engine/fused.py`) for drafting: the
-        midlayer as a fused layer whose q, k, v read `layer_inputs`' second part; None where its
+        """(layer, rope table) on the engine's fused forward (`methods/engine/fused.py`), a `FusedHeadLayer`,
+        for drafting: the midlayer as a fused layer whose q, k, v read `layer_inputs`' second part; None where its
         layer type is not supported; training keeps `forward`."""
         if unsupported_layers(self.config, self.rotary_emb):
             return None
         layer = fused_layer(self.midlayer, self.config)
-        return layer, RopeTable(self.rotary_emb, layer.head_dim)
+        return FusedHeadLayer(layer, RopeTable(self.rotary_emb, layer.head_dim))
 
     def layer_inputs(self, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [n], hidden [n, H] -> the fused layer's residual stream g [n, H] and what its
