@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from methods.ar import AutoregressiveDecoder
-from methods.batched import BatchedDecoder, causal_rows
+from methods.batched import BatchedDecoder, batchable_methods, causal_rows
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
@@ -156,6 +156,65 @@ def test_sampled_batch_draws_what_each_prompt_draws_alone(target, method):
     generators = [torch.Generator().manual_seed(b) for b in range(4)]
     outs = BatchedDecoder(DECODERS[method](target)).generate(prompts, stops, sampling, generators)
     assert [out.tokens for out in outs] == alone
+
+
+# A verify latency curve of a CPU's scale (seconds by tokens): EAGLE-2/3's adaptive size weighs it
+# against the drafting's time, which is of the same order on the tiny models (milliseconds)
+CPU_CURVE = {1: 0.002, 2: 0.0022, 4: 0.0025, 8: 0.003, 16: 0.004, 32: 0.006, 64: 0.01}
+
+
+@pytest.fixture(scope="module")
+def every_batchable(tmp_path_factory):
+    """A fresh decoder of each batchable method, on one tiny target (7 layers: EAGLE-3's three feature
+    layers differ) with random-init EAGLE and EAGLE-3 heads; EAGLE-2/3 at their default adaptive size."""
+    from methods.eagle.dynamic import Eagle2Decoder
+    from methods.eagle.eagle3 import Eagle3Decoder
+    from methods.eagle.template import EagleDecoder
+    from methods.engine.static_trees import StaticTree
+    from methods.mcsd import MultiCandidateDecoder
+    from methods.models.heads.eagle import load_eagle_head
+    from methods.models.heads.eagle3 import load_eagle3_head
+    from methods.models.specs import ModelSpec
+    from tests.test_eagle3 import LAYERS, write_eagle3
+    from tests.test_tree_methods import adaptive, write_eagle
+
+    model = tiny_model("llama", seed=45, vocab_size=32, layers=LAYERS)
+    folder = tmp_path_factory.mktemp("batch-heads")
+    write_eagle(folder / "eagle", model)
+    write_eagle3(folder / "eagle3", model, None, seed=2)
+    head = load_eagle_head(ModelSpec(path=str(folder / "eagle")), model)
+    head3 = load_eagle3_head(ModelSpec(path=str(folder / "eagle3")), model)
+    draft = truncated_copy(model, 2)
+    return {
+        **{name: functools.partial(make, model) for name, make in DECODERS.items()},
+        "eagle": lambda: EagleDecoder(ModelRunner(model), head, StaticTree.build("eagle_mc_sim_7b_63")),
+        "eagle2": lambda: adaptive(Eagle2Decoder(ModelRunner(model), head, depth=5, top_k=10), CPU_CURVE),
+        "eagle3": lambda: adaptive(Eagle3Decoder(ModelRunner(model), head3, depth=7, top_k=10), CPU_CURVE),
+        "mcsd": lambda: MultiCandidateDecoder(ModelRunner(model), draft, k_config=(3, 2, 1)),
+    }
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.8),
+                                      SamplingConfig(temperature=0.8, top_k=8, top_p=0.9)], ids=["T0.8", "top"])
+@pytest.mark.parametrize("method", batchable_methods())
+def test_every_batchable_method_samples_each_prompts_own_tokens_at_b2_and_b3(every_batchable, method, sampling):
+    """Seeded sampling does not depend on the batch: each prompt decodes at B = 2 and B = 3 the
+    tokens it decodes alone from a generator seeded alike (its own draws, in B = 1's order and
+    amount). EAGLE-2/3 at the adaptive size: a size chosen from the drafting's wall-clock time
+    would change the tree, hence which uniform tests which child, with the batch (and the run)."""
+    make = every_batchable[method]
+    prompts = [prompt for prompt in prompts_and_stops(3)[0]]  # 3, 30 and 11 tokens
+    stops = [StopCondition(24), StopCondition(16), StopCondition(24)]  # the second leaves the batch first
+    alone = [make().generate(p, s, sampling, torch.Generator().manual_seed(b)).tokens
+             for b, (p, s) in enumerate(zip(prompts, stops))]
+    for batch in (2, 3):
+        outs = BatchedDecoder(make()).generate(prompts[:batch], stops[:batch], sampling,
+                                               [torch.Generator().manual_seed(b) for b in range(batch)])
+        assert [out.tokens for out in outs] == alone[:batch], f"B = {batch}"
+
+
+def test_every_batchable_method_is_in_the_sampled_batch_test(every_batchable):
+    assert sorted(every_batchable) == batchable_methods()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -148,11 +148,18 @@ class Eagle2Decoder(EagleBase):
 
     def adaptive_size(self, probabilities: list[float]) -> int:
         """How many of the best candidates (path probabilities, best first) to verify: the n with
-        the most expected tokens, 1 + sum of the first n, per second of drafting + verifying."""
-        expected, best, best_rate = 1.0, 0, 1.0 / (self.draft_seconds + self.verify_time(1))
+        the most expected tokens, 1 + sum of the first n, per second of drafting + verifying.
+        Sampled (temperature > 0), drafting is not charged: its time is the wall clock's (a running
+        mean), and the size decides how many uniforms a step draws and which child each tests, so a
+        seeded answer would depend on timing (on the run, and on the batch size: `batched.py`
+        promises B = 1's tokens). The verify curve is measured once and kept: the size depends on
+        the head's path probabilities and the curve only. Greedy output does not depend on the size."""
+        sampling = getattr(self, "sampling", None)
+        draft = self.draft_seconds if sampling is None or sampling.greedy else 0.0
+        expected, best, best_rate = 1.0, 0, 1.0 / (draft + self.verify_time(1))
         for n, p in enumerate(probabilities, start=1):
             expected += p
-            rate = expected / (self.draft_seconds + self.verify_time(n + 1))
+            rate = expected / (draft + self.verify_time(n + 1))
             if rate > best_rate:
                 best, best_rate = n, rate
         return best
