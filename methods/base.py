@@ -284,7 +284,7 @@ def get_method(name: str) -> DecoderFactory:
 # The shared loop
 
 
-class _Clock:
+class PhaseClock:
     """Accumulates wall time per phase; synchronizes CUDA so GPU work lands in its phase."""
 
     def __init__(self, device: torch.device, phases: dict[str, float]):
@@ -354,7 +354,7 @@ class DraftVerifyDecoder(Decoder):
         self.target.check_room(len(prompt) + stop.max_new_tokens)
         self.target.reserve(len(prompt) + stop.max_new_tokens)
         stats = DecodeStats(prefill_step=self.prefill_step)
-        clock = _Clock(self.target.device, stats.phase_time)
+        clock = PhaseClock(self.target.device, stats.phase_time)
         begin = clock.last
 
         first = self.prefill(prompt)
@@ -395,7 +395,7 @@ class DraftVerifyDecoder(Decoder):
             self.sequence.extend(emitted)
             done = stop.cut(tokens, checked)
             stats.accepted_lengths.append(len(emitted) if done is None else done[0] - checked)
-            self._count(stats, tree, acceptance)
+            self.count_acceptance(stats, tree, acceptance)
             clock.lap("other")  # emitting, stop checks, statistics: the loop's own overhead
             if done is None:
                 self.advance(tree, acceptance, verified)
@@ -421,7 +421,7 @@ class DraftVerifyDecoder(Decoder):
     sample_accept = staticmethod(sample_accept)
 
     @staticmethod
-    def _count(stats: DecodeStats, tree: Tree, acceptance: Acceptance) -> None:
+    def count_acceptance(stats: DecodeStats, tree: Tree, acceptance: Acceptance) -> None:
         stats.drafted_tokens += len(tree) - 1
         stats.accepted_drafts += acceptance.accepted_drafts
         # a tree whose structure stayed on the device: read with the acceptance

@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from .base import DecodeOutput, DecodeStats, DraftVerifyDecoder, _Clock, available_methods, method_settings
+from .base import DecodeOutput, DecodeStats, DraftVerifyDecoder, PhaseClock, available_methods, method_settings
 from .engine.acceptance import greedy_pending, read_together, sample_pending
 from .engine.runner import ForwardOutput
 from .engine.sampling import SamplingConfig, logits_to_probs
@@ -101,7 +101,7 @@ class BatchedDecoder:
             target.check_room(len(prompt) + stop.max_new_tokens)
         target.reserve_batch(len(prompts), max(len(p) + s.max_new_tokens for p, s in zip(prompts, stops)))
         phases: dict[str, float] = {}
-        clock = _Clock(target.device, phases)
+        clock = PhaseClock(target.device, phases)
         begin = clock.last
         lanes = [decoder.lane(b, stop) for b, stop in enumerate(stops)]
         stats = [DecodeStats(prefill_step=decoder.prefill_step) for _ in prompts]
@@ -165,7 +165,7 @@ class BatchedDecoder:
                 stats[b].logit_margins.extend(acceptance.margins)
                 done = stops[b].cut(tokens[b], checked)
                 stats[b].accepted_lengths.append(len(acceptance.emitted) if done is None else done[0] - checked)
-                decoder._count(stats[b], tree, acceptance)
+                decoder.count_acceptance(stats[b], tree, acceptance)
                 if done is None:
                     followed.append((b, tree, acceptance, row))
                 else:

@@ -125,10 +125,10 @@ def test_per_position_counts_of_one_step():
 
     tree = Tree(torch.tensor([5, 6, 7, 8, 9]), [-1, 0, 0, 1, 3])  # depths 0, 1, 1, 2, 3
     stats = DecodeStats()
-    DraftVerifyDecoder._count(stats, tree, Acceptance([0, 1, 3], next_token=4))
+    DraftVerifyDecoder.count_acceptance(stats, tree, Acceptance([0, 1, 3], next_token=4))
     assert (stats.position_proposed, stats.position_tested,
             stats.position_accepted) == ([1, 1, 1], [1, 1, 1], [1, 1, 0])
-    DraftVerifyDecoder._count(stats, tree, Acceptance([0, 2], next_token=4))  # node 2 is a leaf
+    DraftVerifyDecoder.count_acceptance(stats, tree, Acceptance([0, 2], next_token=4))  # node 2 is a leaf
     assert (stats.position_proposed, stats.position_tested,
             stats.position_accepted) == ([2, 2, 2], [2, 1, 1], [2, 1, 0])
     assert (stats.drafted_tokens, stats.accepted_drafts) == (8, 3)
