@@ -28,8 +28,10 @@ import method_configs  # noqa: E402  (scripts/ is on sys.path when this runs as 
 from omegaconf import OmegaConf  # noqa: E402
 
 from harness.reporting.report import breakdown_rows, build_tables, find_runs  # noqa: E402
-from harness.running.metrics import decoder_stats  # noqa: E402
-from methods.base import method_settings  # noqa: E402
+from harness.reporting.text import format_summary  # noqa: E402
+from harness.running.results import read_answers  # noqa: E402
+from harness.stats import decoder_stats  # noqa: E402
+from methods.base import available_methods, method_settings  # noqa: E402
 
 REFERENCE = REPO / "results" / "reference"
 HEADLINE = REPO / "conf" / "headline" / "smollm2-135m.yaml"
@@ -195,8 +197,6 @@ def block_run_sets(sets) -> str:
 def block_quickstart(_sets) -> str:
     """README: what `make bench` printed when its committed run was made (results/reference/quickstart/),
     and how long its questions took."""
-    from harness.running.metrics import format_summary
-    from harness.running.results import read_answers
 
     summaries = sorted(QUICKSTART.rglob("summary.json"))
     if len(summaries) != 1:
@@ -221,7 +221,6 @@ DRAFT_COLUMNS = {"sps": "draft LM", "eagle": "EAGLE head", "eagle3": "EAGLE-3 he
 def block_models(_sets) -> str:
     """README: every model config, its target and the drafts it names (Hub ids; `ours`: trained by
     the suite, in drafts/), each column naming the methods that draft with it."""
-    from methods.base import available_methods
 
     methods = [m for m in available_methods() if method_settings(m).__module__.startswith("methods.")]
     users = {kind: [m for m in methods if method_settings(m).draft_kind == kind] for kind in DRAFT_COLUMNS}
@@ -263,7 +262,6 @@ def name_list(pairs: list[tuple[str, str]]) -> str:
 
 def block_methods(_sets) -> str:
     """README: each method's paper, whether it is lossless, whether it batches (its draft: the models table)."""
-    from methods.base import available_methods
 
     lines = ["| `method=` | paper (upstream code) | lossless | batch > 1 |", "|---|---|---|---|"]
     for m in available_methods():

@@ -18,7 +18,7 @@ categories of Spec-Bench and SPEED-Bench (its 11 in the qualitative split, its e
 high in the throughput splits), or else the dataset, each with its n, plus an overall column. Tables: speedup (95%
 bootstrap intervals where a cell has at least `MIN_INTERVAL_N` questions), τ, acceptance rate,
 TTFT; each as Markdown, CSV and LaTeX, with a caption naming every setting and, per method, a
-last column of caveats (`metrics.caveat_note`: n, busy questions, outputs that differ from AR's,
+last column of caveats (`harness.reporting.text.caveat_note`: n, busy questions, outputs that differ from AR's,
 a speedup above τ, a wide interval; in the CSV per cell, also as numbers).
 
 Across tables whose settings differ only in batch size (or only in SPEED-Bench's throughput split),
@@ -44,18 +44,17 @@ import pandas as pd
 from data_scripts.speed_bench import ENTROPY_TIERS  # SPEED-Bench's throughput categories, low to high
 from harness.cluster.jobs import job_status
 from harness.reporting import published
-from harness.running.metrics import (  # MIN_INTERVAL_N: below it, a cell shows no interval
+from harness.reporting.text import caveat_note, describe_fidelity
+from harness.running.results import read_answers
+from harness.stats import (  # MIN_INTERVAL_N: below it, a cell shows no interval
     MIN_INTERVAL_N,
     busy_questions,
-    caveat_note,
     caveats,
     compare_outputs,
     decoder_stats,
     decomposition,
-    describe_fidelity,
     speedup_stats,
 )
-from harness.running.results import read_answers
 
 SKIP_DIRS = {".multirun", "perf", "report"}
 REFERENCE = "reference"  # results/reference/: the committed run, read only when named
@@ -341,7 +340,7 @@ def format_value(metric: str, cell: dict | None, latex: bool = False) -> str:
     return f"{value:.2f}"
 
 
-CAVEATS = "caveats (Overall)"  # the last column of every table: `metrics.caveat_note` of the row's Overall cell
+CAVEATS = "caveats (Overall)"  # the last column of every table: `text.caveat_note` of the row's Overall cell
 CAVEAT_FIELDS = ("busy", "differ_from_ar", "near_ties", "mismatches", "above_tau", "interval_wide", "caveats")
 TITLES = {"speedup": f"Speedup over AR (Spec-Bench form; bootstrap 95% interval where n >= {MIN_INTERVAL_N})",
           "tau": "τ (mean accepted tokens: new tokens per decoding step, as Spec-Bench counts them)",

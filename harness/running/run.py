@@ -26,11 +26,11 @@ from tqdm.auto import tqdm
 
 from harness import REPO
 from harness.cluster.slurm import slurm_job
+from harness.reporting.text import format_summary
 from harness.running import busy
 from harness.running.datasets import Question, load_questions, truncate_middle
 from harness.running.environment import drafts_digest, environment, hardware_key, hardware_name, hardware_slug
 from harness.running.execution import SandboxUnavailable
-from harness.running.metrics import fidelity_failure, format_summary, summarize
 from harness.running.prompts import ChatTemplate, Message
 from harness.running.quality import score_records
 from harness.running.results import (
@@ -42,6 +42,7 @@ from harness.running.results import (
     write_json,
 )
 from harness.running.validate import check_group_choices, validate
+from harness.stats import fidelity_failure, summarize
 from methods.base import BuildContext, Decoder, get_method
 from methods.batched import BatchedDecoder
 from methods.engine.hardware import profiles_used
@@ -388,7 +389,7 @@ def main(cfg: DictConfig) -> None:
 
 def job_result(summary: dict) -> dict:
     """What a finished sweep job adds to its job.json: its numbers with their caveats, as the
-    sweep's status lines and `harness.cluster.jobs` print them (`harness.running.metrics.speedup_status`)."""
+    sweep's status lines and `harness.cluster.jobs` print them (`harness.reporting.text.speedup_status`)."""
     speedup = summary.get("speedup") or {}
     return {"status": "ok", "results": summary["results"], "speedup": speedup.get("specbench"),
             "speedup_ci95": speedup.get("specbench_ci95"), "tau": summary["decoder"]["tau"],
