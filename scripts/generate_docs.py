@@ -27,7 +27,8 @@ sys.path.insert(0, str(REPO))
 import method_configs  # noqa: E402  (scripts/ is on sys.path when this runs as a script)
 from omegaconf import OmegaConf  # noqa: E402
 
-from harness.reporting.report import breakdown_rows, build_tables, find_runs  # noqa: E402
+from harness.reporting.breakdown import breakdown_rows  # noqa: E402
+from harness.reporting.tables import build_tables, find_runs  # noqa: E402
 from harness.reporting.text import format_summary  # noqa: E402
 from harness.running.results import read_answers  # noqa: E402
 from harness.stats import decoder_stats  # noqa: E402

@@ -15,7 +15,8 @@ import pytest
 
 from harness.cluster.jobs import job_status
 from harness.reporting.figures import figures
-from harness.reporting.report import OVERALL, report
+from harness.reporting.report import report
+from harness.reporting.tables import OVERALL
 from tests.conftest import REPO
 
 ENV = {"torch": "2.13.0", "transformers": "5.23.0"}

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.reporting.report import OVERALL, report
+from harness.reporting.report import report
+from harness.reporting.tables import OVERALL
 from harness.running.results import RECORDS_FORMAT, read_answers, read_jsonl, upgrade_record
 from harness.running.run import run
 from harness.stats import decoder_stats

@@ -64,7 +64,7 @@ def matches(settings: dict, questions: int, published: Published) -> bool:
 
 
 def comparisons(table, published: list[Published] | None = None) -> list[tuple[Published, list[dict]]]:
-    """For a `harness.reporting.report.Table`: per matching published table, one line per (method variant,
+    """For a `harness.reporting.tables.Table`: per matching published table, one line per (method variant,
     column) that both report."""
     published = load() if published is None else published
     out = []
