@@ -1,5 +1,6 @@
-"""The benchmark around the methods, in rooms named by what they hold: `running/` (a benchmark run:
-datasets, prompts, results folders, metrics), `reporting/` (tables, figures, the headline run),
+"""The benchmark around the methods, in rooms named by what they hold: `stats` (a run's numbers: the
+bootstrap, speedups, fidelity, caveats), `running/` (a benchmark run: datasets, prompts, results
+folders), `reporting/` (tables, figures, the headline run, the numbers in words),
 `perf/` (`make perf`: what the engine itself costs), `cluster/` (SLURM and a sweep's jobs) and
 `training/` (the draft recipes). See docs/architecture.md."""
 

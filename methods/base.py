@@ -50,7 +50,7 @@ class DecodeStats:
     prefill_step: bool = False
     # per generated token, from the target forward that chose it: the chosen token's logit minus the
     # best other token's (the row's top-2 gap when it chose its argmax, negative when it did not);
-    # the fidelity check classifies a divergence from AR with it (harness/running/metrics.py, `fidelity`)
+    # the fidelity check classifies a divergence from AR with it (harness/stats.py, `fidelity`)
     logit_margins: list[float] = field(default_factory=list)
     drafted_tokens: int = 0  # draft tokens proposed (tree nodes other than roots)
     accepted_drafts: int = 0  # draft tokens accepted

@@ -27,9 +27,11 @@ sys.path.insert(0, str(REPO))
 import method_configs  # noqa: E402  (scripts/ is on sys.path when this runs as a script)
 from omegaconf import OmegaConf  # noqa: E402
 
-from harness.reporting.report import breakdown_rows, build_tables, find_runs  # noqa: E402
-from harness.running.metrics import decoder_stats, format_summary  # noqa: E402
+from harness.reporting.breakdown import breakdown_rows  # noqa: E402
+from harness.reporting.tables import build_tables, find_runs  # noqa: E402
+from harness.reporting.text import format_summary  # noqa: E402
 from harness.running.results import read_answers  # noqa: E402
+from harness.stats import decoder_stats  # noqa: E402
 from methods.base import available_methods, method_settings  # noqa: E402
 
 REFERENCE = REPO / "results" / "reference"
@@ -259,6 +261,7 @@ def name_list(pairs: list[tuple[str, str]]) -> str:
 
 def block_methods(_sets) -> str:
     """README: each method's paper, whether it is lossless, whether it batches (its draft: the models table)."""
+
     lines = ["| `method=` | paper (upstream code) | lossless | batch > 1 |", "|---|---|---|---|"]
     for m in available_methods():
         settings = method_settings(m)

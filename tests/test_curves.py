@@ -1,4 +1,4 @@
-"""The curves over batch size and input length (harness/reporting/report.py, "Curves across tables") from fixture
+"""The curves over batch size and input length (harness/reporting/curves.py) from fixture
 records: no model runs."""
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ import json
 
 import pytest
 
+from harness.reporting.curves import best_draft_lengths, find_curves
 from harness.reporting.figures import figures
-from harness.reporting.report import best_draft_lengths, build_tables, find_curves, find_runs, report, run_folders
+from harness.reporting.report import report
+from harness.reporting.tables import build_tables, find_runs, run_folders
 from tests.test_report import capture_figures, cells, record, results, write_run  # noqa: F401 (results: a fixture)
 
 # batch size -> the batch wall time of AR, pld num_draft=2 and num_draft=4 over batches of 100-token answers:

@@ -184,7 +184,7 @@ def test_matching_run_set_gets_the_published_column(tmp_path):
     assert "**Published: Spec-Bench leaderboard, 3090, vicuna-7b**" in text
     assert "EAGLE-2 paper" not in text  # other datasets
     # the report table itself holds the same comparison
-    from harness.reporting.report import build_tables, find_runs
+    from harness.reporting.tables import build_tables, find_runs
 
     (table,) = build_tables(find_runs([tmp_path / "results"]))
     assert published.markdown(table) == text

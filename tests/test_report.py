@@ -15,7 +15,8 @@ import pytest
 
 from harness.cluster.jobs import job_status
 from harness.reporting.figures import figures
-from harness.reporting.report import OVERALL, report
+from harness.reporting.report import report
+from harness.reporting.tables import OVERALL
 from tests.conftest import REPO
 
 ENV = {"torch": "2.13.0", "transformers": "5.23.0"}
@@ -371,8 +372,8 @@ def test_a_sweeps_status_lines_and_job_list_carry_the_caveats(tmp_path, capsys):
     """A sweep on a busy machine: each job's status line and the final job list print, beside its
     speedup, n, the busy questions and the near-ties (job.json as harness.running.run writes it)."""
     from harness.cluster.jobs import print_jobs
-    from harness.running.metrics import summarize
     from harness.running.run import job_result
+    from harness.stats import summarize
     from hydra_plugins.decodebench_launcher.launcher import describe
     from tests.test_harness import answered
 

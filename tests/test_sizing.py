@@ -177,7 +177,8 @@ def test_a_linear_plan_measured_beside_other_work_is_measured_again_by_the_next_
 
 
 def test_the_summary_names_a_busy_profile_that_sized_the_run():
-    from harness.running.metrics import format_summary, summarize
+    from harness.reporting.text import format_summary
+    from harness.stats import summarize
 
     records = [{"question_id": 1, "category": "c", "choices": [{
         "new_tokens": [4], "wall_time": [1.0], "decoding_steps": [4], "accept_lengths": [1] * 4,

@@ -158,7 +158,7 @@ def test_sweep_on_slurm_survives_preemption_and_cancel(slurm, tmp_path, tiny_cha
 
 
 def test_summary_flags_answers_measured_beside_other_jobs():
-    from harness.running.metrics import shared_node_questions
+    from harness.stats import shared_node_questions
 
     def answer(question_id, other_jobs):
         return {"question_id": question_id,

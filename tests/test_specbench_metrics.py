@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.reporting.report import OVERALL, report
-from harness.running.metrics import decoder_stats
+from harness.reporting.report import report
+from harness.reporting.tables import OVERALL
 from harness.running.results import RECORDS_FORMAT, read_answers, read_jsonl, upgrade_record
 from harness.running.run import run
+from harness.stats import decoder_stats
 from methods.base import DecodeStats
 from tests.conftest import REPO
 from tests.test_harness import config, tiny_overrides

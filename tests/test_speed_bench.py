@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 
 from data_scripts import speed_bench
 from data_scripts.prepare import DATASETS, HubUnavailable, prepare
-from harness.reporting.report import OVERALL, report
+from harness.reporting.report import report
+from harness.reporting.tables import OVERALL
 from harness.running.datasets import load_questions
 from methods.engine.params import ConfigError
 from tests.conftest import REPO

@@ -18,7 +18,7 @@ holding those runs' answers, as `make report`'s):
                           and one for the AR baselines (LazyLLM)
   speedup_vs_tau          speedup (95% interval) against τ, with the ideal line speedup = τ; a red
                           ring marks a method measured partly on a busy machine
-Across tables (`report.py`'s curves: tables whose settings differ only in batch size, or
+Across tables (`curves.py`'s curves: tables whose settings differ only in batch size, or
 only in the SPEED-Bench throughput split), under `plots/<run set>/<curves>/`:
   speedup_vs_batch_size   throughput speedup over AR at the same batch size, one line per method
   / _vs_input_length      variant, against batch size or mean prompt length
@@ -47,25 +47,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 from scipy.stats import binomtest  # noqa: E402
 
-from harness.reporting.report import (  # noqa: E402
-    AR,
-    MIN_INTERVAL_N,
+from harness.reporting.curves import AR, Curves, best_draft_lengths, find_curves  # noqa: E402
+from harness.reporting.report import run_set_arguments, run_set_name  # noqa: E402
+from harness.reporting.tables import (  # noqa: E402
     OVERALL,
-    Curves,
     Table,
     baseline_records,
-    best_draft_lengths,
     build_tables,
     column_counts,
-    find_curves,
     find_runs,
     group_table,
     method_label,
-    run_set_arguments,
-    run_set_name,
     size_of,
     tables_holding,
 )
+from harness.stats import MIN_INTERVAL_N  # noqa: E402
 
 plt.rcParams.update({"font.size": 8, "axes.titlesize": 8, "legend.fontsize": 6.5, "figure.dpi": 150,
                      "axes.spines.top": False, "axes.spines.right": False})

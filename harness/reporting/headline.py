@@ -138,9 +138,9 @@ def main(argv=None) -> int:
         if unmet:
             print(f"(--check only) {unmet}", file=sys.stderr)
         return 0
-    from harness.running.metrics import fidelity_failure  # lazy: torch (via methods) after the GPU check
     from harness.running.results import FolderMismatch  # lazy: torch (via methods) after the GPU check
     from harness.running.run import run  # lazy: torch (via methods) after the GPU check
+    from harness.stats import fidelity_failure  # lazy: torch (via methods) after the GPU check
 
     folders, failures = {}, []
     for method, overrides in runs.items():

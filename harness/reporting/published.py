@@ -9,8 +9,8 @@ the model, the dtype, greedy or not, max_new_tokens where the source states it, 
 questions (Spec-Bench: all 480). Hardware is not part of the match: each comparison names the
 published hardware and ours. Per method and published column (Spec-Bench's six tasks, where its
 "Multi-turn Conversation" is the 8 MT-bench categories, and overall), our speedup is Spec-Bench's
-form over those questions (`harness.running.metrics.speedup_stats`) and our τ the suite's
-(`harness.running.metrics.decoder_stats`), beside the published value and the ratio ours ÷ published.
+form over those questions (`harness.stats.speedup_stats`) and our τ the suite's
+(`harness.stats.decoder_stats`), beside the published value and the ratio ours ÷ published.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import REPO
-from harness.running.metrics import busy_questions, caveat_note, caveats, compare_outputs, decoder_stats, speedup_stats
+from harness.reporting.text import caveat_note
+from harness.stats import busy_questions, caveats, compare_outputs, decoder_stats, speedup_stats
 
 PUBLISHED = REPO / "docs" / "published"
 
@@ -63,7 +64,7 @@ def matches(settings: dict, questions: int, published: Published) -> bool:
 
 
 def comparisons(table, published: list[Published] | None = None) -> list[tuple[Published, list[dict]]]:
-    """For a `harness.reporting.report.Table`: per matching published table, one line per (method variant,
+    """For a `harness.reporting.tables.Table`: per matching published table, one line per (method variant,
     column) that both report."""
     published = load() if published is None else published
     out = []

@@ -26,11 +26,11 @@ from tqdm.auto import tqdm
 
 from harness import REPO
 from harness.cluster.slurm import slurm_job
+from harness.reporting.text import format_summary
 from harness.running import busy
 from harness.running.datasets import Question, load_questions, truncate_middle
 from harness.running.environment import drafts_digest, environment, hardware_key, hardware_name, hardware_slug
 from harness.running.execution import SandboxUnavailable
-from harness.running.metrics import fidelity_failure, format_summary, summarize
 from harness.running.prompts import ChatTemplate, Message
 from harness.running.quality import score_records
 from harness.running.results import (
@@ -42,6 +42,7 @@ from harness.running.results import (
     write_json,
 )
 from harness.running.validate import check_group_choices, validate
+from harness.stats import fidelity_failure, summarize
 from methods.base import BuildContext, Decoder, get_method
 from methods.batched import BatchedDecoder
 from methods.engine.hardware import profiles_used
@@ -260,20 +261,7 @@ def run(cfg: DictConfig, started=None) -> dict:
     env = environment(bench.device)
     dtype_name = str(bench.dtype).replace("torch.", "")
     method = cfg.method.name
-    settings = {
-        "model": OmegaConf.to_container(cfg.model, resolve=True),
-        "dataset": {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items()
-                    if k not in SELECTION_KEYS},
-        "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling), "seed": cfg.seed, "dtype": dtype_name,
-        "engine": OmegaConf.to_container(cfg.engine, resolve=True),
-        "method": OmegaConf.to_container(cfg.method, resolve=True),
-        "questions": [q.question_id for q in questions], "baseline": cfg.baseline, "warmup": cfg.warmup,
-    }
-    if bench.batch_size > 1:  # its own results folder: a run set never mixes batch sizes (B = 1 keys unchanged)
-        settings["batch_size"] = bench.batch_size
-    drafts = drafts_digest(settings["model"], settings["method"])
-    if drafts:  # trained drafts' contents: retrained ones get their own folder (training-free methods' keys unchanged)
-        settings["drafts"] = drafts
+    settings = run_settings(cfg, bench, questions, dtype_name)
     slug = f"{hardware_slug(env)}-{dtype_name}"
     root = Path(cfg.results_dir) / cfg.model.name / cfg.dataset.name
     folder = RunFolder(root / method / (cfg.run_name or f"{slug}-{settings_hash(settings)}"), bench.names)
@@ -289,32 +277,72 @@ def run(cfg: DictConfig, started=None) -> dict:
     if started:
         started(folder.path, len(questions))
     ids = [q.question_id for q in questions]
-    session = uuid.uuid4().hex[:12]  # the answers of one process: a pair never spans two
     try:
-        if todo:
-            log.info("warming up: %d untimed generation(s) per decoder", int(cfg.warmup))
-            bench.warm_up(todo[0][1])
-        size = bench.batch_size  # questions answered together; a group of one at batch_size 1
-        groups = [todo[i:i + size] for i in range(0, len(todo), size)]
-        bar = progress(groups, f"{method} on {cfg.dataset.name}" + (f" (batches of {size})" if size > 1 else ""),
-                       "batches" if size > 1 else "questions")
-        live = LiveCount(bar)
-        for group in bar:
-            order = list(bench.decoders.items())
-            if group[0][0] // size % 2:  # AR first on even questions (groups), the method first on odd ones
-                order.reverse()
-            records = {}
-            for name, decoder in order:
-                before = busy.snapshot()
-                answers = bench.answer_batch(decoder, [question for _, question in group], progress=live)
-                machine = busy.state(before, busy.snapshot())
-                records[name] = [{**record, "session": session, "machine": machine} for record in answers]
-            for row in range(len(group)):
-                folder.append({name: records[name][row] for name in bench.decoders})
+        answer_questions(bench, folder, todo, f"{method} on {cfg.dataset.name}", int(cfg.warmup))
     except KeyboardInterrupt:
         saved = len(folder.records(method, ids))
         raise Interrupted(f"interrupted: {saved} of {len(ids)} questions saved in {folder.path}; "
                           "run the same command again to resume") from None
+    summary = run_summary(cfg, bench, folder, questions, env, engine, dtype_name)
+    folder.write_summary(summary)
+    print(format_summary(summary))
+    print(f"results: {folder.path}")
+    return summary
+
+
+def run_settings(cfg: DictConfig, bench: Benchmark, questions: list[Question], dtype_name: str) -> dict:
+    """What a run's results folder is named by (`settings_hash`): the config that changes its answers, the questions,
+    the batch size (above 1) and the trained drafts' contents."""
+    settings = {
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "dataset": {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items()
+                    if k not in SELECTION_KEYS},
+        "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling), "seed": cfg.seed, "dtype": dtype_name,
+        "engine": OmegaConf.to_container(cfg.engine, resolve=True),
+        "method": OmegaConf.to_container(cfg.method, resolve=True),
+        "questions": [q.question_id for q in questions], "baseline": cfg.baseline, "warmup": cfg.warmup,
+    }
+    if bench.batch_size > 1:  # its own results folder: a run set never mixes batch sizes (B = 1 keys unchanged)
+        settings["batch_size"] = bench.batch_size
+    drafts = drafts_digest(settings["model"], settings["method"])
+    if drafts:  # trained drafts' contents: retrained ones get their own folder (training-free methods' keys unchanged)
+        settings["drafts"] = drafts
+    return settings
+
+
+def answer_questions(bench: Benchmark, folder: RunFolder, todo: list[tuple[int, Question]], desc: str,
+                     warmup: int) -> None:
+    """The questions not yet answered (`todo`: their index and question), after `warmup` untimed generations, in
+    groups of the batch size, AR first on even groups and the method first on odd ones; each group's answers,
+    with their session and machine state, appended to the folder as they come."""
+    session = uuid.uuid4().hex[:12]  # the answers of one process: a pair never spans two
+    if todo:
+        log.info("warming up: %d untimed generation(s) per decoder", warmup)
+        bench.warm_up(todo[0][1])
+    size = bench.batch_size  # questions answered together; a group of one at batch_size 1
+    groups = [todo[i:i + size] for i in range(0, len(todo), size)]
+    bar = progress(groups, desc + (f" (batches of {size})" if size > 1 else ""), "batches" if size > 1 else "questions")
+    live = LiveCount(bar)
+    for group in bar:
+        order = list(bench.decoders.items())
+        if group[0][0] // size % 2:  # AR first on even questions (groups), the method first on odd ones
+            order.reverse()
+        records = {}
+        for name, decoder in order:
+            before = busy.snapshot()
+            answers = bench.answer_batch(decoder, [question for _, question in group], progress=live)
+            machine = busy.state(before, busy.snapshot())
+            records[name] = [{**record, "session": session, "machine": machine} for record in answers]
+        for row in range(len(group)):
+            folder.append({name: records[name][row] for name in bench.decoders})
+
+
+def run_summary(cfg: DictConfig, bench: Benchmark, folder: RunFolder, questions: list[Question], env: dict,
+                engine: dict, dtype_name: str) -> dict:
+    """The run's summary from the answers its folder holds: its settings, the numbers (`harness.stats.summarize`)
+    and, where the dataset names them, the task-quality scores."""
+    method = cfg.method.name
+    ids = [q.question_id for q in questions]
     paired = BASELINE in bench.decoders and method != BASELINE
     meta = {
         "model": cfg.model.name, "dataset": cfg.dataset.name, "dtype": dtype_name,
@@ -333,9 +361,6 @@ def run(cfg: DictConfig, started=None) -> dict:
     quality = {name: score_records(rows, references, metric_by_category) for name, rows in records.items()}
     if any(quality.values()):
         summary["quality"] = quality
-    folder.write_summary(summary)
-    print(format_summary(summary))
-    print(f"results: {folder.path}")
     return summary
 
 
@@ -388,7 +413,7 @@ def main(cfg: DictConfig) -> None:
 
 def job_result(summary: dict) -> dict:
     """What a finished sweep job adds to its job.json: its numbers with their caveats, as the
-    sweep's status lines and `harness.cluster.jobs` print them (`harness.running.metrics.speedup_status`)."""
+    sweep's status lines and `harness.cluster.jobs` print them (`harness.reporting.text.speedup_status`)."""
     speedup = summary.get("speedup") or {}
     return {"status": "ok", "results": summary["results"], "speedup": speedup.get("specbench"),
             "speedup_ci95": speedup.get("specbench_ci95"), "tau": summary["decoder"]["tau"],

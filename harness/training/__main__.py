@@ -46,7 +46,8 @@ DEFAULTS = {  # kind: (epochs, lr, batch, noise): the committed zoo's settings (
 }
 
 
-def main(argv=None) -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The CLI's options: the command (`data`, `vocab`, `states` or a recipe) and its settings."""
     parser = argparse.ArgumentParser(prog="python -m harness.training", description=RECIPES_DOC,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kind", choices=["data", "vocab", "states", *DEFAULTS],
@@ -93,7 +94,11 @@ def main(argv=None) -> None:
                         help="conversations per forward on each process (default: its whole share of --batch)")
     parser.add_argument("--questions", type=Path, default=ROOT / "data/spec_bench/question.jsonl",
                         help="evaluation questions the prompts must not overlap")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = arguments().parse_args(argv)
     try:
         device = training_device(args.device)
     except (ValueError, RuntimeError) as error:
@@ -129,24 +134,8 @@ def main(argv=None) -> None:
     train_set, val_set = split(examples, args.held_out, args.seed)
     train_set = train_set[: args.train_examples]
     if args.kind != "draft-lm":
-        layers, features = feature_layers(target.config.num_hidden_layers), data_file.with_name("eagle3_features.pt")
-        if args.kind == "eagle3":  # three layers' inputs + last hidden state: their own 16-bit cache beside the data
-            attach_features(target, examples, layers, cache=features, progress=True, **state_batch)
-        elif not attach_cached_features(target, examples, layers, features):  # it holds the last hidden state too
-            attach_hidden(target, examples, cache=data_file.with_name("hidden_states.pt"), progress=True,
-                          **state_batch)
-    # classification losses over the model config's reduced draft vocabulary, where it names one
-    vocab = draft_vocabulary(args.model, cfg, target) if (cfg.get("draft_vocabulary")
-                                                          or {}).get("frequencies") else None
-    target.to("cpu")  # recipes copy the target's weights into fresh modules on the CPU; then all moves to `device`
-    recipe = {"draft-lm": lambda: DraftLMRecipe(target, args.layers, vocabulary=vocab),
-              "eagle": lambda: EagleRecipe(target, args.seed, cls_weight=1.0, feature_scale=feature_spread(train_set),
-                                           vocabulary=vocab),
-              "medusa": lambda: MedusaRecipe(target, args.heads, vocabulary=vocab),
-              "eagle3": lambda: Eagle3Recipe(target, args.seed, draft_vocabulary(args.model, cfg, target),
-                                             args.ttt_steps),
-              "hydra": lambda: HydraRecipe(target, args.heads, vocabulary=draft_vocabulary(args.model, cfg, target)),
-              }[args.kind]()
+        target_states(args.kind, target, examples, data_file, state_batch)
+    recipe = build_recipe(args, cfg, target, train_set)
     place(recipe, device)
     out = args.out or ROOT / "drafts" / args.model / args.kind
     out.mkdir(parents=True, exist_ok=True)
@@ -157,6 +146,34 @@ def main(argv=None) -> None:
         recipe.save(out)
         model_card(out, args.kind, args, data_file, len(train_set), len(val_set), result, before)
         print(json.dumps({k: v for k, v in result.items()}, indent=2))
+
+
+def target_states(kind: str, target, examples: list, data_file: Path, state_batch: dict) -> None:
+    """The target's states a head recipe reads, attached to the examples: EAGLE-3's three layers' inputs and last
+    hidden state (their cache beside the data), else the last hidden state (from that cache where it exists)."""
+    layers, features = feature_layers(target.config.num_hidden_layers), data_file.with_name("eagle3_features.pt")
+    if kind == "eagle3":  # three layers' inputs + last hidden state: their own 16-bit cache beside the data
+        attach_features(target, examples, layers, cache=features, progress=True, **state_batch)
+    elif not attach_cached_features(target, examples, layers, features):  # it holds the last hidden state too
+        attach_hidden(target, examples, cache=data_file.with_name("hidden_states.pt"), progress=True,
+                      **state_batch)
+
+
+def build_recipe(args: argparse.Namespace, cfg, target, train_set: list):
+    """The recipe of `args.kind` on the target (moved to the CPU: recipes copy its weights into fresh modules there;
+    then all moves to the training device)."""
+    # classification losses over the model config's reduced draft vocabulary, where it names one
+    vocab = draft_vocabulary(args.model, cfg, target) if (cfg.get("draft_vocabulary")
+                                                          or {}).get("frequencies") else None
+    target.to("cpu")  # recipes copy the target's weights into fresh modules on the CPU; then all moves to `device`
+    return {"draft-lm": lambda: DraftLMRecipe(target, args.layers, vocabulary=vocab),
+            "eagle": lambda: EagleRecipe(target, args.seed, cls_weight=1.0, feature_scale=feature_spread(train_set),
+                                         vocabulary=vocab),
+            "medusa": lambda: MedusaRecipe(target, args.heads, vocabulary=vocab),
+            "eagle3": lambda: Eagle3Recipe(target, args.seed, draft_vocabulary(args.model, cfg, target),
+                                           args.ttt_steps),
+            "hydra": lambda: HydraRecipe(target, args.heads, vocabulary=draft_vocabulary(args.model, cfg, target)),
+            }[args.kind]()
 
 
 def draft_vocabulary(model_name: str, cfg, target):

@@ -128,30 +128,14 @@ def attach_states(target, examples: list[Example], compute, fields: dict[str, in
     width_d = sum(fields.values())
     lengths = [len(e.ids) for e in examples]
     offsets = np.cumsum([0] + lengths)
-    order = sorted(range(len(examples)), key=lambda i: lengths[i])
-    batches, current = [], []
-    for i in order:
-        if current and (len(current) + 1) * lengths[i] > batch_tokens:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
+    batches = _length_batches(lengths, batch_tokens)
     mine = batches[ctx.rank::ctx.world] if cache is not None else batches
     rows = top_all = journal = None
     done: set[int] = set()
     if cache is not None:
-        dtype = "float16"
         journal = _Journal(cache, ctx, {"digest": _digest(examples), "kind": kind, "fields": dict(fields),
                                         "batch_tokens": batch_tokens, "world": ctx.world})
-        resume = all(distributed.gather_objects(journal.readable(int(offsets[-1]) * width_d * 2)))
-        if ctx.is_main and not resume:
-            with open(cache.with_name(cache.name + ".bin"), "wb") as f:
-                f.truncate(int(offsets[-1]) * width_d * 2)
-        distributed.barrier()
-        rows = np.memmap(cache.with_name(cache.name + ".bin"), dtype=np.float16, mode="r+",
-                         shape=(int(offsets[-1]), width_d))
-        done, peak = journal.start(resume, int(offsets[-1]))
+        rows, done, peak = _open_rows(cache, journal, ctx, int(offsets[-1]), width_d)
         top_all = journal.top
         if done and progress:
             print(f"{cache}: resuming, {len(done)} of {len(mine)} batches already computed", flush=True)
@@ -186,6 +170,7 @@ def attach_states(target, examples: list[Example], compute, fields: dict[str, in
     rows.flush()
     del rows
     top_all = torch.from_numpy(np.array(top_all))
+    dtype = "float16"
     if max(distributed.gather_objects(peak)) > 60000:  # beyond float16: store bfloat16 instead
         dtype = "bfloat16"
         _convert_to_bf16(target, examples, cache, offsets, width_d, ctx, batches, lengths, compute)
@@ -201,6 +186,32 @@ def attach_states(target, examples: list[Example], compute, fields: dict[str, in
     journal.remove()
     if not _attach_from(cache, examples, kind, fields):
         raise RuntimeError(f"{cache}: the cache just written does not read back")
+
+
+def _length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """The examples' indices, shortest first, in batches of about `batch_tokens` padded tokens."""
+    batches, current = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if current and (len(current) + 1) * lengths[i] > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _open_rows(cache: Path, journal: _Journal, ctx, positions: int, width_d: int) -> tuple[np.memmap, set[int], float]:
+    """The cache's float16 rows, memory-mapped (created empty unless every rank can resume its journal), the
+    batches already finished and the largest magnitude written so far."""
+    resume = all(distributed.gather_objects(journal.readable(positions * width_d * 2)))
+    if ctx.is_main and not resume:
+        with open(cache.with_name(cache.name + ".bin"), "wb") as f:
+            f.truncate(positions * width_d * 2)
+    distributed.barrier()
+    rows = np.memmap(cache.with_name(cache.name + ".bin"), dtype=np.float16, mode="r+", shape=(positions, width_d))
+    done, peak = journal.start(resume, positions)
+    return rows, done, peak
 
 
 class _Journal:

@@ -96,27 +96,10 @@ def train(recipe, train_set: list[Example], val_set: list[Example], epochs: floa
     checkpoint_every = checkpoint_every or max(1, steps // 20)
     start, losses, elapsed = 0, [], 0.0
     if resume and checkpoint.is_file():
-        state = torch.load(checkpoint, weights_only=False)
-        if state["steps"] != steps or state["batch"] != batch or state["seed"] != seed:
-            raise ValueError(f"{checkpoint}: written by another run ({state['steps']} steps of {state['batch']}, "
-                             f"seed {state['seed']}; this one: {steps} of {batch}, seed {seed})")
-        with torch.no_grad():
-            for p, saved in zip(params, state["params"], strict=True):
-                p.copy_(saved)
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["scheduler"])
-        start, losses, elapsed = state["step"], state["losses"], state["seconds"]
-        rng = state["rng"]
-        torch.set_rng_state(rng[ctx.rank] if len(rng) == ctx.world else rng[0])
+        start, losses, elapsed = _resume(checkpoint, ctx, params, optimizer, schedule, steps, batch, seed)
     started = time.perf_counter() - elapsed
     total_tokens = 0
-    log = None
-    if ctx.is_main:
-        kept = []
-        if start and log_file.is_file():
-            kept = [line for line in log_file.read_text().splitlines() if line and json.loads(line)["step"] <= start]
-        log_file.write_text("".join(line + "\n" for line in kept))
-        log = log_file.open("a")
+    log = _open_log(log_file, start) if ctx.is_main else None
     try:
         last = steps if stop_after is None else min(steps, start + stop_after)
         for step in tqdm(range(start, last), desc=f"train {recipe.kind}", unit="step",
@@ -124,21 +107,8 @@ def train(recipe, train_set: list[Example], val_set: list[Example], epochs: floa
             optimizer.zero_grad(set_to_none=True)
             local = sorted(sampler.local_batch(step, ctx.rank, ctx.world), key=lambda i: len(train_set[i].ids))
             size = micro_batch or (max(1, len(local)) if device.type == "cuda" else CPU_MICRO_BATCH)
-            chunks = [local[i:i + size] for i in range(0, len(local), size)] or [[]]
-            # the same number of backward passes on every rank (the last one all-reduces)
-            count = max(distributed.gather_objects(len(chunks)))
-            chunks += [[]] * (count - len(chunks))
-            step_loss = 0.0
-            for c, chunk in enumerate(chunks):
-                examples = [train_set[i] for i in chunk]
-                generators = [distributed.example_generator(seed, step, i) for i in chunk]
-                sync = c == len(chunks) - 1 or not ctx.distributed
-                with (model.no_sync() if not sync else contextlib.nullcontext()):
-                    loss = model(examples, noise, generators)
-                    # DDP averages gradients over ranks: scaled by world / per_step, they are the global mean's
-                    (loss * (ctx.world / per_step)).backward()
-                step_loss += float(loss.detach())
-                total_tokens += sum(len(e.ids) - e.answer_start for e in examples)
+            step_loss, tokens = _backward(model, ctx, train_set, local, size, seed, step, noise, per_step)
+            total_tokens += tokens
             global_loss = distributed.all_reduce_sum([step_loss])[0] / per_step
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
@@ -159,6 +129,55 @@ def train(recipe, train_set: list[Example], val_set: list[Example], epochs: floa
     tokens = distributed.all_reduce_sum([total_tokens])[0]  # answer tokens trained on by this run (not before a resume)
     return {"steps": steps, "batch": batch, "processes": ctx.world, "final_loss": sum(tail) / max(len(tail), 1),
             "seconds": seconds, "answer_tokens": int(tokens), "held_out_acceptance": evaluate(recipe, val_set)}
+
+
+def _resume(checkpoint: Path, ctx, params, optimizer, schedule, steps: int, batch: int,
+            seed: int) -> tuple[int, list[float], float]:
+    """The state of an interrupted run loaded from its checkpoint (weights, optimizer, scheduler, this rank's RNG);
+    its step, losses and seconds so far. A checkpoint of another run (steps, batch or seed) refuses."""
+    state = torch.load(checkpoint, weights_only=False)
+    if state["steps"] != steps or state["batch"] != batch or state["seed"] != seed:
+        raise ValueError(f"{checkpoint}: written by another run ({state['steps']} steps of {state['batch']}, "
+                         f"seed {state['seed']}; this one: {steps} of {batch}, seed {seed})")
+    with torch.no_grad():
+        for p, saved in zip(params, state["params"], strict=True):
+            p.copy_(saved)
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["scheduler"])
+    rng = state["rng"]
+    torch.set_rng_state(rng[ctx.rank] if len(rng) == ctx.world else rng[0])
+    return state["step"], state["losses"], state["seconds"]
+
+
+def _open_log(log_file: Path, start: int):
+    """The training log (rank 0), opened to append: its lines up to step `start` kept (a resumed run), none else."""
+    kept = []
+    if start and log_file.is_file():
+        kept = [line for line in log_file.read_text().splitlines() if line and json.loads(line)["step"] <= start]
+    log_file.write_text("".join(line + "\n" for line in kept))
+    return log_file.open("a")
+
+
+def _backward(model, ctx, train_set: list[Example], local: list[int], size: int, seed: int, step: int,
+              noise: float, per_step: int) -> tuple[float, int]:
+    """One step's forward and backward passes on this rank's conversations (`local`: their indices), `size` per
+    forward; the sum of their losses and the answer tokens they hold."""
+    chunks = [local[i:i + size] for i in range(0, len(local), size)] or [[]]
+    # the same number of backward passes on every rank (the last one all-reduces)
+    count = max(distributed.gather_objects(len(chunks)))
+    chunks += [[]] * (count - len(chunks))
+    step_loss, tokens = 0.0, 0
+    for c, chunk in enumerate(chunks):
+        examples = [train_set[i] for i in chunk]
+        generators = [distributed.example_generator(seed, step, i) for i in chunk]
+        sync = c == len(chunks) - 1 or not ctx.distributed
+        with (model.no_sync() if not sync else contextlib.nullcontext()):
+            loss = model(examples, noise, generators)
+            # DDP averages gradients over ranks: scaled by world / per_step, they are the global mean's
+            (loss * (ctx.world / per_step)).backward()
+        step_loss += float(loss.detach())
+        tokens += sum(len(e.ids) - e.answer_start for e in examples)
+    return step_loss, tokens
 
 
 def _save_checkpoint(file: Path, ctx, params, optimizer, schedule, step, steps, batch, seed, losses, seconds) -> None:

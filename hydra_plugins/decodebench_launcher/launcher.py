@@ -42,8 +42,8 @@ from omegaconf import OmegaConf
 from submitit.slurm.slurm import SlurmInfoWatcher
 
 from harness.cluster.slurm import job_states
+from harness.reporting.text import speedup_status
 from harness.running.busy import is_busy
-from harness.running.metrics import speedup_status
 from harness.running.results import read_jsonl
 
 log = logging.getLogger(__name__)
