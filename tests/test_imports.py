@@ -135,3 +135,15 @@ def test_imports_inside_functions_say_what_they_put_off():
     assert not unsaid, "imports inside functions without `# lazy: <the heavy or optional dependency>`:\n" + "\n".join(
         unsaid
     )
+
+
+def test_no_function_is_longer_than_80_lines():
+    """A function that does not fit on a screen is split into named steps (issue 47)."""
+    long = []
+    for folder in PACKAGES:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and lines > 80:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines})")
+    assert not long, "functions over 80 lines: " + ", ".join(long)
