@@ -53,7 +53,8 @@ sweep: setup
 	status=$$?; if [ -d $(SWEEP_DIR) ]; then $(PY) -m harness.cluster.jobs $(SWEEP_DIR); fi; exit $$status
 
 # Issue 36's curves (docs/batching.md): each method of BATCH_METHODS at every batch size of
-# BATCH_SIZES and every draft length of DRAFT_LENGTHS (its key: DRAFT_KEY_<method>), on each
+# BATCH_SIZES and every draft length of DRAFT_LENGTHS (the setting its settings class names as its size,
+# `size_setting`: PLD's num_draft, SpS's gamma, EAGLE-2/3's total_tokens, ...), on each
 # dataset of BATCH_DATASETS; every job runs AR beside its method at the same batch size on the same
 # questions (the speedup's denominator). One sweep per method, in $(SWEEP_DIR)/<method>, launched as
 # `sweep`'s are (LAUNCHER); `make report RUNS=$(SWEEP_DIR)` and `make figures RUNS=$(SWEEP_DIR)`
@@ -62,10 +63,8 @@ sweep: setup
 BATCH_METHODS ?= pld sps eagle2
 BATCH_SIZES ?= 1,2,4,8,16
 DRAFT_LENGTHS ?= 2,4,8
-DRAFT_KEY_pld := method.num_draft
-DRAFT_KEY_sps := method.gamma
-DRAFT_KEY_eagle2 := method.total_tokens
-DRAFT_KEY_eagle3 := method.total_tokens
+size_setting = $(shell $(PY) -c "from methods.base import method_settings as s; k = s('$(1)').size_setting; \
+	print(f'method.{k}' if k else '')")
 # a tree's size in tokens (root included) instead of a chain's length
 DRAFT_LENGTHS_eagle2 ?= 4,8,16
 DRAFT_LENGTHS_eagle3 ?= 4,8,16
@@ -75,7 +74,7 @@ BATCH_MAX_NEW_TOKENS ?= 64
 batch-sweep: setup
 	@echo "$(call per_job,batch-sweep,BATCH_LIMIT,BATCH_MAX_NEW_TOKENS)"
 	status=0; $(foreach m,$(BATCH_METHODS),\
-	$(PY) -m harness.run -m method=$(m) batch_size=$(BATCH_SIZES) $(if $(DRAFT_KEY_$(m)),$(DRAFT_KEY_$(m))=$(or $(DRAFT_LENGTHS_$(m)),$(DRAFT_LENGTHS))) \
+	$(PY) -m harness.run -m method=$(m) batch_size=$(BATCH_SIZES) $(if $(call size_setting,$(m)),$(call size_setting,$(m))=$(or $(DRAFT_LENGTHS_$(m)),$(DRAFT_LENGTHS))) \
 		dataset=$(BATCH_DATASETS) limit=$(if $(BATCH_LIMIT),$(BATCH_LIMIT),null) \
 		max_new_tokens=$(if $(BATCH_MAX_NEW_TOKENS),$(BATCH_MAX_NEW_TOKENS),null) \
 		hydra/launcher=$(LAUNCHER) hydra.sweep.dir=$(SWEEP_DIR)/$(m) $(ARGS) || status=1; \

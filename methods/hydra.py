@@ -48,6 +48,7 @@ class HydraSettings(Settings):
     paper = "Ankner et al. 2024 (zankner/Hydra)"
     draft_kind = "hydra"
     lossless = "yes (not `acceptance=typical`)"
+    size_setting, size_recorded, size_label = "tree", "tree_nodes", "tree size (nodes)"
 
     tree: str | list = setting(
         "auto",

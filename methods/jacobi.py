@@ -35,6 +35,7 @@ class JacobiSettings(Settings):
 
     paper = "Santilli et al. 2023; CLLM, Kou et al. 2024"
     lossless = "yes (greedy only)"
+    size_setting, size_label = "block_size", "Jacobi block size n"
 
     block_size: int | str | None = setting(None, null() | one_of("auto") | integer(2),
                                            "n tokens per block; null = the model's jacobi_block_size (CLLMs), else "

@@ -11,7 +11,7 @@ children. Both caches keep only the accepted path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -30,6 +30,19 @@ class MCSDSettings(Settings):
 
     paper = "Yang et al. 2024 (NJUNLP/MCSD)"
     draft_kind = "sps"
+    size_setting, size_label = "k_config", "draft tree nodes"
+
+    @classmethod
+    def size_in(cls, config: dict) -> tuple[str, Any] | None:
+        """The tree's node count: k_config [4, 2, 1] drafts 4 + 8 + 8 nodes."""
+        found = super().size_in(config)
+        if found is None or not isinstance(found[1], list):
+            return found
+        nodes, width = 0, 1
+        for k in found[1]:
+            width *= k
+            nodes += width
+        return cls.size_label, nodes
 
     k_config: list | int | str = setting("auto", one_of("auto") | int_list(1) | integer(1),
                                          "children per node at each depth, e.g. [4, 2, 1]; auto = the largest tree "

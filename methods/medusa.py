@@ -33,6 +33,7 @@ class MedusaSettings(Settings):
     paper = "Cai et al. 2024 (FasterDecoding/Medusa)"
     draft_kind = "medusa"
     lossless = "yes (not `acceptance=typical`)"
+    size_setting, size_recorded, size_label = "tree", "tree_nodes", "tree size (nodes)"
 
     tree: str | list = setting(
         "auto",

@@ -37,6 +37,7 @@ class PLDSettings(Settings):
     transformers' PromptLookupCandidateGenerator); the up to num_draft tokens after it are the draft."""
 
     paper = "Saxena 2023 (apoorvumang/prompt-lookup-decoding)"
+    size_setting, size_label = "num_draft", "draft length γ"  # the longest draft it copies
 
     max_ngram: int = setting(3, integer(1),
                              "longest n-gram looked up; Spec-Bench's draft_matching_window_size (transformers' own "

@@ -40,6 +40,7 @@ class SpSSettings(Settings):
 
     paper = "Leviathan et al. 2023; Chen et al. 2023"
     draft_kind = "sps"
+    size_setting, size_label = "gamma", "draft length γ"
 
     gamma: int | str = setting("auto", one_of("auto", "heuristic") | integer(1),
                                "draft length; auto = the most expected tokens per second on this machine (hardware "

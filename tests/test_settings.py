@@ -9,7 +9,7 @@ from dataclasses import fields
 import pytest
 from omegaconf import OmegaConf
 
-from methods.base import check_method_params, get_method, method_settings
+from methods.base import available_methods, check_method_params, get_method, method_settings
 from methods.engine.params import ConfigError
 from methods.pld import PLDSettings
 from tests.conftest import REPO
@@ -51,3 +51,19 @@ def test_the_factory_gets_the_checked_settings_with_defaults():
         get_method("pld")(None, {"name": "pld", "max_ngram": 0})
     with pytest.raises(ConfigError, match=r"^method.ngram=3: valid: one of the keys branches, max_ngram, num_draft$"):
         check_method_params("pld", {"name": "pld", "ngram": 3})
+
+
+def test_a_methods_size_is_declared_by_its_settings_class():
+    """The setting a sweep varies and the size a report reads come from the class (no list elsewhere)."""
+    from harness.reporting.tables import settings_of
+
+    assert method_settings("pld").size_setting == "num_draft" and method_settings("sps").size_setting == "gamma"
+    assert method_settings("eagle2").size_in({"total_tokens": 8, "depth": 3}) == ("tree size (total tokens)", 8)
+    assert method_settings("medusa").size_in({"tree_nodes": 8, "heads": 4}) == ("tree size (nodes)", 8)
+    assert method_settings("mcsd").size_in({"k_config": [4, 2, 1]}) == ("draft tree nodes", 4 + 8 + 8)
+    assert method_settings("ar").size_in({"gamma": 4}) is None  # a key of another method's is not AR's size
+    assert settings_of("no-such-method").size_in({"gamma": 4}) is None
+    for name in available_methods():  # every declared size is one of the method's own settings
+        settings = method_settings(name)
+        if settings.size_setting:
+            assert settings.size_setting in {f.name for f in fields(settings)}, name

@@ -29,14 +29,13 @@ from pathlib import Path
 import pandas as pd
 
 from harness.reporting.tables import (
-    SIZE_KEYS,
     Row,
     Table,
     baseline_records,
     markdown_table,
     method_label,
     name_uniquely,
-    size_of,
+    settings_of,
 )
 from harness.stats import busy_questions, decoder_stats
 
@@ -68,8 +67,8 @@ class Point:
 
     @property
     def size(self) -> float | None:
-        """Its draft length / tree size, when it is a number (`tables.size_of`)."""
-        size = size_of(self.method, self.config)
+        """Its draft length / tree size, when it is a number (`Settings.size_in`)."""
+        size = settings_of(self.method).size_in(self.config)
         return size[1] if size and isinstance(size[1], (int, float)) else None
 
 
@@ -167,14 +166,14 @@ def best_draft_lengths(curves: Curves) -> list[dict]:
     by_setting: dict[tuple, list[Point]] = defaultdict(list)
     for point in curves.points:
         if point.size is not None:
-            others = {k: v for k, v in point.config.items() if k not in SIZE_KEYS}
+            others = {k: v for k, v in point.config.items() if k not in settings_of(point.method).size_keys()}
             by_setting[(point.batch_size, method_label(point.method, others))].append(point)
     best = []
     for (batch_size, setting), points in sorted(by_setting.items()):
         if len({p.size for p in points}) >= 2:
             top = max(points, key=lambda p: p.throughput)
             best.append({"batch_size": batch_size, "method": top.method, "setting": setting,
-                         "parameter": size_of(top.method, top.config)[0], "best": top.size, "variant": top.label,
+                         "parameter": settings_of(top.method).size_label, "best": top.size, "variant": top.label,
                          "throughput": top.throughput, "speedup": top.speedup,
                          "tried": ", ".join(f"{p.size:g}" for p in sorted(points, key=lambda p: p.size))})
     return best

@@ -58,7 +58,7 @@ from harness.reporting.tables import (  # noqa: E402
     find_runs,
     group_table,
     method_label,
-    size_of,
+    settings_of,
     tables_holding,
 )
 from harness.stats import MIN_INTERVAL_N  # noqa: E402
@@ -224,7 +224,7 @@ def size_sweep(table: Table, cells, style, out) -> list[Path]:
     within this table: one run set, one set of settings); not written when no method was."""
     series = defaultdict(list)  # (method, parameter name) -> [(size, tau, speedup, low, high)]
     for label, row in table.rows.items():
-        size = size_of(row.method, row.config)
+        size = settings_of(row.method).size_in(row.config)
         cell = cells[label].get(OVERALL)
         if size and cell and isinstance(size[1], (int, float)):  # `adaptive` / `auto` sizes have no point on the axis
             low, high = cell["speedup_ci95"] if cell["questions"] >= MIN_INTERVAL_N else (None, None)

@@ -27,6 +27,8 @@ from harness.stats import (  # MIN_INTERVAL_N: below it, a cell shows no interva
     decoder_stats,
     speedup_stats,
 )
+from methods.base import method_settings
+from methods.engine.params import ConfigError, Settings
 
 SKIP_DIRS = {".multirun", "perf", "report"}
 REFERENCE = "reference"  # results/reference/: the committed run, read only when named
@@ -83,28 +85,13 @@ def _short(value) -> str:
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-SIZE_KEYS = ("gamma", "num_draft", "k_config", "total_tokens", "tree_nodes", "block_size")  # what size_of reads
-
-
-def size_of(method: str, config: dict) -> tuple[str, float] | None:
-    """The draft length / tree size parameter of a method variant, if it has one."""
-    if "gamma" in config:
-        return "draft length γ", config["gamma"]
-    if "num_draft" in config:  # PLD: the longest draft it copies
-        return "draft length γ", config["num_draft"]
-    if "k_config" in config:
-        nodes, width = 0, 1
-        for k in config["k_config"]:
-            width *= k
-            nodes += width
-        return "draft tree nodes", nodes
-    if "total_tokens" in config:
-        return "tree size (total tokens)", config["total_tokens"]
-    if "tree_nodes" in config:
-        return "tree size (nodes)", config["tree_nodes"]
-    if "block_size" in config:
-        return "Jacobi block size n", config["block_size"]
-    return None
+def settings_of(method: str) -> type[Settings]:
+    """A method's settings class (its size's setting and label: `Settings.size_in`); the plain
+    `Settings` (no size) for a method not registered here, e.g. a plugin's run read elsewhere."""
+    try:
+        return method_settings(method)
+    except ConfigError:
+        return Settings
 
 
 def run_folders(paths: list[Path]) -> list[Path]:

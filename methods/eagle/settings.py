@@ -21,6 +21,7 @@ class EagleSettings(Settings):
 
     paper = "Li et al. 2024 (SafeAILab/EAGLE)"
     draft_kind = "eagle"
+    size_setting, size_recorded, size_label = "tree", "tree_nodes", "tree size (nodes)"
 
     tree: str | list = setting("auto", one_of("auto", *NAMED_TREES) | paths(),
                                "auto = EAGLE's own 25-node tree cut to what this machine verifies nearly free; "
@@ -47,6 +48,7 @@ class DynamicTreeSettings(Settings):
     top_k: int = setting(10, integer(1), "children kept per expanded node")
 
     batchable = True
+    size_setting, size_label = "total_tokens", "tree size (total tokens)"
 
 
 @dataclass(frozen=True)

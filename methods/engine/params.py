@@ -125,10 +125,28 @@ class Settings:
     draft_kind: ClassVar[str | None] = None
     # whether the method reproduces AR's greedy tokens and sampling distribution, in words
     lossless: ClassVar[str] = "yes"
+    # the setting that sizes the draft (a chain's length, a tree's size), which `make batch-sweep`
+    # sweeps; the key under which a run's recorded config states the size it used (the setting
+    # itself, or what `auto` resolved to); and the size's name in tables and figures
+    size_setting: ClassVar[str | None] = None
+    size_recorded: ClassVar[str | None] = None
+    size_label: ClassVar[str] = ""
 
     def batch_problem(self) -> str | None:
         """Why these settings cannot be decoded at batch_size > 1; None when they can."""
         return None if self.batchable else "it decodes one sequence at a time"
+
+    @classmethod
+    def size_keys(cls) -> set[str]:
+        """The keys of a recorded config that state the draft's size."""
+        return {key for key in (cls.size_setting, cls.size_recorded) if key}
+
+    @classmethod
+    def size_in(cls, config: dict) -> tuple[str, Any] | None:
+        """(size_label, the size) that a run's recorded config states, if the method has a size; the
+        size is a number, or what the setting holds (`adaptive`, `auto`)."""
+        key = next((key for key in (cls.size_recorded, cls.size_setting) if key and key in config), None)
+        return (cls.size_label, config[key]) if key else None
 
     @classmethod
     def schema(cls) -> dict[str, Check]:
