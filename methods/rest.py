@@ -1,0 +1,279 @@
+"""REST: retrieval-based speculative decoding (He et al., NAACL 2024; FasterDecoding/REST,
+`rest/model/utils.py` `generate_candidates_and_draft_buffer`, `llm_judge/gen_model_answer_rest.py`).
+
+A datastore of token sequences (a suffix array over a corpus, REST's Rust library `draftretriever`,
+pinned) is searched with the last `span` tokens of prompt + output, `span` = `max_token_span`
+(16) down to 2, the first span with any match winning. For every match the library reads the `long`
+(10) tokens that follow it (at most `k` = 5000 matches per chunk), counts every prefix of those
+continuations, keeps the `num_draft` (64) most frequent prefixes (a trie: a prefix's count is at
+least its extensions'), and cuts paths until the trie has at most `num_draft` nodes. The kept
+prefixes are merged into a draft tree rooted at the last token and verified by the shared loop:
+greedy match, or rejection sampling with the draft as point masses (lossless at any temperature).
+Nothing retrieved: the step is an AR step (upstream then guesses token id 100 as a one-token draft;
+that guess is left out here). Ties at the count threshold are broken by the library's hash order,
+as upstream's.
+
+The datastore (`method.datastore`):
+- `auto` on a model with a datastore in its config (`datastores.rest: <file>`): that file.
+- `auto` on the embedded model (a corpus manifest `drafts/<model>/corpus.json`): built once from the
+  suite's own draft-training corpus and cached under the suite's cache folder: the target's answers
+  (`data/distill/<model>/answers.jsonl`, prompt and answer ids) where that file is on this machine
+  with the manifest's checksum, else the corpus's prompts regenerated from its recipe (checked
+  against the manifest's `prompts_sha256`), each tokenized with the target's tokenizer as upstream
+  tokenizes a message (`tokenizer.encode(text)`).
+- a file: a draftretriever index, e.g. upstream's ShareGPT datastore for Vicuna, built by
+  `python -m methods.rest --tokenizer lmsys/vicuna-7b-v1.3 --sharegpt ShareGPT_V4.3_unfiltered_cleaned_split.json
+  --out datastore_chat_small.idx` (upstream's `datastore/get_datastore_chat.py`).
+
+`python -m methods.rest --model smollm2-135m` (`make rest-datastore`) builds the embedded one ahead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .base import DraftVerifyDecoder, register
+from .engine.params import Check, Settings, integer, setting
+from .engine.sampling import SamplingConfig
+from .engine.storage import cache_root
+from .engine.tree import Tree
+from .models.specs import PROJECT_ROOT
+from .pld import trie
+
+MIN_TOKEN_SPAN = 2  # upstream: token_spans = range(2, max_token_span + 1), longest first
+MAX_CHUNK_LEN = 512 * 1024 * 1024  # upstream's Writer(max_chunk_len=512 * 1024 * 1024)
+SHAREGPT_COMMAND = ("python -m methods.rest --tokenizer <the model's Hub id or folder> --sharegpt "
+                    "ShareGPT_V4.3_unfiltered_cleaned_split.json --out <file>.idx")
+
+
+def _datastore_value(value) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+@dataclass(frozen=True)
+class RestSettings(Settings):
+    """REST: drafts retrieved from a datastore (draftretriever's suffix array over a corpus): the longest
+    suffix of the text (16 tokens down to 2) with a match, the continuations after its matches merged
+    into a trie, its most frequent num_draft prefixes the draft tree. The embedded model's datastore
+    is built on first use from the suite's draft-training corpus and cached; other models need one
+    (python -m methods.rest --help)."""
+
+    paper = "He et al. 2024 (FasterDecoding/REST)"
+
+    datastore: str = setting("auto", Check(_datastore_value, "auto or a draftretriever datastore file"),
+                             "auto = the model config's datastores.rest, or the embedded model's own (built once, "
+                             "cached); or a file")
+    num_draft: int = setting(64, integer(1), "upstream's --num-draft 64 (draftretriever's choices): most draft nodes")
+    max_token_span: int = setting(16, integer(MIN_TOKEN_SPAN),
+                                  "upstream's --max-token-span 16: the longest suffix searched (then shorter, to 2)")
+    continuation: int = setting(10, integer(1), "draftretriever's long (upstream keeps its 10): tokens read after "
+                                                "each match")
+    matches: int = setting(5000, integer(1), "draftretriever's k (upstream keeps its 5000): matches read per "
+                                             "datastore chunk")
+
+    def model_problem(self, model: dict) -> str | None:
+        if self.datastore != "auto":
+            path = _resolve(self.datastore)
+            return None if path.is_file() else f"no datastore file {path}; build one: {SHAREGPT_COMMAND}"
+        if (model.get("datastores") or {}).get("rest") or _manifest(model.get("name")) is not None:
+            return None
+        return (f"model {model.get('name')} has no REST datastore; build one with upstream's recipe "
+                f"({SHAREGPT_COMMAND}) and pass method.datastore=<file>")
+
+
+def _resolve(path: str) -> Path:
+    """A datastore path; relative ones from the working folder, else from the project root."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() or p.exists() else PROJECT_ROOT / p
+
+
+def _manifest(model_name: str | None) -> dict | None:
+    """The corpus manifest of the suite's own draft-training corpus for this model, if any."""
+    file = PROJECT_ROOT / "drafts" / str(model_name) / "corpus.json"
+    return json.loads(file.read_text()) if model_name and file.is_file() else None
+
+
+# ------------------------------------------------------------------------------------------
+# Datastores
+
+
+def write_datastore(path: Path, entries) -> dict:
+    """A draftretriever index at `path` from token-id sequences (upstream's Writer calls); returns its
+    counts. Written to a temporary name first, so that a killed build leaves no half file."""
+    import draftretriever
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    writer = draftretriever.Writer(str(tmp), MAX_CHUNK_LEN)  # 0.1.1 takes no vocab_size (upstream's 0.1.0 did)
+    count = tokens = 0
+    for ids in entries:
+        if ids:
+            writer.add_entry([int(t) for t in ids])
+            count, tokens = count + 1, tokens + len(ids)
+    writer.finalize()
+    tmp.replace(path)
+    return {"entries": count, "tokens": tokens, "bytes": path.stat().st_size}
+
+
+def corpus_entries(model_name: str, tokenizer) -> tuple[str, list[list[int]]]:
+    """The suite's draft-training corpus for `model_name` as token-id sequences, and what it was:
+    the target's answers (prompt ids, answer ids) where `data/distill/<model>/answers.jsonl` is here
+    with the manifest's checksum, else the corpus's prompts regenerated from its recipe (their
+    checksum checked against the manifest) and encoded as upstream encodes a message."""
+    manifest = _manifest(model_name)
+    if manifest is None:
+        raise ValueError(f"model {model_name!r} has no corpus manifest drafts/{model_name}/corpus.json")
+    answers = PROJECT_ROOT / manifest["file"]
+    if answers.is_file() and hashlib.sha256(answers.read_bytes()).hexdigest() == manifest["sha256"]:
+        entries = []
+        for line in answers.read_text().splitlines():
+            record = json.loads(line)
+            entries += [record["ids"][:record["answer_start"]], record["ids"][record["answer_start"]:]]
+        return f"answers {manifest['sha256'][:12]}", entries
+    from harness.training.distill import training_prompts  # the recipe of the corpus's prompts
+
+    command = manifest.get("command", "").split()
+    seed = int(command[command.index("--seed") + 1]) if "--seed" in command else 0
+    prompts = training_prompts(int(manifest["prompts"]), seed)
+    digest = hashlib.sha256("".join(json.dumps(p) + "\n" for p in prompts).encode()).hexdigest()
+    if manifest.get("prompts_sha256") and digest != manifest["prompts_sha256"]:
+        raise ValueError(f"the regenerated training prompts do not match drafts/{model_name}/corpus.json "
+                         f"(sha256 {digest[:12]} != {manifest['prompts_sha256'][:12]})")
+    return f"prompts {digest[:12]}", [tokenizer.encode(p["text"]) for p in prompts]
+
+
+def embedded_datastore(model_name: str, model_config: dict, log=print) -> Path:
+    """The model's own datastore, built from its draft-training corpus on first use and cached."""
+    from .models.loading import load_tokenizer
+    from .models.specs import ModelSpec
+
+    manifest = _manifest(model_name)
+    answers = PROJECT_ROOT / manifest["file"] if manifest else None
+    source = "answers" if answers is not None and answers.is_file() else "prompts"
+    key = hashlib.sha256(json.dumps([manifest, source], sort_keys=True).encode()).hexdigest()[:12]
+    path = cache_root() / "rest" / f"{model_name}-{source}-{key}.idx"
+    if path.is_file():
+        return path
+    tokenizer = load_tokenizer(ModelSpec.from_mapping(model_config))
+    log(f"REST: building the {model_name} datastore from its draft-training corpus ({source}), once; "
+        f"cached at {path}")
+    what, entries = corpus_entries(model_name, tokenizer)
+    counts = write_datastore(path, entries)
+    log(f"REST: datastore from {what}: {counts['entries']:,} sequences, {counts['tokens']:,} tokens, "
+        f"{counts['bytes'] / 2**20:.1f} MiB")
+    return path
+
+
+def datastore_path(settings: RestSettings, model_name: str, model_config: dict) -> Path:
+    problem = settings.model_problem({**model_config, "name": model_name})
+    if problem:
+        raise ValueError(f"method.datastore={settings.datastore}: {problem}")
+    if settings.datastore != "auto":
+        return _resolve(settings.datastore)
+    configured = (model_config.get("datastores") or {}).get("rest")
+    if configured:
+        return _resolve(configured)
+    return embedded_datastore(model_name, model_config)
+
+
+# ------------------------------------------------------------------------------------------
+# The decoder
+
+
+def retrieve(reader, sequence, settings: RestSettings) -> list[list[int]]:
+    """Upstream's retrieval: the longest span (max_token_span .. 2) of the text's end with a match;
+    its kept prefixes (draftretriever pads them with -2), padding stripped."""
+    for span in range(settings.max_token_span, MIN_TOKEN_SPAN - 1, -1):
+        paths = reader.search(list(sequence[-span:]), k=settings.matches, choices=settings.num_draft,
+                              long=settings.continuation)[0]
+        if paths:
+            return [[t for t in path if t != -2] for path in paths]
+    return []
+
+
+class RestDecoder(DraftVerifyDecoder):
+    name = "rest"
+
+    def __init__(self, target, datastore: Path | str, settings: RestSettings = RestSettings()):
+        import draftretriever
+
+        super().__init__(target)
+        self.settings, self.datastore = settings, Path(datastore)
+        self.reader = draftretriever.Reader(str(self.datastore))
+        self.retrievals = self.hits = 0
+
+    def describe(self):
+        return {**super().describe(), **self.settings.to_dict(), "datastore_file": str(self.datastore),
+                "datastore_bytes": self.datastore.stat().st_size}
+
+    def generate(self, prompt, stop, sampling=None, generator=None):
+        self.retrievals = self.hits = 0
+        out = super().generate(prompt, stop, sampling or SamplingConfig(), generator)
+        out.stats.extra["match_rate"] = self.hits / self.retrievals if self.retrievals else 0.0
+        return out
+
+    def propose(self, root: int, budget: int) -> Tree:
+        if budget <= 0:
+            return Tree(torch.tensor([root]), [-1])
+        paths = retrieve(self.reader, self.sequence, self.settings)
+        self.retrievals += 1
+        self.hits += bool(paths)
+        return trie(root, [path[:budget] for path in paths])
+
+
+@register("rest", settings=RestSettings)
+def build(target, settings: RestSettings, context) -> RestDecoder:
+    path = datastore_path(settings, context.model_name if context else "", context.model_config if context else {})
+    return RestDecoder(target, path, settings)
+
+
+# ------------------------------------------------------------------------------------------
+# python -m methods.rest: build a datastore
+
+
+def sharegpt_entries(file: Path, tokenizer):
+    """Upstream's small chat datastore: every message of every ShareGPT conversation, encoded."""
+    for conversation in json.loads(Path(file).read_text()):
+        for message in conversation["conversations"]:
+            yield tokenizer.encode(message["value"])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Build a REST datastore (a draftretriever index).")
+    parser.add_argument("--model", default=None, help="a suite model with a corpus manifest (drafts/<model>/"
+                        "corpus.json): build its cached datastore from the suite's draft-training corpus")
+    parser.add_argument("--tokenizer", default=None, help="with --sharegpt: the target's Hub id or folder")
+    parser.add_argument("--sharegpt", type=Path, default=None,
+                        help="upstream's recipe: a ShareGPT JSON (Aeala/ShareGPT_Vicuna_unfiltered)")
+    parser.add_argument("--out", type=Path, default=None, help="with --sharegpt: the datastore file to write")
+    args = parser.parse_args(argv)
+    if args.sharegpt:
+        if not (args.tokenizer and args.out):
+            parser.error("--sharegpt needs --tokenizer and --out")
+        from .models.loading import load_tokenizer
+        from .models.specs import ModelSpec
+
+        tokenizer = load_tokenizer(ModelSpec(path=args.tokenizer))
+        counts = write_datastore(args.out, sharegpt_entries(args.sharegpt, tokenizer))
+        print(f"{args.out}: {counts['entries']:,} sequences, {counts['tokens']:,} tokens, "
+              f"{counts['bytes'] / 2**20:.1f} MiB; run with method=rest method.datastore={args.out}")
+        return
+    from omegaconf import OmegaConf
+
+    from .models.specs import model_config
+
+    name = args.model or "smollm2-135m"
+    path = embedded_datastore(name, OmegaConf.to_container(model_config(name), resolve=True),
+                              log=lambda line: print(line, file=sys.stderr))
+    print(f"{path} ({path.stat().st_size / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

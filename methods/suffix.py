@@ -1,0 +1,152 @@
+"""Suffix Decoding (Oliaro et al., arXiv 2411.04975, NeurIPS 2025) as vLLM runs it (`method: "suffix"`,
+`vllm/v1/spec_decode/suffix_decoding.py`), on upstream's own cache: Snowflake's `arctic-inference`
+`SuffixDecodingCache` (`arctic_inference.suffix_decoding`, a C++ extension; pinned in pyproject.toml).
+
+The cache holds suffix trees of token ids: one per active request over its prompt and output so far
+(`start_request(id, prompt)`, then `add_active_response(id, new tokens)` after every step), and a
+global one over the responses of earlier requests (each response enters it as it is generated, and
+stays after `stop_request` until FIFO eviction past `max_cached_requests`). Each step, the last
+`max_tree_depth` tokens of prompt + output are the pattern; `speculate` finds the longest suffix of
+the pattern in either tree and expands the matched node by counts (a token's estimated probability
+is its count over its parent's; tokens under `min_token_prob` are not proposed), at most
+`max_spec_factor · match_len + max_spec_offset` tokens and at most `num_draft`; the draft of the
+tree with the higher score (sum of probabilities) wins. vLLM speculates a chain (`use_tree_spec`
+off, its verifier takes chains); `tree: true` is ArcticInference's own tree speculation (the
+paper's), verified as a tree by the shared loop. Verification is the engine's: greedy match, or
+rejection sampling with the draft as point masses (lossless at any temperature).
+
+The cache PERSISTS ACROSS PROMPTS (vLLM keeps one for the engine's lifetime): answers of earlier
+questions draft later ones, the harness's untimed warm-up answer included (as Token Recycling's
+matrix). `persist: false` starts every prompt from an empty cache; `reset()` clears it.
+
+Defaults are vLLM's `SpeculativeConfig`: `suffix_decoding_max_tree_depth=24`,
+`suffix_decoding_max_cached_requests=10000`, `suffix_decoding_max_spec_factor=1.0`,
+`suffix_decoding_min_token_prob=0.1`, `num_speculative_tokens` = the tree depth when unset;
+`max_spec_offset` is the cache's default 0 (vLLM does not pass it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import DraftVerifyDecoder, register
+from .engine.params import BOOL, Settings, integer, number, setting
+from .engine.sampling import SamplingConfig
+from .engine.tree import Tree
+
+
+@dataclass(frozen=True)
+class SuffixSettings(Settings):
+    """Suffix Decoding as vLLM runs it (method: suffix), on arctic-inference's SuffixDecodingCache: suffix
+    trees over this prompt + output and over earlier answers; the longest suffix match of the last
+    max_tree_depth tokens is expanded by counts into the draft. The global tree of earlier answers
+    PERSISTS ACROSS PROMPTS, as vLLM's cache does for the engine's lifetime."""
+
+    paper = "Oliaro et al. 2025 (snowflakedb/ArcticInference; vLLM method: suffix)"
+
+    max_tree_depth: int = setting(24, integer(1),
+                                  "vLLM's suffix_decoding_max_tree_depth: depth of the suffix trees (match + draft "
+                                  "length) and the pattern's length")
+    num_draft: int = setting(24, integer(1),
+                             "vLLM's num_speculative_tokens (unset: the tree depth): most draft tokens per step")
+    max_spec_factor: float = setting(1.0, number(0.0),
+                                     "vLLM's suffix_decoding_max_spec_factor: draft tokens <= factor x match length "
+                                     "+ offset")
+    max_spec_offset: float = setting(0.0, number(),
+                                     "the cache's max_spec_offset (vLLM leaves its default 0)")
+    min_token_prob: float = setting(0.1, number(0.0, 1.0),
+                                    "vLLM's suffix_decoding_min_token_prob: tokens whose count share is lower are "
+                                    "not drafted")
+    max_cached_requests: int = setting(10000, integer(-1),
+                                       "vLLM's suffix_decoding_max_cached_requests: answers kept in the global tree "
+                                       "(FIFO); 0 = no global tree, -1 = no limit")
+    tree: bool = setting(False, BOOL,
+                         "false = a chain (vLLM's: use_tree_spec off); true = ArcticInference's tree speculation")
+    persist: bool = setting(True, BOOL, "false = an empty cache for every prompt")
+
+
+def draft_tree(root: int, token_ids, parents) -> Tree:
+    """The cache's draft (token ids, parent indices with -1 for the root's children) as a tree
+    rooted at `root`, in an order where every parent precedes its children."""
+    order, placed = [], {-1: 0}
+    pending = list(range(len(token_ids)))
+    while pending:  # the cache emits parents first; this only reorders if it ever does not
+        left = []
+        for i in pending:
+            if parents[i] in placed:
+                placed[i] = len(order) + 1
+                order.append(i)
+            else:
+                left.append(i)
+        if len(left) == len(pending):
+            raise ValueError(f"suffix draft with a cycle or a missing parent: {list(parents)}")
+        pending = left
+    return Tree(torch.tensor([root] + [int(token_ids[i]) for i in order]),
+                [-1] + [placed[parents[i]] for i in order])
+
+
+class SuffixDecoder(DraftVerifyDecoder):
+    name = "suffix"
+
+    def __init__(self, target, settings: SuffixSettings = SuffixSettings()):
+        super().__init__(target)
+        self.settings = settings
+        self.requests = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """An empty cache: no prompt trees, an empty global tree."""
+        from arctic_inference.suffix_decoding import SuffixDecodingCache  # upstream's cache (C++)
+
+        self.cache = SuffixDecodingCache(max_tree_depth=self.settings.max_tree_depth,
+                                         max_cached_requests=self.settings.max_cached_requests)
+
+    def describe(self):
+        return {**super().describe(), **self.settings.to_dict(), "cache": "arctic_inference SuffixDecodingCache"}
+
+    def generate(self, prompt, stop, sampling=None, generator=None):
+        if not self.settings.persist:
+            self.reset()
+        cached_before = len(self.cache.cached_requests)
+        self.request, self.requests = self.requests, self.requests + 1
+        prompt = list(prompt)
+        self.cache.start_request(self.request, prompt)
+        self.added, self.speculated, self.matched, self.match_lengths = len(prompt), 0, 0, 0
+        try:
+            out = super().generate(prompt, stop, sampling or SamplingConfig(), generator)
+            rest = out.tokens[self.added - len(prompt):]  # the answer's last tokens (after the last draft)
+            if rest:
+                self.cache.add_active_response(self.request, rest)
+        finally:
+            self.cache.stop_request(self.request)
+        out.stats.extra.update({
+            "cache_persists": self.settings.persist, "cached_answers_before": cached_before,
+            "match_rate": self.matched / self.speculated if self.speculated else 0.0,
+            "mean_match_length": self.match_lengths / self.matched if self.matched else 0.0})
+        return out
+
+    def propose(self, root: int, budget: int) -> Tree:
+        sequence = self.sequence  # prompt + output, `root` last
+        if len(sequence) > self.added:  # what the last step emitted (vLLM: the sampled ids)
+            self.cache.add_active_response(self.request, sequence[self.added:])
+            self.added = len(sequence)
+        if budget <= 0:
+            return Tree(torch.tensor([root]), [-1])
+        s = self.settings
+        draft = self.cache.speculate(self.request, sequence[-s.max_tree_depth:],
+                                     max_spec_tokens=min(s.num_draft, budget), max_spec_factor=s.max_spec_factor,
+                                     max_spec_offset=s.max_spec_offset, min_token_prob=s.min_token_prob,
+                                     use_tree_spec=s.tree)
+        self.speculated += 1
+        if not draft.token_ids:
+            return Tree(torch.tensor([root]), [-1])
+        self.matched += 1
+        self.match_lengths += draft.match_len
+        return draft_tree(root, draft.token_ids, draft.parents)
+
+
+@register("suffix", settings=SuffixSettings)
+def build(target, settings: SuffixSettings, context) -> SuffixDecoder:
+    return SuffixDecoder(target, settings)
