@@ -159,7 +159,11 @@ def report_links(s: dict, up: str) -> str:
 def block_reference(sets) -> str:
     """README: the newest `make headline` run set."""
     latest = headline_sets(sets)[0]
-    return f"{describe(latest)}; {fidelity_line(latest)}.\n\n{results_table(latest, labels=False)}\n"
+    st, ar = latest["settings"], [row["ar_tokens_per_second"] for row in latest["rows"]]
+    line = (f"{latest['questions']} questions, {st['max_new_tokens']} new tokens, {st['sampling']}, {st['dtype']}; "
+            f"{machine(latest)}; engine `{st['engine']}` (commit {', '.join(latest['commits'])}), {latest['date']}; "
+            f"AR {min(ar):.0f}–{max(ar):.0f} tokens/s; {fidelity_line(latest)}")
+    return f"{line}.\n\n{results_table(latest, labels=False)}\n"
 
 
 def block_figure(sets) -> str:
@@ -169,8 +173,7 @@ def block_figure(sets) -> str:
     if not figure.is_file():
         raise SystemExit(f"{figure}: missing (make figures RUNS=results/reference)")
     return (f"![speedup against τ]({figure.relative_to(REPO)})\n\n"
-            f"*`make headline`, {machine(latest)}, {latest['date']}; dashed: speedup = τ, free drafts and "
-            "verification.*\n")
+            f"*`make headline`, {machine(latest)}, {latest['date']}; dashed: speedup = τ.*\n")
 
 
 def block_latest(sets) -> str:
@@ -214,8 +217,8 @@ def block_quickstart(_sets) -> str:
             f"{run_date(records)}.)\n")
 
 
-DRAFT_COLUMNS = {"sps": "draft LM", "eagle": "EAGLE head", "eagle3": "EAGLE-3 head", "medusa": "Medusa heads",
-                 "hydra": "Hydra heads"}  # a model config's drafts.<kind>, in the order of the README's columns
+# a model config's drafts.<kind>, in the order of the README's columns
+DRAFT_COLUMNS = {"sps": "draft LM", "eagle": "EAGLE", "eagle3": "EAGLE-3", "medusa": "Medusa", "hydra": "Hydra"}
 
 
 def block_models(_sets) -> str:
