@@ -107,7 +107,7 @@ def _manifest(model_name: str | None) -> dict | None:
 def write_datastore(path: Path, entries) -> dict:
     """A draftretriever index at `path` from token-id sequences (upstream's Writer calls); returns its
     counts. Written to a temporary name first, so that a killed build leaves no half file."""
-    import draftretriever
+    import draftretriever  # lazy: draftretriever (REST's index), only where a datastore is written
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -137,7 +137,8 @@ def corpus_entries(model_name: str, tokenizer) -> tuple[str, list[list[int]]]:
             record = json.loads(line)
             entries += [record["ids"][:record["answer_start"]], record["ids"][record["answer_start"]:]]
         return f"answers {manifest['sha256'][:12]}", entries
-    from harness.training.distill import training_prompts  # the recipe of the corpus's prompts
+    # lazy: the corpus's prompt recipe (harness/training), only when the answers file is absent
+    from harness.training.distill import training_prompts
 
     command = manifest.get("command", "").split()
     seed = int(command[command.index("--seed") + 1]) if "--seed" in command else 0
@@ -151,8 +152,8 @@ def corpus_entries(model_name: str, tokenizer) -> tuple[str, list[list[int]]]:
 
 def embedded_datastore(model_name: str, model_config: dict, log=print) -> Path:
     """The model's own datastore, built from its draft-training corpus on first use and cached."""
-    from .models.loading import load_tokenizer
-    from .models.specs import ModelSpec
+    from .models.loading import load_tokenizer  # lazy: the tokenizer, only when the datastore is first built
+    from .models.specs import ModelSpec  # lazy: the tokenizer, only when the datastore is first built
 
     manifest = _manifest(model_name)
     answers = PROJECT_ROOT / manifest["file"] if manifest else None
@@ -202,7 +203,7 @@ class RestDecoder(DraftVerifyDecoder):
     name = "rest"
 
     def __init__(self, target, datastore: Path | str, settings: RestSettings = RestSettings()):
-        import draftretriever
+        import draftretriever  # lazy: draftretriever, only where a datastore is read
 
         super().__init__(target)
         self.settings, self.datastore = settings, Path(datastore)
@@ -257,17 +258,17 @@ def main(argv=None) -> None:
     if args.sharegpt:
         if not (args.tokenizer and args.out):
             parser.error("--sharegpt needs --tokenizer and --out")
-        from .models.loading import load_tokenizer
-        from .models.specs import ModelSpec
+        from .models.loading import load_tokenizer  # lazy: the tokenizer, only for the command-line datastore build
+        from .models.specs import ModelSpec  # lazy: the tokenizer, only for the command-line datastore build
 
         tokenizer = load_tokenizer(ModelSpec(path=args.tokenizer))
         counts = write_datastore(args.out, sharegpt_entries(args.sharegpt, tokenizer))
         print(f"{args.out}: {counts['entries']:,} sequences, {counts['tokens']:,} tokens, "
               f"{counts['bytes'] / 2**20:.1f} MiB; run with method=rest method.datastore={args.out}")
         return
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # lazy: omegaconf, only for the command-line datastore build
 
-    from .models.specs import model_config
+    from .models.specs import model_config  # lazy: the model configs, only for the command-line datastore build
 
     name = args.model or "smollm2-135m"
     path = embedded_datastore(name, OmegaConf.to_container(model_config(name), resolve=True),

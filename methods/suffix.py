@@ -98,7 +98,8 @@ class SuffixDecoder(DraftVerifyDecoder):
 
     def reset(self) -> None:
         """An empty cache: no prompt trees, an empty global tree."""
-        from arctic_inference.suffix_decoding import SuffixDecodingCache  # upstream's cache (C++)
+        # lazy: arctic-inference's C++ cache, only when a decoder is built
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
 
         self.cache = SuffixDecodingCache(max_tree_depth=self.settings.max_tree_depth,
                                          max_cached_requests=self.settings.max_cached_requests)
