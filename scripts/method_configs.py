@@ -1,8 +1,8 @@
 """Writes what follows from the methods' settings classes: `conf/method/<name>.yaml` of every method
 of the suite and the settings table of docs/methods.md.
 
-    python scripts/method_configs.py            # write them
-    python scripts/method_configs.py --check    # exit 1, naming the files, if any differs
+    make docs                                   # writes them (scripts/generate_docs.py)
+    python scripts/generate_docs.py --check     # exit 1, naming the files, if any differs
 
 A method's settings are declared once, in its `Settings` class (`methods/engine/params.py`); these
 files are written from them, and tests/test_settings.py checks that they are up to date.
@@ -10,7 +10,6 @@ files are written from them, and tests/test_settings.py checks that they are up 
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
@@ -49,23 +48,3 @@ def expected_files() -> dict[Path, str]:
         raise SystemExit(f"{DOCS}: no settings block ({BEGIN} ... {END})")
     files[DOCS] = block.sub(lambda _: f"{BEGIN}\n{settings_markdown()}\n{END}", docs)
     return files
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="only check that the files are up to date")
-    args = parser.parse_args()
-    files = expected_files()
-    stale = [path for path, text in files.items() if not path.is_file() or path.read_text() != text]
-    if args.check:
-        if stale:
-            raise SystemExit("out of date (run python scripts/method_configs.py): "
-                             + ", ".join(str(p.relative_to(REPO)) for p in stale))
-        return
-    for path in stale:
-        path.write_text(files[path])
-        print(f"wrote {path.relative_to(REPO)}")
-
-
-if __name__ == "__main__":
-    main()

@@ -25,7 +25,7 @@ def method_configs():
 def test_yaml_files_and_the_docs_table_are_written_from_the_settings_classes():
     configs = method_configs()
     stale = [str(path.relative_to(REPO)) for path, text in configs.expected_files().items() if path.read_text() != text]
-    assert not stale, f"out of date: {stale}; run python scripts/method_configs.py"
+    assert not stale, f"out of date: {stale}; run make docs"
     assert {path.stem for path in (REPO / "conf" / "method").glob("*.yaml")} == set(configs.suite_methods())
 
 

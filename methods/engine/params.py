@@ -7,7 +7,7 @@ a `setting(default, check, doc)`: its name, type, valid values, default and one 
 does. Everything else follows from that class: the check of a run's `method.*` keys before a model
 loads (one line: the key, the bad value and what is valid), the values the method's factory gets,
 `conf/method/<name>.yaml` and the settings table of docs/methods.md (both written by
-`python scripts/method_configs.py`, and checked equal by tests/test_settings.py).
+`make docs`, and checked equal by tests/test_settings.py).
 """
 
 from __future__ import annotations
