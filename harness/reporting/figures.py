@@ -66,13 +66,13 @@ from harness.stats import MIN_INTERVAL_N  # noqa: E402
 plt.rcParams.update({"font.size": 8, "axes.titlesize": 8, "legend.fontsize": 6.5, "figure.dpi": 150,
                      "axes.spines.top": False, "axes.spines.right": False})
 COLUMN_WIDTH = 3.4  # inches: one column of a two-column paper
-# One colour per method, the same in every figure and every run set (Tableau 10, then black and
+# One colour per method, the same in every figure and every run set (Tableau 10, then black, a teal and
 # Tableau 20b's dark tones: a pale colour is hard to see as a line); a method not listed here gets
 # one of the dark tones from its name's hash.
 METHOD_ORDER = ("ar", "sps", "mcsd", "medusa", "hydra", "eagle", "eagle2", "eagle3", "jacobi", "lookahead",
-                "pld", "recycling", "lazyllm")
+                "pld", "recycling", "lazyllm", "suffix", "rest")
 PALETTE = ([plt.get_cmap("tab10")(i) for i in range(10)] + ["black", plt.get_cmap("tab20b")(0), "#e6ab02"]
-           + [plt.get_cmap("tab20b")(4 * i) for i in (1, 3, 4)])
+           + [plt.get_cmap("tab20b")(4), "#1b9e77"] + [plt.get_cmap("tab20b")(4 * i) for i in (3, 4)])
 BUSY_COLOUR = "red"
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 LINES = ("-", "--", ":", "-.")
