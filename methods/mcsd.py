@@ -36,13 +36,7 @@ class MCSDSettings(Settings):
     def size_in(cls, config: dict) -> tuple[str, Any] | None:
         """The tree's node count: k_config [4, 2, 1] drafts 4 + 8 + 8 nodes."""
         found = super().size_in(config)
-        if found is None or not isinstance(found[1], list):
-            return found
-        nodes, width = 0, 1
-        for k in found[1]:
-            width *= k
-            nodes += width
-        return cls.size_label, nodes
+        return found if found is None or not isinstance(found[1], list) else (cls.size_label, tree_nodes(found[1]))
 
     k_config: list | int | str = setting("auto", one_of("auto") | int_list(1) | integer(1),
                                          "children per node at each depth, e.g. [4, 2, 1]; auto = the largest tree "

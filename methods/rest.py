@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from .base import DraftVerifyDecoder, register
-from .engine.params import Check, Settings, integer, setting
+from .engine.params import Check, ConfigError, Settings, integer, setting
 from .engine.sampling import SamplingConfig
 from .engine.storage import cache_root
 from .engine.tree import Tree
@@ -78,14 +78,19 @@ class RestSettings(Settings):
     matches: int = setting(5000, integer(1), "draftretriever's k (upstream keeps its 5000): matches read per "
                                              "datastore chunk")
 
-    def model_problem(self, model: dict) -> str | None:
+    def check_model(self, model: dict) -> None:
         if self.datastore != "auto":
             path = _resolve(self.datastore)
-            return None if path.is_file() else f"no datastore file {path}; build one: {SHAREGPT_COMMAND}"
+            if not path.is_file():
+                raise ConfigError("method.datastore", self.datastore,
+                                  f"an existing datastore (there is no datastore file {path}); "
+                                  f"build one: {SHAREGPT_COMMAND}")
+            return
         if (model.get("datastores") or {}).get("rest") or _manifest(model.get("name")) is not None:
-            return None
-        return (f"model {model.get('name')} has no REST datastore; build one with upstream's recipe "
-                f"({SHAREGPT_COMMAND}) and pass method.datastore=<file>")
+            return
+        raise ConfigError("model", model.get("name"), f"a model with a REST datastore: model {model.get('name')} "
+                          f"has no REST datastore; build one with upstream's recipe ({SHAREGPT_COMMAND}) and pass "
+                          "method.datastore=<file>")
 
 
 def _resolve(path: str) -> Path:
@@ -173,9 +178,7 @@ def embedded_datastore(model_name: str, model_config: dict, log=print) -> Path:
 
 
 def datastore_path(settings: RestSettings, model_name: str, model_config: dict) -> Path:
-    problem = settings.model_problem({**model_config, "name": model_name})
-    if problem:
-        raise ValueError(f"method.datastore={settings.datastore}: {problem}")
+    settings.check_model({**model_config, "name": model_name})
     if settings.datastore != "auto":
         return _resolve(settings.datastore)
     configured = (model_config.get("datastores") or {}).get("rest")

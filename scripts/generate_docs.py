@@ -67,7 +67,7 @@ def run_sets(paths=(REFERENCE,)) -> list[dict]:
         runs = sorted({REPO / run for row in table.rows.values() for run in row.runs})
         envs = [environment(run) for run in runs]
         rows = breakdown_rows(table.rows, table.settings)
-        for row, (label, table_row) in zip(rows, sorted(table.rows.items())):
+        for row, (_, table_row) in zip(rows, sorted(table.rows.items())):
             row["name"] = table_row.method
             ttft, base = (
                 decoder_stats(list(side.values()))["mean_ttft"] for side in (table_row.records, table_row.baseline)
@@ -94,14 +94,16 @@ def machine(s: dict) -> str:
     return f"{s['settings']['hardware']}, {cores} cores"
 
 
-def describe(s: dict) -> str:
-    """One line: the run set's setting, machine, engine, commit, date and AR's speed."""
+def describe(s: dict, with_model: bool = True) -> str:
+    """One line: the run set's setting (its model and dataset unless the context names them), machine,
+    engine, commit, date and AR's speed."""
     st = s["settings"]
     ar = [row["ar_tokens_per_second"] for row in s["rows"]]
     commits = ", ".join(s["commits"]) or "unrecorded"
-    return (f"{st['model']}, {st['dataset']}, {s['questions']} questions, {st['max_new_tokens']} new tokens, "
-            f"{st['sampling']}, {st['dtype']}; {machine(s)}; engine `{st['engine']}` (commit {commits}); "
-            f"{s['date']}; AR {min(ar):.1f}–{max(ar):.1f} tokens/s")
+    model = f"{st['model']}, {st['dataset']}, " if with_model else ""
+    return (f"{model}{s['questions']} questions, {st['max_new_tokens']} new tokens, {st['sampling']}, {st['dtype']}; "
+            f"{machine(s)}; engine `{st['engine']}` (commit {commits}), {s['date']}; "
+            f"AR {min(ar):.0f}–{max(ar):.0f} tokens/s")
 
 
 def speedup_cell(row: dict, interval: bool = True) -> str:
@@ -159,10 +161,7 @@ def report_links(s: dict, up: str) -> str:
 def block_reference(sets) -> str:
     """README: the newest `make headline` run set."""
     latest = headline_sets(sets)[0]
-    st, ar = latest["settings"], [row["ar_tokens_per_second"] for row in latest["rows"]]
-    line = (f"{latest['questions']} questions, {st['max_new_tokens']} new tokens, {st['sampling']}, {st['dtype']}; "
-            f"{machine(latest)}; engine `{st['engine']}` (commit {', '.join(latest['commits'])}), {latest['date']}; "
-            f"AR {min(ar):.0f}–{max(ar):.0f} tokens/s; {fidelity_line(latest)}")
+    line = f"{describe(latest, with_model=False)}; {fidelity_line(latest)}"
     return f"{line}.\n\n{results_table(latest, labels=False)}\n"
 
 

@@ -21,7 +21,7 @@ from methods.rest import RestDecoder, RestSettings, retrieve, write_datastore
 from methods.suffix import SuffixDecoder, SuffixSettings, draft_tree
 from tests.conftest import tiny_model
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
-from tests.test_training_free import random_prompts
+from tests.test_training_free import assert_stops_on_eos_like_ar, random_prompts
 
 
 def suffix(target, **settings):
@@ -103,11 +103,7 @@ def test_suffix_greedy_equals_ar_and_the_cache_persists(arch):
 
 def test_suffix_stops_on_eos_like_ar():
     target = tiny_model("llama", seed=72, vocab_size=16)
-    prompt = random_prompts(16, 1, seed=3)[0]
-    full = AutoregressiveDecoder(ModelRunner(target)).generate(prompt, StopCondition(40)).tokens
-    stop = StopCondition(40, frozenset({full[12]}))
-    expected = AutoregressiveDecoder(ModelRunner(target)).generate(prompt, stop).tokens
-    assert suffix(target).generate(prompt, stop).tokens == expected
+    assert_stops_on_eos_like_ar(target, suffix(target))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -97,13 +97,18 @@ def test_pld_equals_transformers_prompt_lookup_generate_and_ar(arch):
     assert all(accepted.values())
 
 
-def test_pld_stops_on_eos_like_ar():
-    target = tiny_model("llama", seed=62, vocab_size=16)
+def assert_stops_on_eos_like_ar(target, decoder) -> None:
+    """With the 13th token AR decodes as an EOS, `decoder` stops where AR stops, with AR's tokens."""
     prompt = random_prompts(16, 1, seed=3)[0]
     full = AutoregressiveDecoder(ModelRunner(target)).generate(prompt, StopCondition(40)).tokens
     stop = StopCondition(40, frozenset({full[12]}))
     expected = AutoregressiveDecoder(ModelRunner(target)).generate(prompt, stop).tokens
-    assert PromptLookupDecoder(ModelRunner(target)).generate(prompt, stop).tokens == expected
+    assert decoder.generate(prompt, stop).tokens == expected
+
+
+def test_pld_stops_on_eos_like_ar():
+    target = tiny_model("llama", seed=62, vocab_size=16)
+    assert_stops_on_eos_like_ar(target, PromptLookupDecoder(ModelRunner(target)))
 
 
 # ---------------------------------------------------------------------------------------------

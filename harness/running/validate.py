@@ -69,7 +69,6 @@ def validate(cfg: DictConfig) -> None:
                           "model's gguf_file) or a Hugging Face Hub id")
     params = OmegaConf.to_container(cfg.method, resolve=True)
     check_method_params(params.get("name"), params)
-    check_draft(params, OmegaConf.to_container(cfg.model, resolve=True))
     check_model(params, OmegaConf.to_container(cfg.model, resolve=True))
     check_batch_size(cfg.batch_size, params)
     quality = OmegaConf.to_container(cfg.dataset.quality, resolve=True) if cfg.dataset.get("quality") else {}
@@ -84,25 +83,19 @@ def models_with_draft(kind: str) -> list[str]:
                   if (OmegaConf.load(path).get("drafts") or {}).get(kind))
 
 
-def check_draft(params: dict, model: dict) -> None:
-    """A method that drafts with a trained draft (`Settings.draft_kind`) needs the model's
-    `drafts.<kind>`, or its own `method.draft` / `method.head`: ConfigError naming the models that
-    have one, before anything loads or downloads."""
-    kind = method_settings(params.get("name")).draft_kind
-    if kind is None or params.get("draft") or params.get("head") or (model.get("drafts") or {}).get(kind):
-        return
-    key = "draft" if kind == "sps" else "head"
-    raise ConfigError("model", model.get("name"),
-                      f"a model with drafts.{kind} (method {params.get('name')} drafts with it): "
-                      f"{', '.join(models_with_draft(kind))} (or give method.{key}.path=<hub id or folder>)")
-
-
 def check_model(params: dict, model: dict) -> None:
-    """What a method needs from the model besides a draft (REST's datastore): ConfigError naming it
-    and how to make it, before anything loads or downloads."""
-    problem = method_settings(params.get("name")).from_params(params).model_problem(model)
-    if problem:
-        raise ConfigError("method.datastore" if "datastore" in problem else "model", model.get("name"), problem)
+    """What a method needs from the model, before anything loads or downloads: a method that drafts
+    with a trained draft (`Settings.draft_kind`) needs the model's `drafts.<kind>` or its own
+    `method.draft` / `method.head` (ConfigError naming the models that have one); then the method's
+    own needs (`Settings.check_model`: REST's datastore)."""
+    settings = method_settings(params.get("name"))
+    kind = settings.draft_kind
+    if kind and not (params.get("draft") or params.get("head") or (model.get("drafts") or {}).get(kind)):
+        key = "draft" if kind == "sps" else "head"
+        raise ConfigError("model", model.get("name"),
+                          f"a model with drafts.{kind} (method {params.get('name')} drafts with it): "
+                          f"{', '.join(models_with_draft(kind))} (or give method.{key}.path=<hub id or folder>)")
+    settings.from_params(params).check_model(model)
 
 
 def check_batch_size(batch_size: int, params: dict) -> None:

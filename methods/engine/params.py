@@ -136,10 +136,9 @@ class Settings:
         """Why these settings cannot be decoded at batch_size > 1; None when they can."""
         return None if self.batchable else "it decodes one sequence at a time"
 
-    def model_problem(self, model: dict) -> str | None:
-        """Why these settings cannot run on this model config (e.g. a datastore it lacks), checked
-        before anything loads; None when they can."""
-        return None
+    def check_model(self, model: dict) -> None:
+        """ConfigError when these settings cannot run on this model config (e.g. a datastore it
+        lacks), checked before anything loads."""
 
     @classmethod
     def size_keys(cls) -> set[str]:
