@@ -117,7 +117,7 @@ perf-gpu: setup
 	$(PY) -m harness.perf.gpu $(ARGS)
 
 # AR's tokens/s under each OpenMP wait policy, quiet and with 2x / 5x as many runnable threads as
-# cores (spinning processes): what methods/engine/threads.py chooses from. Minutes; run it alone.
+# cores (spinning processes): what methods/machine/threads.py chooses from. Minutes; run it alone.
 perf-contention: setup
 	$(PY) -m harness.perf.contention $(ARGS)
 

@@ -6,6 +6,6 @@ folders), `reporting/` (tables, figures, the headline run, the numbers in words)
 
 from pathlib import Path
 
-import methods  # noqa: F401  (first: it sets OpenMP's wait policy before torch loads; methods/engine/threads.py)
+import methods  # noqa: F401  (first: it sets OpenMP's wait policy before torch loads; methods/machine/threads.py)
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout: conf/, data/, drafts/, results/

@@ -2,8 +2,9 @@
 and the registry; every other module here is one method (its drafter only) and registers itself by
 name, and `eagle/` is the EAGLE family's package (it registers `eagle`, `eagle2` and `eagle3`);
 `engine/` is the machinery they share (target forward + KV cache, trees, acceptance, sampling,
-stopping); `models/` loads targets, draft LMs and draft heads."""
+stopping); `machine/` is the machine profile (everything that measures the machine, handed in);
+`models/` loads targets, draft LMs and draft heads."""
 
-from .engine import threads as _threads
+from .machine import threads as _threads
 
 _threads.configure()  # before anything imports torch: OpenMP reads its wait policy once

@@ -27,7 +27,6 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 
 from .engine.acceptance import Acceptance, chosen_margins, greedy_accept_logits, sample_accept
-from .engine.hardware import latency_curve
 from .engine.params import ConfigError, Settings
 from .engine.runner import ForwardOutput, ModelRunner
 from .engine.sampling import SamplingConfig, logits_to_probs, sample
@@ -117,8 +116,9 @@ class Decoder(ABC):
     name: ClassVar[str]
     lossless: ClassVar[bool] = True  # reproduces AR's greedy tokens and sampling distribution
 
-    def __init__(self, target: ModelRunner):
+    def __init__(self, target: ModelRunner, sizing: dict | None = None):
         self.target = target
+        self.sizing = sizing  # how an `auto` size was derived from the machine profile (None: not `auto`)
 
     @abstractmethod
     def generate(
@@ -128,8 +128,6 @@ class Decoder(ABC):
         sampling: SamplingConfig = SamplingConfig(),
         generator: torch.Generator | None = None,
     ) -> DecodeOutput: ...
-
-    sizing: dict | None = None  # how an `auto` size was derived from the hardware profile
 
     def describe(self) -> dict[str, Any]:
         """Method parameters for the results record."""
@@ -147,6 +145,8 @@ class BuildContext:
     target_model: Any  # the target's transformers model
     model_name: str
     model_config: dict  # the model's config entry (`drafts`: method kind -> draft spec, ...)
+    # the machine profile (`methods/machine/profile.py`) `auto` sizes are read from; None: upstream's fixed sizes
+    profile: Any = None
 
     @property
     def drafts(self) -> dict:
@@ -163,26 +163,30 @@ class BuildContext:
             )
         return dict(spec)
 
-    def latency_curve(self, target) -> dict[int, float]:
-        """The target's forward-latency curve from the hardware profile (measured once, cached)."""
-        return latency_curve(target, self.model_name)
+    def latency_curve(self, target) -> dict[int, float] | None:
+        """The target's forward-latency curve from the machine profile (measured once, cached); None
+        without a profile."""
+        return self.profile.latency_curve(target, self.model_name) if self.profile is not None else None
 
-    def tree_budget(self, target, what: str) -> tuple[int, dict]:
-        """`auto` tree sizes: the most tokens one verification may hold on this machine."""
+    def tree_budget(self, target, what: str, fixed: int) -> tuple[int, dict]:
+        """`auto` tree sizes: the most tokens one verification may hold on this machine; `fixed`
+        (upstream's size, in the same unit) without a machine profile."""
         curve = self.latency_curve(target)
+        if curve is None:
+            return fixed, {what: "auto", "verify_tokens": fixed, "profile": "none: upstream's size"}
         budget = tree_budget(curve)
         return budget, {what: "auto", "verify_tokens": budget, "verify_budget_t1": VERIFY_BUDGET,
                         "curve_t1": {n: round(v, 3) for n, v in relative(curve).items()}}
 
     def static_tree(self, params: dict, target, published: str, max_depth: int | None = None):
         """`method.tree`: a built-in name or a list of paths; `auto` is the `published` tree (paths
-        deeper than `max_depth` left out) cut, in its own order, to this machine's tree budget.
-        Returns the tree and, for `auto`, how it was sized."""
+        deeper than `max_depth` left out) cut, in its own order, to this machine's tree budget (whole
+        without a machine profile). Returns the tree and, for `auto`, how it was sized."""
         tree = params.get("tree", "auto")
         if tree != "auto":
             return StaticTree.build(tree), None
-        budget, sizing = self.tree_budget(target, "tree")
         paths = [p for p in NAMED_TREES[published] if max_depth is None or len(p) <= max_depth]
+        budget, sizing = self.tree_budget(target, "tree", len(paths) + 1)
         chosen = StaticTree.build(paths, nodes=budget - 1)
         return chosen, {**sizing, "chosen": f"{published}, first {len(chosen) - 1} nodes"}
 
@@ -250,7 +254,7 @@ ENTRY_POINTS = "decodebench.methods"  # the entry-point group of methods from ot
 def available_methods() -> list[str]:
     """Every registered method: each module or package beside this one registers the methods it holds
     on import (a method file; a family's package, `eagle/`, whose `__init__` imports its registering
-    modules; the shared machinery, `engine/` and `models/`, holds none), and so does each module an
+    modules; the shared machinery, `engine/`, `machine/` and `models/`, holds none), and so does each module an
     installed distribution names in the entry-point group `decodebench.methods`."""
     for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if module.name != "base" and not module.name.startswith("_"):

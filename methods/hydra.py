@@ -72,8 +72,8 @@ class HydraDecoder(DraftVerifyDecoder):
 
     def __init__(self, target, heads: HydraHeads, tree: StaticTree, hidden_state_offset: int = 0, vocabulary=None,
                  acceptance: str = HydraSettings.acceptance, typical_epsilon: float = HydraSettings.typical_epsilon,
-                 typical_delta: float = HydraSettings.typical_delta):
-        super().__init__(target)
+                 typical_delta: float = HydraSettings.typical_delta, sizing: dict | None = None):
+        super().__init__(target, sizing)
         if acceptance not in ACCEPTANCE:
             raise ValueError(f"unknown hydra acceptance {acceptance!r}; valid: {', '.join(ACCEPTANCE)}")
         self.acceptance, self.lossless = acceptance, acceptance == "exact"
@@ -223,6 +223,6 @@ def build(target, settings: HydraSettings, context: BuildContext) -> HydraDecode
     tree, sizing = context.static_tree(params, target, "hydra_mc_sim_7b_63", max_depth=heads.num_heads)
     decoder = HydraDecoder(target, heads, tree, hidden_state_offset=int(config.get("hidden_state_offset", 0) or 0),
                            vocabulary=context.draft_vocabulary(params), acceptance=settings.acceptance,
-                           typical_epsilon=float(settings.typical_epsilon), typical_delta=float(settings.typical_delta))
-    decoder.sizing = sizing
+                           typical_epsilon=float(settings.typical_epsilon), typical_delta=float(settings.typical_delta),
+                           sizing=sizing)
     return decoder

@@ -27,6 +27,7 @@ from .engine.tree import Tree
 # sequence: random tokens of the prompt and the output so far, as upstream's chat and speedup
 # scripts draw them (`random.choices(generation[0], k=n-1)`); prompt: of the prompt only
 INITIAL_GUESSES = ("sequence", "prompt", "repeat", "pad")
+CLLM_BLOCK = 16  # CLLMs' n_token_seq_length; `auto` without a machine profile
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class JacobiSettings(Settings):
 
     block_size: int | str | None = setting(None, null() | one_of("auto") | integer(2),
                                            "n tokens per block; null = the model's jacobi_block_size (CLLMs), else "
-                                           "auto: the longest block this machine verifies nearly free (hardware "
+                                           "auto: the longest block this machine verifies nearly free (machine "
                                            "profile)")
     initial_guess: str = setting("sequence", one_of(*INITIAL_GUESSES),
                                  "sequence (random tokens of prompt + output so far, as upstream CLLM scripts) | "
@@ -50,10 +51,10 @@ class JacobiSettings(Settings):
 class JacobiDecoder(DraftVerifyDecoder):
     name = "jacobi"
 
-    def __init__(self, target, block_size: int = 16, initial_guess: str = JacobiSettings.initial_guess,
+    def __init__(self, target, block_size: int = CLLM_BLOCK, initial_guess: str = JacobiSettings.initial_guess,
                  pad_token: int = 0,
-                 seed: int = JacobiSettings.seed):
-        super().__init__(target)
+                 seed: int = JacobiSettings.seed, sizing: dict | None = None):
+        super().__init__(target, sizing)
         if block_size < 2:
             raise ValueError(f"jacobi block_size must be >= 2, got {block_size}")
         if initial_guess not in INITIAL_GUESSES:
@@ -114,10 +115,9 @@ def build(target, settings: JacobiSettings, context: BuildContext) -> JacobiDeco
     # a CLLM's own block size wins over `auto` (it was trained for it); else the machine's verify budget
     block, sizing = settings.block_size or context.model_config.get("jacobi_block_size") or "auto", None
     if block == "auto":
-        block, sizing = context.tree_budget(target, "block_size")
+        block, sizing = context.tree_budget(target, "block_size", CLLM_BLOCK)
         sizing["chosen"] = block
     pad = getattr(context.target_model.config, "pad_token_id", None) or 0
     decoder = JacobiDecoder(target, block_size=int(block), initial_guess=settings.initial_guess,
-                            pad_token=int(pad), seed=settings.seed)
-    decoder.sizing = sizing
+                            pad_token=int(pad), seed=settings.seed, sizing=sizing)
     return decoder

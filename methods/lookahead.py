@@ -45,6 +45,7 @@ from .engine.tree import ExtraRows, Tree
 from .pld import trie
 
 AUTO = one_of("auto")
+UPSTREAM_WINDOW = UPSTREAM_GUESS = 15  # upstream's 7B setting; `auto`'s budget without a machine profile
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,10 @@ class LookaheadSettings(Settings):
     level: int = setting(
         5, integer(3), "N (n-gram size); upstream's 7B setting (applications/run_mtbench.sh: LEVEL=5 WIN=15 GUESS=15)"
     )
-    window: int | str = setting(15, AUTO | integer(1),
+    window: int | str = setting(UPSTREAM_WINDOW, AUTO | integer(1),
                                 "W; auto = W and G sharing this machine's verify budget, (N-1)(W+G) rows")
     guess: int | str = setting(
-        15,
+        UPSTREAM_GUESS,
         AUTO | integer(0),
         "G, n-grams kept (LRU) per first token and verified per step; 0 = window only; auto as above",
     )
@@ -75,8 +76,8 @@ class LookaheadDecoder(DraftVerifyDecoder):
 
     def __init__(self, target, window: int = LookaheadSettings.window, level: int = LookaheadSettings.level,
                  guess: int = LookaheadSettings.guess, pool_from_prompt: bool = LookaheadSettings.pool_from_prompt,
-                 seed: int = LookaheadSettings.seed):
-        super().__init__(target)
+                 seed: int = LookaheadSettings.seed, sizing: dict | None = None):
+        super().__init__(target, sizing)
         if level < 3 or window < 1 or guess < 0:
             raise ValueError(f"lookahead needs level >= 3, window >= 1, guess >= 0; got {level}, {window}, {guess}")
         self.window, self.level, self.guess = window, level, guess
@@ -215,12 +216,11 @@ def build(target, settings: LookaheadSettings, context: BuildContext) -> Lookahe
     level, window, guess, sizing = settings.level, settings.window, settings.guess, None
     if "auto" in (window, guess):
         # auto: the window and the n-grams share this machine's verify budget, (N-1)(W + G) rows
-        budget, sizing = context.tree_budget(target, "window/guess")
+        budget, sizing = context.tree_budget(target, "window/guess", (level - 1) * (UPSTREAM_WINDOW + UPSTREAM_GUESS))
         share = max(1, budget // (2 * (level - 1)))
         window = share if window == "auto" else window
         guess = share if guess == "auto" else guess
         sizing["chosen"] = {"window": window, "guess": guess, "level": level}
     decoder = LookaheadDecoder(target, window=int(window), level=level, guess=int(guess),
-                               pool_from_prompt=settings.pool_from_prompt, seed=settings.seed)
-    decoder.sizing = sizing
+                               pool_from_prompt=settings.pool_from_prompt, seed=settings.seed, sizing=sizing)
     return decoder

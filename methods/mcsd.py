@@ -22,6 +22,7 @@ from .engine.vocab import draft_vocab_setting
 from .models.draft_lm import DraftLM
 from .models.loading import load_draft_lm
 
+PAPER_K_CONFIG = (4, 2, 1)  # the paper's; `auto` without a machine profile
 
 @dataclass(frozen=True)
 class MCSDSettings(Settings):
@@ -52,15 +53,16 @@ class MCSDSettings(Settings):
 class MultiCandidateDecoder(DraftVerifyDecoder):
     name = "mcsd"
 
-    def __init__(self, target, draft_model, k_config: Sequence[int] = (4, 2, 1),
+    def __init__(self, target, draft_model, k_config: Sequence[int] = PAPER_K_CONFIG,
                  replacement: bool = MCSDSettings.replacement,
-                 vocabulary=None):
-        super().__init__(target)
+                 vocabulary=None, sizing: dict | None = None):
+        super().__init__(target, sizing)
         k_config = tuple(int(k) for k in k_config)
         if not k_config or min(k_config) < 1:
             raise ValueError(f"k_config must be a non-empty list of positive integers, got {list(k_config)}")
         self.k_config, self.replacement = k_config, replacement
-        self.draft = DraftLM(draft_model, target.vocab_size, vocabulary, target.skinny_gemm, target.decoder_mode)
+        self.draft = DraftLM(draft_model, target.vocab_size, vocabulary, target.skinny_gemm, target.decoder_mode,
+                             target.profile)
         self.vocabulary = vocabulary
         self.lane_drafts = [self.draft]  # lane i of a batch drafts with lane_drafts[i] (`lane`)
 
@@ -118,7 +120,7 @@ def build(target, settings: MCSDSettings, context: BuildContext) -> MultiCandida
     spec = settings.draft or context.draft_spec("sps", "mcsd")
     choice, sizing = settings.k_config, None
     if choice == "auto":
-        budget, sizing = context.tree_budget(target, "k_config")
+        budget, sizing = context.tree_budget(target, "k_config", tree_nodes(PAPER_K_CONFIG) + 1)
         fitting = [k for k in AUTO_K_CONFIGS if tree_nodes(k) + 1 <= budget] or AUTO_K_CONFIGS[:1]
         choice = fitting[-1]
         sizing["chosen"] = list(choice)
@@ -126,6 +128,6 @@ def build(target, settings: MCSDSettings, context: BuildContext) -> MultiCandida
     decoder = MultiCandidateDecoder(target, draft, k_config=parse_k_config(choice),
                                     replacement=settings.replacement,
                                     vocabulary=context.draft_vocabulary(settings.to_dict(),
-                                                                        draft.get_output_embeddings().out_features))
-    decoder.sizing = sizing
+                                                                        draft.get_output_embeddings().out_features),
+                                    sizing=sizing)
     return decoder

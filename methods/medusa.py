@@ -55,8 +55,8 @@ class MedusaDecoder(DraftVerifyDecoder):
     def __init__(self, target, heads: MedusaHeads, tree: StaticTree, acceptance: str = MedusaSettings.acceptance,
                  typical_epsilon: float = MedusaSettings.typical_epsilon,
                  typical_delta: float = MedusaSettings.typical_delta,
-                 vocabulary=None):
-        super().__init__(target)
+                 vocabulary=None, sizing: dict | None = None):
+        super().__init__(target, sizing)
         self.vocabulary = vocabulary
         target.cover(heads, *([vocabulary.head(heads[0][-1].weight)] if vocabulary else []))
         if acceptance not in ACCEPTANCE:
@@ -105,6 +105,5 @@ def build(target, settings: MedusaSettings, context: BuildContext) -> MedusaDeco
     decoder = MedusaDecoder(target, heads, tree, acceptance=settings.acceptance,
                             typical_epsilon=float(settings.typical_epsilon),
                             typical_delta=float(settings.typical_delta),
-                            vocabulary=context.draft_vocabulary(params))
-    decoder.sizing = sizing
+                            vocabulary=context.draft_vocabulary(params), sizing=sizing)
     return decoder

@@ -70,8 +70,8 @@ class TokenRecyclingDecoder(DraftVerifyDecoder):
     name = "recycling"
 
     def __init__(self, target, tree: StaticTree, top_k: int = RecyclingSettings.top_k,
-                 persist: bool = RecyclingSettings.persist):
-        super().__init__(target)
+                 persist: bool = RecyclingSettings.persist, sizing: dict | None = None):
+        super().__init__(target, sizing)
         if tree.top_k() > top_k:
             raise ValueError(f"tree template uses successor rank {tree.top_k() - 1}; the matrix keeps top_k={top_k}")
         if top_k > target.vocab_size:
@@ -136,11 +136,10 @@ class TokenRecyclingDecoder(DraftVerifyDecoder):
 def build(target, settings: RecyclingSettings, context: BuildContext) -> TokenRecyclingDecoder:
     choice, sizing = settings.tree, None
     if choice == "auto":  # upstream's template cut, in its own order, to this machine's verify budget
-        budget, sizing = context.tree_budget(target, "tree")
+        budget, sizing = context.tree_budget(target, "tree", len(TEMPLATE_2_2_2) + 1)
         tree = StaticTree.build(TEMPLATE_2_2_2, nodes=budget - 1)
         sizing["chosen"] = f"2.2.2, first {len(tree) - 1} nodes"
     else:
         tree = StaticTree.build(TEMPLATES[choice] if isinstance(choice, str) else choice)
-    decoder = TokenRecyclingDecoder(target, tree, top_k=settings.top_k, persist=settings.persist)
-    decoder.sizing = sizing
+    decoder = TokenRecyclingDecoder(target, tree, top_k=settings.top_k, persist=settings.persist, sizing=sizing)
     return decoder

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from .base import BuildContext, Decoder, register
 from .engine.params import Settings, integer, mapping, null, one_of, setting
-from .engine.sizing import chain_length, draft_cost, held_out_acceptance, relative
+from .engine.sizing import chain_length, held_out_acceptance, relative
 from .engine.vocab import draft_vocab_setting
 from .mcsd import MultiCandidateDecoder
 from .models.loading import load_draft_lm
@@ -31,6 +31,7 @@ from .models.specs import ModelSpec
 
 PRIOR_TESTS = 20  # weight of the model card's acceptance in the running estimate, in tested positions
 HEURISTIC_START = 5  # transformers 4.37.1's num_assistant_tokens default (Spec-Bench's SpS)
+FIXED_GAMMA = 4  # `gamma: auto` without a machine profile: the decoder's default chain length
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class SpSSettings(Settings):
     size_setting, size_label = "gamma", "draft length γ"
 
     gamma: int | str = setting("auto", one_of("auto", "heuristic") | integer(1),
-                               "draft length; auto = the most expected tokens per second on this machine (hardware "
+                               "draft length; auto = the most expected tokens per second on this machine (machine "
                                "profile); heuristic = Spec-Bench's (transformers 4.37.1 assisted generation: 5, +2 / "
                                "-1); or N")
     draft_vocab: int | str = draft_vocab_setting()
@@ -59,7 +60,7 @@ class SpSSettings(Settings):
 class SpeculativeSamplingDecoder(MultiCandidateDecoder):
     name = "sps"
 
-    def __init__(self, target, draft_model, gamma: int = 4, vocabulary=None):
+    def __init__(self, target, draft_model, gamma: int = FIXED_GAMMA, vocabulary=None):
         super().__init__(target, draft_model, k_config=(1,), replacement=True, vocabulary=vocabulary)
         self.heuristic = gamma == "heuristic"
         self.set_gamma(HEURISTIC_START if self.heuristic else gamma)
@@ -119,14 +120,15 @@ def build(target, settings: SpSSettings, context: BuildContext) -> SpeculativeSa
     gamma = settings.gamma
     spec = settings.draft or context.draft_spec("sps", "sps")
     draft = load_draft_lm(spec, context.target_model)
+    curve = context.latency_curve(target) if gamma == "auto" else None
     decoder = SpeculativeSamplingDecoder(
         target,
         draft,
-        gamma=1 if gamma == "auto" else gamma,
+        gamma=(1 if curve else FIXED_GAMMA) if gamma == "auto" else gamma,  # auto without a profile: fixed
         vocabulary=context.draft_vocabulary(settings.to_dict(), draft.get_output_embeddings().out_features),
     )
-    if gamma == "auto":  # the chain length with the most expected tokens per second on this machine
-        curve = context.latency_curve(target)
-        decoder.size_automatically(curve, draft_cost(decoder.draft.runner, curve),
+    if curve:  # the chain length with the most expected tokens per second on this machine
+        token = context.profile.forward_latency(decoder.draft.runner, (1,), "the draft LM's token")[1]
+        decoder.size_automatically(curve, token / curve[min(curve)],
                                    held_out_acceptance(ModelSpec.from_mapping(spec).path if spec.get("path") else None))
     return decoder

@@ -128,11 +128,16 @@ def embedded_decoder(embedded):
 
     from methods.base import BuildContext, get_method
     from methods.engine.runner import ModelRunner
+    from methods.machine.profile import MachineProfile
     from methods.models.specs import model_config
 
     model, _ = embedded
-    context = BuildContext(model, "smollm2-135m", OmegaConf.to_container(model_config("smollm2-135m"), resolve=True))
-    return lambda method, **params: get_method(method)(ModelRunner(model), {"name": method, **params}, context)
+    profile = MachineProfile("cpu")  # as the harness builds them: measured kernels and `auto` sizes
+    profile.prepare(model, "smollm2-135m")
+    context = BuildContext(model, "smollm2-135m", OmegaConf.to_container(model_config("smollm2-135m"), resolve=True),
+                           profile)
+    return lambda method, **params: get_method(method)(ModelRunner(model, profile=profile), {"name": method, **params},
+                                                       context)
 
 
 def hf_greedy(model, prompt, max_new_tokens, eos=None):

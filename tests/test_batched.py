@@ -167,7 +167,6 @@ CPU_CURVE = {1: 0.002, 2: 0.0022, 4: 0.0025, 8: 0.003, 16: 0.004, 32: 0.006, 64:
 def every_batchable(tmp_path_factory):
     """A fresh decoder of each batchable method, on one tiny target (7 layers: EAGLE-3's three feature
     layers differ) with random-init EAGLE and EAGLE-3 heads; EAGLE-2/3 at their default adaptive size."""
-    from methods.eagle.dynamic import Eagle2Decoder
     from methods.eagle.eagle3 import Eagle3Decoder
     from methods.eagle.template import EagleDecoder
     from methods.engine.static_trees import StaticTree
@@ -188,8 +187,8 @@ def every_batchable(tmp_path_factory):
     return {
         **{name: functools.partial(make, model) for name, make in DECODERS.items()},
         "eagle": lambda: EagleDecoder(ModelRunner(model), head, StaticTree.build("eagle_mc_sim_7b_63")),
-        "eagle2": lambda: adaptive(Eagle2Decoder(ModelRunner(model), head, depth=5, top_k=10), CPU_CURVE),
-        "eagle3": lambda: adaptive(Eagle3Decoder(ModelRunner(model), head3, depth=7, top_k=10), CPU_CURVE),
+        "eagle2": lambda: adaptive(ModelRunner(model), head, CPU_CURVE, depth=5, top_k=10),
+        "eagle3": lambda: adaptive(ModelRunner(model), head3, CPU_CURVE, Eagle3Decoder, depth=7, top_k=10),
         "mcsd": lambda: MultiCandidateDecoder(ModelRunner(model), draft, k_config=(3, 2, 1)),
     }
 

@@ -16,6 +16,7 @@ from methods.engine.kv_cache import TreeKVCache
 from methods.engine.runner import ModelRunner
 from methods.engine.stopping import StopCondition
 from methods.engine.tree import attention_mask
+from methods.machine.profile import MachineProfile
 from tests.conftest import hf_greedy, tiny_model
 
 CASES = {
@@ -33,7 +34,9 @@ def pair(**case):
     """The same tiny model twice: one runs fused, one (an unfused copy) through transformers."""
     model = tiny_model(seed=3, **case)
     reference = copy.deepcopy(model)
-    return ModelRunner(model, decoder="auto"), ModelRunner(reference, decoder="transformers")
+    profile = MachineProfile("cpu")  # the measured linear plan: the native layer where it is chosen
+    return (ModelRunner(model, decoder="auto", profile=profile),
+            ModelRunner(reference, decoder="transformers", profile=profile))
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
@@ -114,7 +117,7 @@ def test_a_batch_of_two_sequences_equals_each_alone():
 
 def test_what_the_fused_forward_does_not_run_falls_back_with_a_reason():
     model = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
-    runner = ModelRunner(model)
+    runner = ModelRunner(model, profile=MachineProfile("cpu"))
     assert runner.fused is None and "rope_type 'dynamic'" in runner.unfused_reason
     with pytest.raises(ValueError, match="the fused forward does not run this model: rope_type 'dynamic'"):
         FusedDecoder(model)
@@ -128,7 +131,7 @@ def test_past_a_sliding_window_the_stock_forward_runs():
     model = tiny_model("mistral", seed=2)
     model.config.sliding_window = 24
     reference = copy.deepcopy(model)
-    runner = ModelRunner(model)
+    runner = ModelRunner(model, profile=MachineProfile("cpu"))
     assert runner.fused is not None and runner.fused.window == 24
     prompt = list(range(3, 19))
     ours = AutoregressiveDecoder(runner).generate(prompt, StopCondition(max_new_tokens=24)).tokens
@@ -186,7 +189,7 @@ def test_one_token_steps_take_attention_outputs_in_any_memory_layout(monkeypatch
     prompt = list(range(3, 20))
     expected = hf_greedy(copy.deepcopy(model), prompt, 8)
     monkeypatch.setattr(F, "scaled_dot_product_attention", strided_sdpa)
-    runner = ModelRunner(model, decoder="auto")
+    runner = ModelRunner(model, decoder="auto", profile=MachineProfile("cpu"))
     assert runner.fused is not None
     out = AutoregressiveDecoder(runner).generate(prompt, StopCondition(max_new_tokens=8))
     assert out.tokens == expected

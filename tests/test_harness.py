@@ -16,7 +16,8 @@ from harness.running.results import RunFolder, read_jsonl
 from harness.running.run import run
 from harness.stats import bootstrap_median_interval, speedup_stats, summarize
 from methods.base import available_methods, get_method
-from methods.models.loading import choose_dtype, load_model, resolve_device
+from methods.machine.profile import MachineProfile
+from methods.models.loading import load_model, resolve_device
 from methods.models.specs import ModelSpec, ModelUnavailableError, model_config
 from tests.conftest import REPO
 
@@ -221,8 +222,8 @@ def test_default_config_runs_the_embedded_model(tmp_path, spec_bench_file):
     summary = run(config(f"results_dir={tmp_path}", f"dataset.path={spec_bench_file}", "limit=1", "max_new_tokens=6",
                          "warmup=0",
                          "dataset.categories=[qa]", "method=ar"))
-    expected, reason = choose_dtype("auto", resolve_device("auto"),
-                                    ModelSpec.from_mapping(model_config("smollm2-135m")), "smollm2-135m")
+    expected, reason = MachineProfile(resolve_device("auto")).dtype(
+        "auto", ModelSpec.from_mapping(model_config("smollm2-135m")), "smollm2-135m")
     assert summary["model"] == "smollm2-135m" and summary["dtype"] == str(expected).replace("torch.", "")
     assert summary["engine"]["dtype_reason"] == reason and summary["engine"]["skinny_gemm"] == "auto"
     record = read_jsonl(Path(summary["results"]) / "answers" / "ar.jsonl")[0]
@@ -293,7 +294,7 @@ def test_batched_run_decodes_b_questions_together_and_records_throughput(tiny_mo
 
 def test_bad_values_are_named():
     with pytest.raises(ValueError, match="unknown dtype 'fp8'.*float32"):
-        choose_dtype("fp8", torch.device("cpu"))
+        MachineProfile("cpu").dtype("fp8")
     questions = [Question(i, c, ["x"]) for i, c in enumerate(["a", "b", "a"])]
     with pytest.raises(ValueError, match=r"unknown categories \['z'\]; valid: a, b"):
         select(questions, ["z"])

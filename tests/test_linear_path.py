@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from methods.engine import identity
 from methods.engine.linear import (
     BUCKETS,
     KERNELS,
@@ -16,13 +15,15 @@ from methods.engine.linear import (
     LinearPath,
     LinearPlan,
     choose,
-    measure_plan,
     onednn_available,
     prepack,
     run_kernel,
     shape_key,
 )
 from methods.engine.runner import ModelRunner
+from methods.machine import identity
+from methods.machine.plan import measure_plan
+from methods.machine.profile import MachineProfile
 from tests.conftest import tiny_model
 
 
@@ -96,37 +97,40 @@ def test_the_path_routes_inside_the_engine_only(monkeypatch):
 
 
 def test_auto_dtype_on_a_native_bf16_cpu_is_decided_by_timing(monkeypatch, tiny_chat_model_dir):
-    """dtype=auto on an AVX512-BF16/AMX CPU times the target in fp32 and bf16 and takes bf16 only
-    where it is clearly faster at 1 and 4 tokens; a model too large for fp32 is bf16 untimed."""
-    from methods.models import loading
+    """dtype=auto on an AVX512-BF16/AMX CPU times the target in fp32 and bf16 (through the machine
+    profile) and takes bf16 only where it is clearly faster at 1 and 4 tokens; a model too large for
+    fp32 is bf16 untimed."""
+    from methods.machine import dtype as dtype_module
+    from methods.machine import load
     from methods.models.specs import ModelSpec
 
     cpu, spec = torch.device("cpu"), ModelSpec(path=str(tiny_chat_model_dir))
-    monkeypatch.setattr(loading, "auto_dtype",
+    monkeypatch.setattr(dtype_module, "auto_dtype",
                         lambda device: identity.auto_dtype(device, {"avx2", "avx512f", "avx512_bf16"}))
     timed, bf16 = [], {}
-    def curve(runner, name, sizes):
+    def curve(self, runner, name, sizes):
         timed.append((runner.dtype, name, tuple(sizes)))
         return {1: 1.0, 4: 1.2} if runner.dtype == torch.float32 else bf16
-    monkeypatch.setattr(loading, "latency_curve", curve)
+    monkeypatch.setattr(MachineProfile, "latency_curve", curve)
     busy = [False]  # the machine's load while the ratios were measured, as the profile judges it
-    monkeypatch.setattr(loading.load, "is_busy", lambda record: busy[0])
+    monkeypatch.setattr(load, "is_busy", lambda record: busy[0])
     stored = lambda: sorted(identity.profile_dir(cpu).glob("dtype-tiny-*.json"))  # noqa: E731
     for file in stored():
         file.unlink()
     bf16.update({1: 0.9, 4: 0.7})  # faster, not clearly at one token
-    dtype, why = loading.choose_dtype("auto", cpu, spec, "tiny")
+    profile = MachineProfile(cpu)
+    dtype, why = profile.dtype("auto", spec, "tiny")
     assert dtype == torch.float32 and "0.90x (1 token)" in why and "0.58x (4 tokens)" in why
     assert timed == [(torch.float32, "tiny", (1, 4)), (torch.bfloat16, "tiny", (1, 4))] and len(stored()) == 1
-    assert loading.choose_dtype("auto", cpu, spec, "tiny") == (dtype, why) and len(timed) == 2  # kept: nothing timed
-    busy[0] = True  # measured beside other work: measured again
+    assert MachineProfile(cpu).dtype("auto", spec, "tiny") == (dtype, why) and len(timed) == 2  # kept: nothing timed
+    busy[0] = True  # measured beside other work: measured again by the next run
     bf16.update({1: 0.5, 4: 0.6})
-    assert loading.choose_dtype("auto", cpu, spec, "tiny")[0] == torch.bfloat16 and len(timed) == 4
+    assert MachineProfile(cpu).dtype("auto", spec, "tiny")[0] == torch.bfloat16 and len(timed) == 4
     stored()[0].unlink()
-    assert loading.choose_dtype("auto", cpu, None)[0] == torch.bfloat16  # no model to time: the flags decide
-    assert loading.choose_dtype("float32", cpu, spec) == (torch.float32, "dtype=float32 asked for")
-    monkeypatch.setattr(loading, "_available_memory", lambda: 1000)
-    dtype, why = loading.choose_dtype("auto", cpu, spec, "tiny")
+    assert MachineProfile(cpu).dtype("auto", None)[0] == torch.bfloat16  # no model to time: the flags decide
+    assert MachineProfile(cpu).dtype("float32", spec) == (torch.float32, "dtype=float32 asked for")
+    monkeypatch.setattr(dtype_module, "_available_memory", lambda: 1000)
+    dtype, why = MachineProfile(cpu).dtype("auto", spec, "tiny")
     assert dtype == torch.bfloat16 and "more than half the memory" in why and len(timed) == 4 and not stored()
 
 

@@ -14,11 +14,13 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from methods.ar import AutoregressiveDecoder
-from methods.engine import hardware, native
-from methods.engine.linear import BUCKETS, KERNELS, LinearPath, LinearPlan, linear_shapes, measure_plan
+from methods.engine import native
+from methods.engine.linear import BUCKETS, KERNELS, LinearPath, LinearPlan, linear_shapes
 from methods.engine.runner import ModelRunner
 from methods.engine.stopping import StopCondition
 from methods.engine.tree import attention_mask
+from methods.machine.plan import measure_plan
+from methods.machine.profile import MachineProfile, candidates
 from tests.conftest import hf_greedy, tiny_model
 
 needs_native = pytest.mark.skipif(native.unavailable_reason() is not None,
@@ -82,7 +84,7 @@ def test_the_native_small_ops_change_no_bit_of_a_forward(arch, kernel, monkeypat
     for glue in (True, False):
         if not glue:
             monkeypatch.setattr(fused, "native_active", lambda x: False)
-        runner = ModelRunner(tiny_model(arch, seed=7), skinny_gemm="auto")
+        runner = ModelRunner(tiny_model(arch, seed=7), skinny_gemm="auto", profile=MachineProfile("cpu"))
         if kernel != "measured":
             shapes = linear_shapes(runner.model, *runner.fused.linears)
             runner.linear = LinearPath(LinearPlan({key: {b: kernel for b in BUCKETS} for key in shapes}))
@@ -100,7 +102,7 @@ def test_every_linear_on_the_native_kernel_decodes_as_generate(arch, monkeypatch
     """Every decoder layer in one native call, the LM head on the native linear kernel."""
     model = tiny_model(arch, seed=5)
     reference = tiny_model(arch, seed=5)
-    runner = ModelRunner(model, skinny_gemm="auto")
+    runner = ModelRunner(model, skinny_gemm="auto", profile=MachineProfile("cpu"))
     runner.linear = all_native(runner)
     layers = layer_calls(monkeypatch)
     calls = []
@@ -161,7 +163,7 @@ def test_the_native_layer_computes_the_torch_layer_and_its_cache(arch, monkeypat
     for whole in (True, False):
         if not whole:
             monkeypatch.setattr(fused.FusedLayer, "native_layer", lambda *args: None)
-        runner = ModelRunner(tiny_model(arch, seed=7), skinny_gemm="auto")
+        runner = ModelRunner(tiny_model(arch, seed=7), skinny_gemm="auto", profile=MachineProfile("cpu"))
         runner.linear = all_native(runner)
         results.append(prefill_verify_steps(runner, prompt_length=27))  # 27 rows: a native prefill too
     layers = len(runner.cache.layers)
@@ -187,7 +189,7 @@ def test_the_native_layer_adds_a_masks_values_on_the_keys_it_sees(monkeypatch):
     for whole in (True, False):
         if not whole:
             monkeypatch.setattr(fused.FusedLayer, "native_layer", lambda *args: None)
-        runner = ModelRunner(tiny_model("llama", seed=5), skinny_gemm="auto")
+        runner = ModelRunner(tiny_model("llama", seed=5), skinny_gemm="auto", profile=MachineProfile("cpu"))
         runner.linear = all_native(runner)
         runner.prefill(list(range(3, 30)))
         start = runner.length
@@ -211,7 +213,7 @@ def test_a_token_verified_in_a_tree_gets_the_bits_it_gets_decoded_alone(arch, mo
     sibling) gets, bit for bit, the logits and the committed KV that decoding its tokens one by one
     gets: attention walks each row's visible keys in position order, whatever the tree."""
     calls = layer_calls(monkeypatch)
-    runner = ModelRunner(tiny_model(arch, seed=11), skinny_gemm="auto")
+    runner = ModelRunner(tiny_model(arch, seed=11), skinny_gemm="auto", profile=MachineProfile("cpu"))
     runner.linear = all_native(runner)
     prompt = list(range(3, 40))
     runner.prefill(prompt)
@@ -264,7 +266,7 @@ def test_the_profilers_forward_without_gemms_skips_the_native_layers_projections
     from methods.engine.linear import gemms_skipped
 
     calls = layer_calls(monkeypatch)
-    runner = ModelRunner(tiny_model("llama", seed=3), skinny_gemm="auto")
+    runner = ModelRunner(tiny_model("llama", seed=3), skinny_gemm="auto", profile=MachineProfile("cpu"))
     runner.linear = all_native(runner)
     runner.prefill(list(range(3, 20)))
     with gemms_skipped():
@@ -278,16 +280,16 @@ def test_the_profilers_forward_without_gemms_skips_the_native_layers_projections
 
 def test_a_plan_chosen_among_other_kernels_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
-    cpu, dtype = torch.device("cpu"), torch.float32
+    profile = MachineProfile("cpu")
     plan = LinearPlan({"8x16": {b: "w_xt" for b in BUCKETS}})
-    file = hardware._plan_file(cpu, dtype)
+    file = profile.folder / "linear-float32.json"
     quiet = {"at": "2025-01-01T00:00:00+00:00", "other_cores": 0.0, "steal": 0.0, "busy": False}
-    data = {"candidates": hardware._candidates(), "load": [quiet], **plan.to_dict()}
-    hardware._write_json(file, data)
-    assert hardware._load_plan(file)[0].kernels == plan.kernels
+    data = {"candidates": candidates(), "load": [quiet], **plan.to_dict()}
+    profile.write(file, data)
+    assert profile._load_plan(file)[0].kernels == plan.kernels
     data["candidates"] = ["f_linear", "w_xt", "onednn", "native-0123456789ab"]  # another build of native.c
     file.write_text(json.dumps(data))
-    assert hardware._load_plan(file)[0].kernels == {}
+    assert profile._load_plan(file)[0].kernels == {}
 
 
 def test_without_a_compiler_the_plan_goes_without_the_native_kernel(tmp_path, monkeypatch):

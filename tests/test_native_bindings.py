@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from methods.engine import identity, native
+from methods.engine import native
+from methods.machine import identity
 
 needs_native = pytest.mark.skipif(native.unavailable_reason() is not None,
                                   reason=f"native kernels unavailable: {native.unavailable_reason()}")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from harness.perf import peers
+from methods.machine.profile import MachineProfile
 
 
 def fixture_rows():
@@ -87,7 +88,7 @@ def test_missing_llama_cpp_is_a_one_line_skip(monkeypatch, capsys):
     )
     model = tiny_model("llama", seed=3)
     args = types.SimpleNamespace(questions=1, max_new_tokens=4, repeats=1, curve_only=False, gamma=2, draft_layers=1)
-    out = peers.run_peers(args, model, None, Config(), torch.device("cpu"), {"dtype": "float32"})
+    out = peers.run_peers(args, model, None, Config(), torch.device("cpu"), {"dtype": "float32"}, MachineProfile("cpu"))
     printed = capsys.readouterr().out
     skip_lines = [line for line in printed.splitlines() if "llama.cpp skipped" in line]
     assert len(skip_lines) == 1 and "pip install -e '.[peers]'" in skip_lines[0]

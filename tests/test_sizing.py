@@ -1,4 +1,4 @@
-"""Sizes from the hardware profile: `auto` picks what the measured latency curve says fits, an
+"""Sizes from the machine profile: `auto` picks what the measured latency curve says fits, an
 explicit value wins, and every choice is recorded with the numbers behind it."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from methods.base import BuildContext, get_method
-from methods.engine import hardware
 from methods.engine.runner import ModelRunner
 from methods.engine.sizing import chain_length, tree_budget, verify_cost
 from methods.engine.static_trees import MEDUSA_MC_SIM_7B_63, StaticTree
+from methods.machine.curves import forward_latency
+from methods.machine.profile import MachineProfile
 from tests.conftest import tiny_model
 
 FLAT = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0, 64: 1.0}  # a GPU-like curve
@@ -47,7 +48,7 @@ def test_static_tree_prefix_keeps_the_published_order():
 def test_auto_sizes_come_from_the_cached_profile_and_explicit_values_win(tmp_path, monkeypatch, method, params, key):
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
     target = tiny_model("llama", seed=70, vocab_size=32, layers=2)
-    context = BuildContext(target, "tiny", {})
+    context = BuildContext(target, "tiny", {}, MachineProfile("cpu"))
     decoder = get_method(method)(ModelRunner(target), {"name": method, **params}, context)
     sizing = decoder.describe()["sizing"]
     assert sizing[key] == "auto" and ("chosen" in sizing or "alpha_measured" in sizing)
@@ -61,11 +62,42 @@ def test_auto_sizes_come_from_the_cached_profile_and_explicit_values_win(tmp_pat
     assert "sizing" not in decoder.describe()
 
 
+@pytest.mark.parametrize("method, params, key, fixed", [
+    ("sps", {"draft": {"target_layers": 1}}, "gamma", 4),
+    ("mcsd", {"draft": {"target_layers": 1}}, "k_config", [4, 2, 1]),
+    ("jacobi", {}, "block_size", 16), ("lookahead", {"window": "auto", "guess": "auto"}, "window", 15),
+    ("recycling", {"tree": "auto"}, "tree", None), ("medusa", {"head": {"random_init": 0}}, "tree", None),
+])
+def test_without_a_profile_nothing_is_measured_and_auto_takes_upstreams_size(tmp_path, monkeypatch, method, params,
+                                                                              key, fixed):
+    """A runner and a method built with no machine profile time nothing (every timing function of the
+    profile package raises here) and write nothing; `auto` is upstream's fixed size, said in the record."""
+    from methods.machine import curves, plan
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("measured without a machine profile")
+
+    monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
+    for module, name in ((curves, "forward_latencies"), (plan, "measure_plan")):
+        monkeypatch.setattr(module, name, forbidden)
+    target = tiny_model("llama", seed=70, vocab_size=32, layers=2)
+    runner = ModelRunner(target)
+    assert runner.linear.plan is None  # stock F.linear
+    decoder = get_method(method)(runner, {"name": method, **params}, BuildContext(target, "tiny", {}))
+    described = decoder.describe()
+    if fixed is not None:
+        assert described[key] == fixed
+    if method != "sps":
+        assert described["sizing"]["profile"].startswith("none")
+    assert not (tmp_path / "profiles").exists()
+
+
 def test_latency_curve_cache_is_per_model_shape(tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
     small, large = tiny_model("llama", seed=1, hidden=32, layers=1), tiny_model("llama", seed=1, hidden=64, layers=1)
-    hardware.latency_curve(ModelRunner(small), "tiny", sizes=(1, 2), repeats=1)
-    hardware.latency_curve(ModelRunner(large), "tiny", sizes=(1, 2), repeats=1)
+    profile = MachineProfile("cpu")
+    profile.latency_curve(ModelRunner(small), "tiny", sizes=(1, 2), repeats=1)
+    profile.latency_curve(ModelRunner(large), "tiny", sizes=(1, 2), repeats=1)
     assert len(list((tmp_path / "profiles").glob("*/curve-tiny-*.json"))) == 2
 
 
@@ -103,21 +135,15 @@ def test_the_latency_curve_is_timed_as_verification_runs_warmed_up_and_interleav
         return forward(tokens, **kwargs)
 
     monkeypatch.setattr(runner, "forward", recording)
-    seconds = hardware.forward_latency(runner, (1, 2, 4), prefix_length=8, repeats=2)
+    seconds = forward_latency(runner, (1, 2, 4), prefix_length=8, repeats=2)
     # warm-up, 2 rounds
     assert [c for c in calls if c[0] != 8] == [(1, True, True), (2, True, True), (4, True, True)] * 3
     assert set(seconds) == {1, 2, 4} and runner.length == 0
 
 
-def next_process(monkeypatch):
-    """What a new run starts from: nothing measured, loaded or used by this process yet."""
-    for name, empty in (("_MEASURED_HERE", set()), ("_USED", {}), ("_PATHS", {}), ("_PLAN_LOADS", {})):
-        monkeypatch.setattr(hardware, name, empty)
-
-
 def machine_load(monkeypatch, busy: bool):
     """/proc/stat as it reads while other processes use far more than the whole machine, or nothing."""
-    from methods.engine import load
+    from methods.machine import load
 
     ticks = itertools.count(1)
     monkeypatch.setattr(load, "_proc_stat", (lambda: (1e4 * next(ticks), 0.0, 1e4 * next(ticks))) if busy else
@@ -126,54 +152,53 @@ def machine_load(monkeypatch, busy: bool):
 
 def test_a_curve_measured_beside_other_work_serves_its_run_only_and_says_so(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
-    next_process(monkeypatch)
+    profile = MachineProfile("cpu")  # a new profile: what a new run starts from
     runner = ModelRunner(tiny_model("llama", seed=73, hidden=32, layers=1))
     machine_load(monkeypatch, busy=True)
-    hardware.latency_curve(runner, "tiny", sizes=(1, 2), repeats=1)
+    profile.latency_curve(runner, "tiny", sizes=(1, 2), repeats=1)
     (file,) = (tmp_path / "profiles").glob("*/curve-tiny-*.json")
     stored = json.loads(file.read_text())
     assert stored["load"]["busy"] and {"other_cores", "steal", "load_before", "at"} <= set(stored["load"])
-    assert "latency curve was measured beside other work" in caplog.text
-    assert hardware.profiles_used()[str(file)]["quiet"] is False
+    assert "forward latency at 1, 2 tokens was measured beside other work" in caplog.text
+    assert profile.used()[str(file)]["quiet"] is False
     mtime = file.stat().st_mtime_ns
-    hardware.latency_curve(runner, "tiny", sizes=(1, 2), repeats=1)
+    profile.latency_curve(runner, "tiny", sizes=(1, 2), repeats=1)
     assert file.stat().st_mtime_ns == mtime  # the same run: not measured again
     machine_load(monkeypatch, busy=False)  # the next run, on a quiet machine: measured again
-    next_process(monkeypatch)
-    hardware.latency_curve(runner, "tiny", sizes=(1, 2), repeats=1)
+    profile = MachineProfile("cpu")
+    profile.latency_curve(runner, "tiny", sizes=(1, 2), repeats=1)
     assert file.stat().st_mtime_ns != mtime and not json.loads(file.read_text())["load"]["busy"]
-    assert hardware.profiles_used()[str(file)]["quiet"] is True
+    assert profile.used()[str(file)]["quiet"] is True
     mtime = file.stat().st_mtime_ns
-    next_process(monkeypatch)  # a quiet curve is kept
-    hardware.latency_curve(runner, "tiny", sizes=(1, 2), repeats=1)
+    profile = MachineProfile("cpu")  # a quiet curve is kept
+    profile.latency_curve(runner, "tiny", sizes=(1, 2), repeats=1)
     assert file.stat().st_mtime_ns == mtime
     stored = json.loads(file.read_text())  # a curve stored without its load is measured again
     del stored["load"]
     file.write_text(json.dumps(stored))
-    next_process(monkeypatch)
-    hardware.latency_curve(runner, "tiny", sizes=(1, 2), repeats=1)
+    MachineProfile("cpu").latency_curve(runner, "tiny", sizes=(1, 2), repeats=1)
     assert "load" in json.loads(file.read_text())
 
 
 def test_a_linear_plan_measured_beside_other_work_is_measured_again_by_the_next_run(tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
-    next_process(monkeypatch)
     model = tiny_model("llama", seed=74, vocab_size=40, hidden=32, layers=1)
-    file = hardware._plan_file(torch.device("cpu"), torch.float32)
+    profile = MachineProfile("cpu")
+    file = profile.folder / "linear-float32.json"
     machine_load(monkeypatch, busy=True)
-    hardware.linear_path([model])
+    profile.linear_path([model])
     assert [r["busy"] for r in json.loads(file.read_text())["load"]] == [True]
-    assert hardware.profiles_used()[str(file)]["quiet"] is False
+    assert profile.used()[str(file)]["quiet"] is False
     machine_load(monkeypatch, busy=False)
-    next_process(monkeypatch)
-    hardware.linear_path([model])
+    profile = MachineProfile("cpu")
+    profile.linear_path([model])
     (record,) = json.loads(file.read_text())["load"]  # measured again, whole
     assert not record["busy"]
     mtime = file.stat().st_mtime_ns
-    next_process(monkeypatch)
-    path = hardware.linear_path([model])  # quiet: kept
+    profile = MachineProfile("cpu")
+    path = profile.linear_path([model])  # quiet: kept
     assert file.stat().st_mtime_ns == mtime and path.plan.kernels
-    assert hardware.profiles_used()[str(file)] == {"measured": record["at"], "quiet": True, "max_other_cores": 0.0}
+    assert profile.used()[str(file)] == {"measured": record["at"], "quiet": True, "max_other_cores": 0.0}
 
 
 def test_the_summary_names_a_busy_profile_that_sized_the_run():

@@ -251,15 +251,13 @@ def decoders(target, tmp_path, vocab_tree_k=10, seed=0):
         "eagle2": Eagle2Decoder(ModelRunner(target), head, total_tokens=60, depth=5, top_k=vocab_tree_k),
         "eagle2-small": Eagle2Decoder(ModelRunner(target), head, total_tokens=8, depth=3, top_k=3),
         # a curve on which candidates of path probability under ~0.005 are not worth verifying
-        "eagle2-adaptive": adaptive(Eagle2Decoder(ModelRunner(target), head, depth=5, top_k=vocab_tree_k),
-                                    {1: 1.0, 64: 1.2}),
+        "eagle2-adaptive": adaptive(ModelRunner(target), head, {1: 1.0, 64: 1.2}, depth=5, top_k=vocab_tree_k),
     }
 
 
-def adaptive(decoder: Eagle2Decoder, curve: dict[int, float]) -> Eagle2Decoder:
+def adaptive(runner: ModelRunner, head, curve: dict[int, float], decoder_class=Eagle2Decoder, **kwargs):
     """`total_tokens: adaptive` with a given verify latency curve (seconds by tokens per forward)."""
-    decoder.verify_seconds, decoder.total_tokens = curve, 64
-    return decoder
+    return decoder_class(runner, head, total_tokens=64, verify_seconds=curve, **kwargs)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -469,16 +467,22 @@ def test_tree_sampling_with_broken_acceptor_is_caught(tiny_vocab_target, tmp_pat
     assert chi_square_pvalue(samples, expected) < 1e-6
 
 
-def test_eagle2_auto_total_tokens_times_the_target_and_records_it(tmp_path):
+def test_eagle2_auto_total_tokens_times_the_target_through_the_profile_and_records_it(tmp_path):
+    from methods.base import get_method
+    from methods.machine.profile import MachineProfile
+
     target = tiny_model("llama", seed=46, vocab_size=64)
     write_eagle(tmp_path, target)
-    decoder = Eagle2Decoder(ModelRunner(target), load_eagle_head(ModelSpec(path=str(tmp_path)), target))
-    chosen = decoder.auto_total_tokens(repeats=1)
+    context = BuildContext(target, "tiny", {"drafts": {"eagle": {"path": str(tmp_path)}}}, MachineProfile("cpu"))
+    decoder = get_method("eagle2")(ModelRunner(target), {"name": "eagle2", "total_tokens": "auto"}, context)
     record = decoder.describe()
-    assert chosen in (40, 48, 50, 56, 60) and record["total_tokens"] == chosen
-    assert record["total_tokens_auto"]["chosen"] == chosen
-    assert set(record["total_tokens_auto"]["seconds_by_size"]) == {40, 48, 50, 56, 60}
+    chosen = record["sizing"]["chosen"]
+    assert chosen in (40, 48, 50, 56, 60) and record["total_tokens"] == chosen == decoder.total_tokens
+    assert set(record["sizing"]["seconds_by_size"]) == {40, 48, 50, 56, 60}
     assert decoder.target.length == 0  # the timing left no trace in the cache
+    unprofiled = get_method("eagle2")(ModelRunner(target), {"name": "eagle2", "total_tokens": "auto"},
+                                      BuildContext(target, "tiny", context.model_config))
+    assert unprofiled.total_tokens == 60 and unprofiled.describe()["sizing"]["profile"].startswith("none")
 
 
 def test_eagle2_adaptive_size_maximizes_expected_tokens_per_second(tmp_path):
@@ -486,25 +490,26 @@ def test_eagle2_adaptive_size_maximizes_expected_tokens_per_second(tmp_path):
     write_eagle(tmp_path, target)
     head = load_eagle_head(ModelSpec(path=str(tmp_path)), target)
     probabilities = [0.9, 0.8, 0.6, 0.3, 0.1, 0.05]
-    flat = adaptive(Eagle2Decoder(ModelRunner(target), head), {1: 1.0, 64: 1.0})
+    flat = adaptive(ModelRunner(target), head, {1: 1.0, 64: 1.0})
     assert flat.adaptive_size(probabilities) == 6  # verifying more costs nothing: keep every candidate
     # cost grows by 0.25 per token: candidate n pays off while p_n / 0.25 beats the current rate
-    steep = adaptive(Eagle2Decoder(ModelRunner(target), head), {1: 1.0, 2: 1.25, 4: 1.75, 8: 2.75, 64: 16.75})
+    steep = adaptive(ModelRunner(target), head, {1: 1.0, 2: 1.25, 4: 1.75, 8: 2.75, 64: 16.75})
     rates = [(1 + sum(probabilities[:n])) / (1 + 0.25 * n) for n in range(7)]
     assert steep.adaptive_size(probabilities) == max(range(7), key=rates.__getitem__) == 3
     assert steep.verify_time(3) == pytest.approx(1.5) and steep.verify_time(100) == pytest.approx(25.75)
     steep.draft_seconds = 100.0  # drafting dominates: verifying the whole tree costs relatively little
     assert steep.adaptive_size(probabilities) == 6
-    dear = adaptive(Eagle2Decoder(ModelRunner(target), head), {1: 1.0, 2: 3.0, 64: 200.0})
+    dear = adaptive(ModelRunner(target), head, {1: 1.0, 2: 3.0, 64: 200.0})
     assert dear.adaptive_size(probabilities) == 0  # the root alone: an AR step
 
 
 def test_eagle2_adaptive_builds_with_a_measured_curve_and_rejects_unknown_sizes(tmp_path):
     from methods.base import get_method
+    from methods.machine.profile import MachineProfile
 
     target = tiny_model("llama", seed=46, vocab_size=64)
     write_eagle(tmp_path, target)
-    context = BuildContext(target, "tiny", {"drafts": {"eagle": {"path": str(tmp_path)}}})
+    context = BuildContext(target, "tiny", {"drafts": {"eagle": {"path": str(tmp_path)}}}, MachineProfile("cpu"))
     decoder = get_method("eagle2")(ModelRunner(target), {"name": "eagle2", "total_tokens": "adaptive"}, context)
     assert set(decoder.verify_seconds) == {1, 2, 4, 8, 16, 32, 64} and decoder.target.length == 0
     assert decoder.describe()["total_tokens"] == "adaptive"

@@ -8,7 +8,7 @@ a fresh process per setting (the policy is read once, when the OpenMP runtime lo
 and 5x oversubscription: k x cores runnable threads in all, the rest spinning processes. It prints
 tokens/s against the fair share (quiet tokens/s / k) for each policy, interleaved round by round,
 medians over rounds; writes results/perf/contention-<hardware>.json. `auto` is the suite's own
-choice (`methods/engine/threads.py`, which holds the measurements behind it).
+choice (`methods/machine/threads.py`, which holds the measurements behind it).
 
     python -m harness.perf.contention [--rounds 2] [--tokens 64] [--loads 1,2,5]
 """
@@ -32,6 +32,7 @@ from harness.running.prompts import ChatTemplate
 from methods.ar import AutoregressiveDecoder
 from methods.engine.runner import ModelRunner
 from methods.engine.stopping import StopCondition
+from methods.machine.profile import MachineProfile
 from methods.models.loading import load_model, load_tokenizer
 from methods.models.specs import ModelSpec, model_config
 
@@ -42,7 +43,7 @@ SPIN = "while True: pass"  # one oversubscribing process
 
 
 def policy_environment(policy: str) -> dict:
-    """"auto" (the suite's own choice, methods/engine/threads.py), "default" or "KNOB=VALUE[+KNOB=VALUE]"
+    """"auto" (the suite's own choice, methods/machine/threads.py), "default" or "KNOB=VALUE[+KNOB=VALUE]"
     with KNOB among KNOBS -> the variables to set."""
     if policy == "auto":
         return {"DECODEBENCH_OMP_POLICY": "auto"}
@@ -62,7 +63,7 @@ def child(tokens: int, prompts: int) -> None:
     tokenizer, model = load_tokenizer(spec), load_model(spec, torch.float32, torch.device("cpu"))
     template = ChatTemplate.for_model(config, tokenizer)
     stop = StopCondition(max_new_tokens=tokens)  # no EOS: every prompt decodes exactly `tokens` tokens
-    decoder = AutoregressiveDecoder(ModelRunner(model))
+    decoder = AutoregressiveDecoder(ModelRunner(model, profile=MachineProfile("cpu")))
     items = spec_bench_prompts(template, prompts)
     decoder.generate(items[0][:32], StopCondition(max_new_tokens=8))  # warm-up
     produced, start = 0, time.perf_counter()

@@ -42,13 +42,15 @@ from methods.base import BuildContext
 from methods.eagle.drafter import EagleDrafter
 from methods.eagle.eagle3 import Eagle3Drafter
 from methods.engine import native
-from methods.engine.hardware import forward_latencies, forward_latency, read_bandwidth, weight_bytes
 from methods.engine.linear import gemms_skipped
 from methods.engine.runner import ModelRunner
+from methods.machine.curves import forward_latencies, forward_latency
+from methods.machine.probes import read_bandwidth, weight_bytes
+from methods.machine.profile import MachineProfile
 from methods.models.heads.eagle import load_eagle_head
 from methods.models.heads.eagle3 import load_eagle3_head
 from methods.models.heads.source import head_spec
-from methods.models.loading import choose_dtype, load_draft_lm, load_model, load_tokenizer, resolve_device
+from methods.models.loading import load_draft_lm, load_model, load_tokenizer, resolve_device
 from methods.models.specs import ModelSpec, model_config
 from methods.sps import SpeculativeSamplingDecoder
 
@@ -156,7 +158,8 @@ def draft_level_costs(model, runner: ModelRunner, context: BuildContext, config,
                 drafter.cache.rollback(drafter.committed)
     costs = {name: statistics.median(v) for name, v in samples.items()}
     draft = load_draft_lm(OmegaConf.to_container(config.drafts.sps, resolve=True), model)
-    costs["draft LM token"] = forward_latency(ModelRunner(draft), (1,), prefix_length=256, repeats=rounds)[1]
+    draft_runner = ModelRunner(draft, profile=runner.profile)
+    costs["draft LM token"] = forward_latency(draft_runner, (1,), prefix_length=256, repeats=rounds)[1]
     return {"seconds": costs, "nodes": nodes, "draft_lm_weight_share": weight_bytes(draft) / weight_bytes(model)}
 
 
@@ -182,7 +185,8 @@ def main(argv=None) -> dict:
     device = resolve_device(args.device)
     config = model_config(EMBEDDED)
     spec = ModelSpec.from_mapping(config)
-    dtype, dtype_reason = choose_dtype(args.dtype, device, spec, EMBEDDED)
+    profile = MachineProfile(device)  # the machine profile the harness uses: measured here where missing (logged)
+    dtype, dtype_reason = profile.dtype(args.dtype, spec, EMBEDDED)
     tokenizer = load_tokenizer(spec)
     model = load_model(spec, dtype, device)
     env = environment(device)
@@ -196,8 +200,9 @@ def main(argv=None) -> dict:
     peak = native.fma_peak() if native.available(device, dtype) else None  # fp32 kernels
     floors = verification_floors(weights, next(model.parameters()).element_size(), bandwidth, peak)
     print("measuring the linear path (once per machine; cached) ...", flush=True)
-    runners = {"auto": ModelRunner(model, "auto", "auto"), "transformers": ModelRunner(model, "auto", "transformers"),
-               "off": ModelRunner(model, "off", "transformers")}
+    runners = {"auto": ModelRunner(model, "auto", "auto", profile=profile),
+               "transformers": ModelRunner(model, "auto", "transformers", profile=profile),
+               "off": ModelRunner(model, "off", "transformers", profile=profile)}
     curves = forward_latencies(runners, SIZES, prefix_length=256, repeats=7)
     breakdown = {name: forward_breakdown(runners[name], weights) for name in ("auto", "transformers")}
     context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True))
@@ -214,8 +219,8 @@ def main(argv=None) -> dict:
     print_curves(result)
 
     if not args.curve_only:
-        result.update(compare_with_transformers(args, model, tokenizer, config, device))
-    result.update(peers.run_peers(args, model, tokenizer, config, device, result))
+        result.update(compare_with_transformers(args, model, tokenizer, config, device, profile))
+    result.update(peers.run_peers(args, model, tokenizer, config, device, result, profile))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{hardware_slug(env)}-{dtype_name}.json"
     path.write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -283,7 +288,7 @@ def print_curves(result: dict) -> None:
             print(f"  {name:<28} {1000 * s:6.2f} ms = {s / one:.3f} t(1){share}")
 
 
-def compare_with_transformers(args, model, tokenizer, config, device) -> dict:
+def compare_with_transformers(args, model, tokenizer, config, device, profile: MachineProfile) -> dict:
     draft_spec = ({"target_layers": args.draft_layers} if args.draft_layers
                   else OmegaConf.to_container(config.drafts.sps, resolve=True))
     draft = load_draft_lm(draft_spec, model)
@@ -297,9 +302,9 @@ def compare_with_transformers(args, model, tokenizer, config, device) -> dict:
 
     hf = greedy_generate(model, device, args.max_new_tokens, eos)
 
-    ours_ar = AutoregressiveDecoder(ModelRunner(model))
+    ours_ar = AutoregressiveDecoder(ModelRunner(model, profile=profile))
     # the same draft as generate's assistant, over the full vocabulary: like for like
-    ours_sps = SpeculativeSamplingDecoder(ModelRunner(model), draft, gamma=args.gamma)
+    ours_sps = SpeculativeSamplingDecoder(ModelRunner(model, profile=profile), draft, gamma=args.gamma)
     contenders = {
         "ar_ours": lambda p: ours_ar.generate(p, stop).tokens,
         "ar_generate": lambda p: hf(p),

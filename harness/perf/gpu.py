@@ -32,10 +32,12 @@ import torch
 
 from harness.perf.workload import timed_generations
 from methods.ar import AutoregressiveDecoder
-from methods.engine.hardware import forward_latencies, read_bandwidth, weight_bytes
 from methods.engine.runner import ModelRunner
 from methods.engine.stopping import StopCondition
 from methods.engine.tree import Tree
+from methods.machine.curves import forward_latencies
+from methods.machine.probes import read_bandwidth, weight_bytes
+from methods.machine.profile import MachineProfile
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 # the published configurations (config.json of HuggingFaceTB/SmolLM2-135M-Instruct and lmsys/vicuna-7b-v1.3)
@@ -125,8 +127,10 @@ def measure_shape(shape: str, dtype: torch.dtype, device: torch.device, new_toke
     roofline = weights / bandwidth
     print(f"\n{shape} (random weights), {str(dtype).replace('torch.', '')}: {weights / 1e9:.2f} GB of weights; "
           f"read bandwidth {bandwidth / 1e9:.0f} GB/s -> roofline t(1) = {1000 * roofline:.3f} ms", flush=True)
-    runners = {"graphs": ModelRunner(model, cuda_graphs="on"), "eager": ModelRunner(model, cuda_graphs="off"),
-               "transformers": ModelRunner(model, decoder="transformers", cuda_graphs="off")}
+    profile = MachineProfile(device)  # on a GPU: stock cuBLAS linears either way; said as a run says it
+    runners = {"graphs": ModelRunner(model, cuda_graphs="on", profile=profile),
+               "eager": ModelRunner(model, cuda_graphs="off", profile=profile),
+               "transformers": ModelRunner(model, decoder="transformers", cuda_graphs="off", profile=profile)}
     curves = forward_latencies(runners, SIZES, prefix_length=256, repeats=9)
     print("  forward by tokens (256-token prefix), median ms and ratio to one token:")
     print("  " + f"{'':<14}" + "".join(f"{n:>14}" for n in SIZES))
@@ -144,7 +148,7 @@ def measure_shape(shape: str, dtype: torch.dtype, device: torch.device, new_toke
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, SHAPES[shape]["vocab_size"], (64,), generator=generator).tolist() for _ in range(3)]
     stop = StopCondition(new_tokens)  # no EOS: every contender makes exactly new_tokens tokens
-    ar = {mode: AutoregressiveDecoder(ModelRunner(model, cuda_graphs=mode)) for mode in ("on", "off")}
+    ar = {mode: AutoregressiveDecoder(ModelRunner(model, cuda_graphs=mode, profile=profile)) for mode in ("on", "off")}
 
     def generate(prompt):
         ids = torch.tensor([prompt], device=device)

@@ -31,6 +31,7 @@ from methods.base import BuildContext, available_methods, check_method_params, g
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
+from methods.machine.profile import MachineProfile
 from methods.models.loading import load_model, load_tokenizer
 from methods.models.specs import ModelSpec, model_config
 
@@ -162,7 +163,9 @@ def main(argv=None) -> dict:
     model = load_model(spec, torch.float32, torch.device("cpu"))
     prompts = spec_bench_prompts(ChatTemplate.for_model(config, tokenizer), args.questions)
     stop = StopCondition(args.max_new_tokens, frozenset([tokenizer.eos_token_id]))
-    context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True))
+    profile = MachineProfile("cpu")  # sizes and kernels as a run has them (measured where missing, logged)
+    profile.prepare(model, EMBEDDED)
+    context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True), profile)
     result = {}
     print(f"host reads per decoding step: {EMBEDDED}, fp32, CPU, "
           f"{'greedy' if sampling.greedy else f'temperature {sampling.temperature}'}, {args.questions} Spec-Bench "
@@ -170,7 +173,7 @@ def main(argv=None) -> dict:
           f"{args.max_new_tokens} new tokens")
     for method in methods:
         own = {key: value for key, value in params.items() if key in method_settings(method).schema()}
-        decoder = get_method(method)(ModelRunner(model), {"name": method, **own}, context)
+        decoder = get_method(method)(ModelRunner(model, profile=profile), {"name": method, **own}, context)
         per_step, counts, steps = reads_per_step(decoder, prompts, stop, sampling)
         result[method] = {"per_step": per_step, "steps": steps, "counts": dict(counts)}
         kinds = ", ".join(f"{kind} {n / max(steps, 1):.1f}" for kind, n in counts.most_common())

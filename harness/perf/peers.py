@@ -192,8 +192,8 @@ def llama_greedy(llama, prompt: Sequence[int], stop) -> list[int]:
 
 
 def llama_curve(llama, sizes=CURVE_SIZES, prefix: int = 256, rounds: int = 7) -> dict[int, float]:
-    """Median seconds of `llama.eval` over n tokens after a `prefix`-token prefix (the cache rolled
-    back to the prefix after each), sizes interleaved round by round, as the engine's `hardware.forward_latencies`."""
+    """Median seconds of `llama.eval` over n tokens after a `prefix`-token prefix (the cache rolled back to
+    the prefix after each), sizes interleaved round by round, as the machine profile's `curves.forward_latencies`."""
     llama.reset()
     llama.eval([0] * prefix)
     llama.eval([0] * 4)  # warm
@@ -221,7 +221,7 @@ def say(line: str) -> None:
     print(f"  {line}", flush=True)
 
 
-def run_peers(args, model, tokenizer, config, device, result: dict) -> dict:
+def run_peers(args, model, tokenizer, config, device, result: dict, profile) -> dict:
     """Measure the peers; print the table; return {"peers": {...}} for perf's JSON. Never raises for
     a missing or failing peer: it is skipped with a one-line reason."""
     print("peers (harness/perf/peers.py): our PLD, generate's PLD, llama.cpp", flush=True)
@@ -236,8 +236,8 @@ def run_peers(args, model, tokenizer, config, device, result: dict) -> dict:
 
     hf = greedy_generate(model, device, args.max_new_tokens, eos)
 
-    ours_ar = AutoregressiveDecoder(ModelRunner(model))
-    ours_pld = PromptLookupDecoder(ModelRunner(model), **pld)
+    ours_ar = AutoregressiveDecoder(ModelRunner(model, profile=profile))
+    ours_pld = PromptLookupDecoder(ModelRunner(model, profile=profile), **pld)
     contenders: dict[str, Callable[[list[int]], list[int]]] = {
         "ar_ours": lambda p: ours_ar.generate(p, stop).tokens,
         "pld_ours": lambda p: ours_pld.generate(p, stop).tokens,
@@ -278,7 +278,7 @@ def run_peers(args, model, tokenizer, config, device, result: dict) -> dict:
 
     if not curve_only:
         peers.update(time_contenders(contenders, prompts, args.repeats, device))
-        peers.update(check_sps(args, model, config, prompts, stop, peers["outputs"]["ar_ours"]))
+        peers.update(check_sps(args, model, config, prompts, stop, peers["outputs"]["ar_ours"], profile))
     rows = table_rows(result, peers)
     print(f"peers table ({result.get('dtype', dtype)}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
           f"median tokens/s; t(n): target forward after a 256-token prefix; ours SpS/generate/generate assisted "
@@ -320,13 +320,14 @@ def first_differences(outputs: dict[str, dict[int, list[int]]], reference: dict[
     return found
 
 
-def check_sps(args, model, config, prompts, stop, reference: dict[int, list[int]]) -> dict:
+def check_sps(args, model, config, prompts, stop, reference: dict[int, list[int]], profile) -> dict:
     """Our SpS's tokens (untimed, once) against our AR's: the identity column of the SpS rows
     (`generate` assisted: identical when ours SpS is and perf found both SpS equal)."""
     try:
         draft_spec = ({"target_layers": args.draft_layers} if getattr(args, "draft_layers", None)
                       else OmegaConf.to_container(config.drafts.sps, resolve=True))
-        decoder = SpeculativeSamplingDecoder(ModelRunner(model), load_draft_lm(draft_spec, model), gamma=args.gamma)
+        decoder = SpeculativeSamplingDecoder(ModelRunner(model, profile=profile), load_draft_lm(draft_spec, model),
+                                             gamma=args.gamma)
         outputs = {i: decoder.generate(p, stop).tokens for i, p in enumerate(prompts)}
     except Exception as err:
         say(f"SpS identity check skipped: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")

@@ -11,8 +11,8 @@ trusted alone (the summary lists such questions; see docs/benchmarks.md, "Readin
 from __future__ import annotations
 
 from harness.cluster.slurm import slurm_job
-from methods.engine import load
-from methods.engine.load import BUSY_CORES, BUSY_STEAL, is_busy, snapshot
+from methods.machine import load
+from methods.machine.load import BUSY_CORES, BUSY_STEAL, is_busy, snapshot
 
 __all__ = ["BUSY_CORES", "BUSY_STEAL", "is_busy", "snapshot", "state"]
 

@@ -45,10 +45,10 @@ from harness.running.validate import check_group_choices, validate
 from harness.stats import fidelity_failure, summarize
 from methods.base import BuildContext, Decoder, get_method
 from methods.batched import BatchedDecoder
-from methods.engine.hardware import profiles_used
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
-from methods.models.loading import choose_dtype, load_model, load_tokenizer, resolve_device
+from methods.machine.profile import MachineProfile
+from methods.models.loading import load_model, load_tokenizer, resolve_device
 from methods.models.specs import ModelSpec, ModelUnavailableError
 
 log = logging.getLogger("harness")
@@ -60,34 +60,45 @@ TEMPLATE_ALLOWANCE = 64  # tokens left for the chat template around a truncated 
 
 class Benchmark:
     """The settings of one run (known before anything loads: its results folder is checked first),
-    then, after `load`, the target, its template and the decoders."""
+    the machine profile (`choose_dtype` and `load` measure through it, the only place that times the
+    machine), then, after `load`, the target, its template and the decoders."""
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(int(cfg.threads))
         self.device = resolve_device(cfg.device)
-        self.dtype, self.dtype_reason = choose_dtype(cfg.dtype, self.device, ModelSpec.from_mapping(cfg.model),
-                                                     cfg.model.name)
+        self.profile = MachineProfile(self.device)  # reads and measures nothing yet
+        self.dtype, self.dtype_reason = None, None  # `choose_dtype`
         self.sampling = SamplingConfig(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k))
         self.max_new_tokens = int(cfg.max_new_tokens or cfg.dataset.max_new_tokens)
         self.batch_size = int(cfg.batch_size)  # questions decoded together, AR and the method alike
         paired = cfg.baseline and cfg.method.name != BASELINE
         self.names = [BASELINE, cfg.method.name] if paired else [cfg.method.name]
 
+    def choose_dtype(self) -> None:
+        """`dtype=auto`'s choice from the machine profile (on a CPU with native bf16: bf16 timed against
+        fp32 once per machine and model, logged)."""
+        cfg = self.cfg
+        self.dtype, self.dtype_reason = self.profile.dtype(cfg.dtype, ModelSpec.from_mapping(cfg.model), cfg.model.name)
+
     def load(self) -> None:
+        """The target, then the machine profile's parts it needs (measured once per machine, logged), then
+        the decoders, built on the profile: building them measures nothing of the target."""
         cfg = self.cfg
         spec = ModelSpec.from_mapping(cfg.model)
         log.info("loading %s (%s) as %s on %s", cfg.model.name, spec.describe(), self.dtype, self.device)
         self.tokenizer = load_tokenizer(spec)
         self.model = load_model(spec, self.dtype, self.device)
         self.template = ChatTemplate.for_model(cfg.model, self.tokenizer)
-        context = BuildContext(self.model, cfg.model.name, OmegaConf.to_container(cfg.model, resolve=True))
-        params = OmegaConf.to_container(cfg.method, resolve=True)
         skinny, forward, graphs = cfg.engine.skinny_gemm, cfg.engine.decoder, cfg.engine.cuda_graphs
+        self.profile.prepare(self.model, cfg.model.name, skinny)
+        context = BuildContext(self.model, cfg.model.name, OmegaConf.to_container(cfg.model, resolve=True),
+                               self.profile)
+        params = OmegaConf.to_container(cfg.method, resolve=True)
         self.decoders: dict[str, Decoder] = {
-            name: get_method(name)(ModelRunner(self.model, skinny, forward, graphs), params if name == cfg.method.name
-                                   else {}, context)
+            name: get_method(name)(ModelRunner(self.model, skinny, forward, graphs, profile=self.profile),
+                                   params if name == cfg.method.name else {}, context)
             for name in self.names}
 
     def engine_record(self) -> dict:
@@ -100,7 +111,7 @@ class Benchmark:
                 "decoder": "fused" if target.fused else f"transformers ({target.unfused_reason})",
                 "cuda_graphs": f"{self.cfg.engine.cuda_graphs} ({target.graph_mode})",
                 "linear_kernels": linear.plan.to_dict()["kernels"] if linear.plan else None,
-                "profiles": profiles_used()}
+                "profiles": self.profile.used()}
 
     def max_new_tokens_for(self, category: str) -> int:
         """max_new_tokens when given, else the dataset's per-category setting, else its default."""
@@ -257,6 +268,7 @@ def run(cfg: DictConfig, started=None) -> dict:
     """`started(folder, questions)`, when given, is called once the results folder is known (sweep status)."""
     validate(cfg)  # before anything loads: a bad value costs seconds, not a model load
     bench = Benchmark(cfg)
+    bench.choose_dtype()
     questions = load_questions(cfg.dataset, cfg.limit)
     env = environment(bench.device)
     dtype_name = str(bench.dtype).replace("torch.", "")

@@ -27,8 +27,8 @@ from methods.base import check_method_params, method_settings
 from methods.batched import batchable_methods
 from methods.engine.fused import DECODER_MODES
 from methods.engine.graphs import GRAPH_MODES
-from methods.engine.hardware import SKINNY_GEMM_MODES
 from methods.engine.params import BOOL, Check, ConfigError, integer, null, number, one_of
+from methods.engine.runner import SKINNY_GEMM_MODES
 from methods.models.loading import DTYPES
 
 CONF = REPO / "conf"

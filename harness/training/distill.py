@@ -36,7 +36,7 @@ from harness.running.datasets import _FILLER
 from harness.running.prompts import ChatTemplate, Message
 from harness.running.results import read_jsonl, rewrite_jsonl
 from harness.training.loop import ROOT, _machine, load_target
-from methods.engine.identity import native_bf16
+from methods.machine.identity import native_bf16
 
 # the subjects and templates the prompts are drawn from (data, written for this suite; order matters)
 MATERIAL = yaml.safe_load((Path(__file__).parent / "prompts.yaml").read_text(encoding="utf-8"))

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from methods.engine.identity import cpu_isa, cpu_model
+from methods.machine.identity import cpu_isa, cpu_model
 from methods.models.loading import load_model, load_tokenizer
 from methods.models.specs import ModelSpec, model_config
 

@@ -12,8 +12,8 @@ from .static_draft import StaticDraft
 
 
 class EagleBase(DraftVerifyDecoder):
-    def __init__(self, target, head: EagleHead, vocabulary=None):
-        super().__init__(target)
+    def __init__(self, target, head: EagleHead, vocabulary=None, sizing: dict | None = None):
+        super().__init__(target, sizing)
         self.drafter = self.make_drafter(head, vocabulary)
         self.lane_drafters = [self.drafter]  # lane i of a batch drafts with lane_drafters[i] (`lane`)
         # `engine.cuda_graphs`: the draft depth loop as a static computation (a CUDA graph on a GPU)

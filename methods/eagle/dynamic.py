@@ -9,7 +9,6 @@ import time
 import torch
 
 from ..base import BuildContext, register
-from ..engine.hardware import forward_latency, latency_curve
 from ..engine.sizing import verify_cost
 from ..engine.tree import DeviceTree, Tree
 from ..models.heads.eagle import EagleHead, load_eagle_head
@@ -22,20 +21,22 @@ class Eagle2Decoder(EagleBase):
     name = "eagle2"
 
     def __init__(self, target, head: EagleHead, total_tokens: int = 60, depth: int = Eagle2Settings.depth,
-                 top_k: int = Eagle2Settings.top_k, vocabulary=None):
-        super().__init__(target, head, vocabulary)
+                 top_k: int = Eagle2Settings.top_k, vocabulary=None, verify_seconds: dict[int, float] | None = None,
+                 sizing: dict | None = None):
+        """`verify_seconds`: the target's latency curve (the machine profile's) for the adaptive size; None: the
+        size is `total_tokens`."""
+        super().__init__(target, head, vocabulary, sizing)
         if total_tokens < 2 or depth < 0 or top_k < 1:
             raise ValueError(f"eagle2 needs total_tokens >= 2, depth >= 0, top_k >= 1; got {total_tokens}, {depth}, "
                              f"{top_k}")
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
-        self.total_tokens_timing: dict | None = None
-        self.verify_seconds: dict[int, float] | None = None  # adaptive sizing: target forward seconds by tokens
+        self.verify_seconds = verify_seconds  # adaptive sizing: target forward seconds by tokens
         self.draft_seconds = 0.0  # adaptive sizing: running mean of one step's drafting time
         self._follow_seconds = 0.0
 
     def describe(self):
         return {**super().describe(), "total_tokens": "adaptive" if self.verify_seconds else self.total_tokens,
-                "depth": self.depth, "top_k": self.top_k, "total_tokens_auto": self.total_tokens_timing}
+                "depth": self.depth, "top_k": self.top_k}
 
     def propose(self, root: int, budget: int) -> Tree:
         started = time.perf_counter()
@@ -168,35 +169,35 @@ class Eagle2Decoder(EagleBase):
         """Seconds of a target forward of `tokens` tokens, interpolated from the measured sizes."""
         return verify_cost(self.verify_seconds, tokens) * self.verify_seconds[min(self.verify_seconds)]
 
-    def measure_verify_latency(self, model_name: str, sizes=(1, 2, 4, 8, 16, 32, 64)) -> None:
-        """`total_tokens: adaptive`: the target's forward latency curve from the hardware profile
-        (measured once per machine, model and dtype, then reused)."""
-        self.verify_seconds = latency_curve(self.target, model_name, sizes)
-        self.total_tokens = max(self.total_tokens, max(sizes))
-        self.total_tokens_timing = {"adaptive": True, "seconds_by_size": self.verify_seconds}
 
-    def auto_total_tokens(self, sizes=(40, 48, 50, 56, 60), weights=(1, 1.05, 1.07, 1.1, 1.13),
-                          prefix: int = 128, repeats: int = 3) -> int:
-        """EAGLE-2's `total_token=-1`: time target forwards of each size and take the size with the
-        least time per weight (weights credit larger trees with the extra tokens they accept)."""
-        timings = forward_latency(self.target, sizes, prefix, repeats)
-        best = min(sizes, key=lambda s: timings[s] / weights[sizes.index(s)])
-        self.total_tokens = best
-        self.total_tokens_timing = {"chosen": best, "seconds_by_size": timings, "weights": dict(zip(sizes, weights))}
-        return best
+UPSTREAM_TOTAL = 60  # upstream's total_token; `auto` and `adaptive` without a machine profile
+ADAPTIVE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # the latency curve `adaptive` reads
+
+
+def auto_total_tokens(profile, target, sizes=(40, 48, 50, 56, 60), weights=(1, 1.05, 1.07, 1.1, 1.13),
+                      prefix: int = 128, repeats: int = 3) -> tuple[int, dict]:
+    """EAGLE-2's `total_token=-1`: target forwards of each size timed (by the machine profile), and the
+    size with the least time per weight (weights credit larger trees with the extra tokens they accept)."""
+    timings = profile.forward_latency(target, sizes, "EAGLE-2's total_tokens=auto", prefix, repeats)
+    best = min(sizes, key=lambda s: timings[s] / weights[sizes.index(s)])
+    return best, {"total_tokens": "auto", "chosen": best, "seconds_by_size": timings,
+                  "weights": dict(zip(sizes, weights))}
 
 
 def build_dynamic(decoder_class, target, head, settings: DynamicTreeSettings, context: BuildContext,
                   **extra) -> Eagle2Decoder:
-    """An EAGLE-2-tree decoder with `method.total_tokens` (a number, `auto` or `adaptive`), `depth`, `top_k`."""
-    total = settings.total_tokens
-    decoder = decoder_class(target, head, total_tokens=60 if isinstance(total, str) else int(total),
-                            depth=settings.depth, top_k=settings.top_k, **extra)
-    if total == "auto":
-        decoder.auto_total_tokens()
+    """An EAGLE-2-tree decoder with `method.total_tokens` (a number, `auto` or `adaptive`), `depth`, `top_k`:
+    `auto` and `adaptive` read the machine profile (`context.profile`), and take upstream's 60 without one."""
+    total, profile, verify_seconds, sizing = settings.total_tokens, context.profile, None, None
+    if isinstance(total, str) and profile is None:
+        total, sizing = UPSTREAM_TOTAL, {"total_tokens": total, "profile": f"none: upstream's {UPSTREAM_TOTAL}"}
+    elif total == "auto":
+        total, sizing = auto_total_tokens(profile, target)
     elif total == "adaptive":
-        decoder.measure_verify_latency(context.model_name)
-    return decoder
+        verify_seconds = profile.latency_curve(target, context.model_name, ADAPTIVE_SIZES)
+        total, sizing = max(ADAPTIVE_SIZES), {"total_tokens": "adaptive", "seconds_by_size": verify_seconds}
+    return decoder_class(target, head, total_tokens=int(total), depth=settings.depth, top_k=settings.top_k,
+                         verify_seconds=verify_seconds, sizing=sizing, **extra)
 
 
 @register("eagle2", settings=Eagle2Settings)

@@ -44,8 +44,10 @@ class Eagle3Decoder(Eagle2Decoder):
     name = "eagle3"
 
     def __init__(self, target, head: Eagle3Head, total_tokens: int = 60, depth: int = Eagle3Settings.depth,
-                 top_k: int = Eagle3Settings.top_k):
-        super().__init__(target, head, total_tokens=total_tokens, depth=depth, top_k=top_k)
+                 top_k: int = Eagle3Settings.top_k, verify_seconds: dict[int, float] | None = None,
+                 sizing: dict | None = None):
+        super().__init__(target, head, total_tokens=total_tokens, depth=depth, top_k=top_k,
+                         verify_seconds=verify_seconds, sizing=sizing)
         target.capture_inputs(head.layers)
 
     def make_drafter(self, head: Eagle3Head, vocabulary) -> Eagle3Drafter:

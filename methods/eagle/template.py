@@ -39,10 +39,10 @@ class EagleDecoder(EagleBase):
     name = "eagle"
 
     def __init__(self, target, head: EagleHead, tree: StaticTree, vocabulary=None,
-                 sampling_rule: str = EagleSettings.sampling_rule):
+                 sampling_rule: str = EagleSettings.sampling_rule, sizing: dict | None = None):
         if sampling_rule not in SAMPLING_RULES:
             raise ValueError(f"eagle sampling_rule={sampling_rule!r}; valid: {', '.join(SAMPLING_RULES)}")
-        super().__init__(target, head, vocabulary)
+        super().__init__(target, head, vocabulary, sizing)
         self.tree = tree
         self.sampling_rule = sampling_rule
         self._plans: dict[int, tuple] = {}  # depth limit -> the template's levels on the device (`plan`)
@@ -157,6 +157,5 @@ def build_eagle(target, settings: EagleSettings, context: BuildContext) -> Eagle
     # auto: EAGLE's own tree, cut to what one verification may hold on this machine
     tree, sizing = context.static_tree(params, target, "eagle_mc_sim_7b_63")
     decoder = EagleDecoder(target, head, tree, vocabulary=context.draft_vocabulary(params),
-                           sampling_rule=settings.sampling_rule)
-    decoder.sizing = sizing
+                           sampling_rule=settings.sampling_rule, sizing=sizing)
     return decoder

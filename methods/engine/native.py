@@ -6,7 +6,7 @@ ctypes (no torch headers, so it builds quickly, once per machine class).
   GEMM for 2-16 rows computes slower than the weights stream (docs/performance-history.md). This one reads
   a copy of each weight packed once into panels of 16 outputs (AVX-512) or 8 (AVX2) and computes
   8 rows x 48 outputs (AVX-512) or 4 rows x 24 outputs (AVX2) per step from registers. Whether it wins is measured like
-  every other kernel (`linear.measure_plan`), per weight shape and row count.
+  every other kernel (`machine/plan.measure_plan`), per weight shape and row count.
 * `rms_norm` and `rope_store`: the fused forward's small operations (`fused.py`), bit for bit what
   torch computes, in one call each instead of four to ten.
 * `NativeLayer`: a whole decoder layer in one call (`decodebench_layer_f32`), where every
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from .identity import cpu_flags, profile_dir
+from ..machine.identity import cpu_flags, profile_dir
 
 SOURCE = Path(__file__).with_name("native.c")
 # -ffp-contract=off: products and sums round on their own, as torch's eager ops do (no implicit FMA)

@@ -10,13 +10,15 @@ Models are `transformers` models (Llama, Qwen2, Mistral, ...). Llama-family deco
 engine's own forward over the model's weights (`fused.py`: fused projections, one attention call,
 fewer small ops; `decoder="transformers"` for the stock one); others call the `transformers`
 decoder stack. Either way with a custom float mask and explicit position ids, and the LM head only
-on the positions whose logits are needed. Every linear runs through the machine's linear path
-(`linear.py`: the fastest measured formulation per weight shape and token count; `skinny_gemm="off"`
-for stock `F.linear`).
+on the positions whose logits are needed. Given the machine profile (`methods/machine/profile.py`),
+every linear runs through the machine's linear path (`linear.py`: the fastest measured formulation
+per weight shape and token count; `skinny_gemm="off"` for stock `F.linear`); given none, the runner
+measures nothing and runs stock `F.linear`.
 """
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Sequence
@@ -25,13 +27,19 @@ import torch
 
 from .fused import DECODER_MODES, fused_decoder, unsupported
 from .graphs import BUCKETS, StaticSteps, graph_mode
-from .hardware import linear_path
 from .kv_cache import BatchKVCache, TreeKVCache
+from .linear import LinearPath
 from .tree import Tree, attention_mask
 
 # positions reserved past prompt + max new tokens: room for a verification's rows (every default
 # tree, window and block of the suite fits; a larger one grows the cache, counted in its `regrowths`)
 ROOM = 256
+SKINNY_GEMM_MODES = ("auto", "off")
+STOCK = LinearPath(None)  # stock `F.linear`: a runner without a machine profile, or `skinny_gemm=off`
+NO_PROFILE = ("no machine profile given: stock kernels, and upstream's fixed sizes for `auto`; pass "
+              "profile=MachineProfile(device) (methods/machine/profile.py) for measured ones, as the harness does")
+_SAID: list = []  # NO_PROFILE is logged once per process
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,16 +71,24 @@ def layer_inputs(decoder, layers: Sequence[int]):
 
 
 class ModelRunner:
-    def __init__(self, model, skinny_gemm: str = "auto", decoder: str = "auto", cuda_graphs: str = "auto"):
+    """`profile`: the machine profile (`methods/machine/profile.py`) whose measured linear plan the
+    runner's linears take (the shapes it lacks are measured there, and logged); None: stock `F.linear`,
+    nothing measured."""
+
+    def __init__(self, model, skinny_gemm: str = "auto", decoder: str = "auto", cuda_graphs: str = "auto",
+                 profile=None):
         if decoder not in DECODER_MODES:
             raise ValueError(f"engine.decoder={decoder!r}; valid: {', '.join(DECODER_MODES)}")
+        if skinny_gemm not in SKINNY_GEMM_MODES:
+            raise ValueError(f"engine.skinny_gemm={skinny_gemm!r}; valid: {', '.join(SKINNY_GEMM_MODES)}")
         self.model = model
         self.skinny_gemm = skinny_gemm
+        self.profile = profile
         self.decoder_mode = decoder
         # why the stock forward runs instead of the fused one (None: the fused one runs)
         self.unfused_reason = "engine.decoder=transformers" if decoder == "transformers" else unsupported(model)
         self.fused = None if self.unfused_reason else fused_decoder(model)
-        self.linear = linear_path([model, *self._fused_linears()], skinny_gemm)
+        self.linear = self._linear_path(model, *self._fused_linears())
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.config = model.config
@@ -112,8 +128,17 @@ class ModelRunner:
         self.feature_layers = tuple(layers)
 
     def cover(self, *modules) -> None:
-        """Measure the linear path for other modules this runner's decoder drives (draft heads)."""
-        self.linear = linear_path([self.model, *self._fused_linears(), *modules], self.skinny_gemm)
+        """Route other modules this runner drives (draft heads) through its linear path too (the profile
+        measures the shapes it lacks)."""
+        self.linear = self._linear_path(self.model, *self._fused_linears(), *modules)
+
+    def _linear_path(self, *modules) -> LinearPath:
+        if self.profile is None:
+            if self.skinny_gemm == "auto" and not _SAID:
+                _SAID.append(True)
+                log.info(NO_PROFILE)
+            return STOCK
+        return self.profile.linear_path(modules, self.skinny_gemm)
 
     def _fused_linears(self) -> list:
         return self.fused.linears if self.fused else []

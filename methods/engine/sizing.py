@@ -1,8 +1,8 @@
-"""Method sizes that fit the machine: derived from the hardware profile when a method's size is `auto`.
+"""Method sizes that fit the machine: derived from the machine profile when a method's size is `auto`.
 
-The profile (`hardware.latency_curve`) gives v(n) = t(n) / t(1), the cost of verifying n tokens in
-one target forward in units of a one-token forward; a drafter's cost per drafted token (or level),
-c, is measured on the spot in the same unit. With a per-position acceptance estimate α:
+The profile (`methods/machine/profile.py`, `latency_curve`) gives v(n) = t(n) / t(1), the cost of
+verifying n tokens in one target forward in units of a one-token forward; a drafter's cost per drafted token (or level),
+c, is measured by the profile in the same unit. With a per-position acceptance estimate α:
 
 * a chain of γ drafted tokens (SpS) yields on average E(γ) = (1 - α^(γ+1)) / (1 - α) tokens per step
   (Leviathan et al. 2023) and costs γ·c + v(γ + 1): γ maximises E / cost;
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from .hardware import forward_latency
 
 VERIFY_BUDGET = 1.3  # a tree may cost at most this many one-token forwards to verify
 DEFAULT_ALPHA = 0.6  # per-position acceptance assumed for a draft without a model card
@@ -62,12 +60,6 @@ def tree_budget(curve: dict[int, float], budget: float = VERIFY_BUDGET, largest:
         if verify_cost(curve, n) <= budget:
             best = n
     return best
-
-
-def draft_cost(draft_runner, target_curve: dict[int, float], prefix: int = 256, repeats: int = 5) -> float:
-    """One draft forward of one token (its projection included), in units of the target's t(1)."""
-    seconds = forward_latency(draft_runner, (1,), prefix, repeats)[1]
-    return seconds / target_curve[min(target_curve)]
 
 
 def held_out_acceptance(draft_folder: str | None, default: float = DEFAULT_ALPHA) -> float:

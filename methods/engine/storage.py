@@ -1,5 +1,5 @@
 """Where the suite keeps what it derives once and reuses: dequantized GGUF models, randomly
-initialised heads, hardware profiles."""
+initialised heads, machine profiles."""
 
 from __future__ import annotations
 
