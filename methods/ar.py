@@ -32,7 +32,7 @@ class AutoregressiveDecoder(DraftVerifyDecoder):
     name = "ar"
     prefill_step = True  # the prefill is AR's first decoding step: accept lengths [1, 1, …]
 
-    def propose(self, root: int, budget: int) -> Tree:
+    def propose(self, state, root: int, budget: int) -> Tree:
         return Tree(torch.tensor([root]), [-1])
 
 

@@ -1,20 +1,25 @@
 """The `Decoder` interface, its outputs, the registry, and the loop every lossless method shares.
 
     prefill(prompt)                       -> target KV, first token (TTFT ends here)
+    start(state, prefill)                 # the drafter's own prefill
     repeat until the stopping rule fires:
-        tree   = propose()                # the method's own part: a draft tree rooted at the last token
+        tree   = propose(state, root, n)  # the method's own part: a draft tree rooted at the last token
         out    = target.verify(tree)      # one forward over the tree
-        result = accept(tree, out)        # greedy | speculative sampling over the tree
+        result = accept(state, tree, out) # greedy | speculative sampling over the tree
         target.commit(path)               # keep the accepted path's KV only
-        advance(tree, result, out)        # the drafter follows the accepted path
+        state.emit(tokens)                # output, stopping rule, statistics
+        advance(state, tree, result, out) # the drafter follows the accepted path
+    finish(state)
 
-A method subclasses `DraftVerifyDecoder` and writes `propose` (and `start`/`advance` when it keeps
-state); AR is the method that proposes nothing.
+`state` is the sequence's `DecodeState` (its prompt and output, sampling, generator, statistics and
+drafter): the call's state is passed to the method, never kept on the decoder, so that the batched
+loop (`batched.py`) runs the same calls on one state per sequence. A method subclasses
+`DraftVerifyDecoder` and writes `propose` (and `start`/`advance` when it keeps state); AR is the
+method that proposes nothing.
 """
 
 from __future__ import annotations
 
-import copy
 import importlib
 import pkgutil
 import time
@@ -26,7 +31,15 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-from .engine.acceptance import Acceptance, chosen_margins, greedy_accept_logits, sample_accept
+from .engine.acceptance import (
+    Acceptance,
+    chosen_margins,
+    greedy_accept_logits,
+    greedy_pending,
+    read_together,
+    sample_accept,
+    sample_pending,
+)
 from .engine.params import ConfigError, Settings
 from .engine.runner import ForwardOutput, ModelRunner
 from .engine.sampling import SamplingConfig, logits_to_probs, sample
@@ -102,6 +115,44 @@ class DecodeStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class DecodeState:
+    """One sequence's decoding: the loop's per-call state, handed to the method at every call
+    (`start`, `propose`, `advance`, `finish`) instead of being kept on the decoder. At batch size B
+    the loop (`methods/batched.py`) holds B of them, one per sequence; alone, one."""
+
+    index: int  # the sequence's row in its batch (0 alone): which per-sequence drafter it drafts with
+    prompt: list[int]
+    stop: StopCondition
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+    stats: DecodeStats
+    tokens: list[int] = field(default_factory=list)  # the output so far
+    sequence: list[int] = field(default_factory=list)  # prompt and output; the last token is not in the target KV
+    draft: Any = None  # the method's drafter for this sequence (`DraftVerifyDecoder.draft_state`): a draft LM, a head
+    values: dict[str, Any] = field(default_factory=dict)  # the method's own per-sequence values (SpS's heuristic γ)
+
+    def emit(self, emitted: Sequence[int], margins: Sequence[float]) -> tuple[int, str] | None:
+        """The step's tokens and their margins appended; the stopping rule's verdict on them (None: go on).
+        The step's accepted length is what the rule kept of them."""
+        checked = len(self.tokens)
+        self.tokens.extend(emitted)
+        self.sequence.extend(emitted)
+        self.stats.logit_margins.extend(margins)
+        done = self.stop.cut(self.tokens, checked)
+        self.stats.accepted_lengths.append(len(emitted) if done is None else done[0] - checked)
+        return done
+
+    def conclude(self, done: tuple[int, str]) -> "DecodeOutput":
+        """The output, cut where the stopping rule said, with its statistics."""
+        keep, self.stats.stop_reason = done
+        del self.tokens[keep:]
+        del self.stats.logit_margins[keep:]
+        self.stats.new_tokens = len(self.tokens)
+        self.stats.steps = len(self.stats.accepted_lengths)
+        return DecodeOutput(tokens=self.tokens, stats=self.stats)
 
 
 @dataclass
@@ -315,30 +366,36 @@ def logit_margins(rows: torch.Tensor, chosen: Sequence[int]) -> list[float]:
 
 
 class DraftVerifyDecoder(Decoder):
-    """The draft -> verify -> accept -> commit loop. Subclasses supply the drafter."""
+    """The draft -> verify -> accept -> commit loop. Subclasses supply the drafter: `propose` and, when
+    it follows the accepted path, `start`/`advance`; each gets the sequence's `DecodeState`."""
 
     # whether the prefill counts as a decoding step in the records (`DecodeStats.prefill_step`)
     prefill_step: ClassVar[bool] = False
 
-    def start(self, prompt: Sequence[int], prefill: ForwardOutput) -> None:
-        """Called once after the target's prefill (e.g. to prefill a draft model)."""
+    def draft_state(self, index: int) -> Any:
+        """The drafter sequence `index` of a batch drafts with (`DecodeState.draft`): a method whose
+        drafter keeps per-sequence state (a draft LM's KV cache, a head's) gives each index its own, made
+        once and reused; index 0 is the one a single sequence uses."""
+        return None
+
+    def new_state(self, index: int, prompt: list[int], stop: StopCondition, sampling: SamplingConfig,
+                  generator: torch.Generator | None) -> DecodeState:
+        return DecodeState(index, prompt, stop, sampling, generator, DecodeStats(prefill_step=self.prefill_step),
+                           sequence=list(prompt), draft=self.draft_state(index))
+
+    def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
+        """Called once after the target's prefill and the first token (e.g. to prefill a draft model)."""
 
     @abstractmethod
-    def propose(self, root: int, budget: int) -> Tree:
+    def propose(self, state: DecodeState, root: int, budget: int) -> Tree:
         """A tree rooted at `root` (the last emitted token) with at most `budget` draft tokens
         along any path (more would be cut by the stopping rule anyway)."""
 
-    def advance(self, tree: Tree, acceptance: Acceptance, verified: ForwardOutput) -> None:
+    def advance(self, state: DecodeState, tree: Tree, acceptance: Acceptance, verified: ForwardOutput) -> None:
         """Called after each commit, so the drafter can follow the accepted path."""
 
-    def lane(self, index: int, stop: StopCondition) -> "DraftVerifyDecoder":
-        """A copy of this decoder that drafts for sequence `index` of a batch (`methods/batched.py`):
-        what `start`, `propose` and `advance` keep per sequence lives on it. A drafter whose state
-        is more than its attributes (a draft model's KV cache) gives each lane its own."""
-        return copy.copy(self)
-
-    def finish(self, stats: DecodeStats) -> None:
-        """After a sequence of a batch stopped: the method's own statistics into `stats.extra`."""
+    def finish(self, state: DecodeState) -> None:
+        """After the sequence stopped: the method's own statistics into `state.stats.extra`."""
 
     def prefill(self, prompt: Sequence[int]) -> ForwardOutput:
         """The target's prefill; a prefill strategy (LazyLLM) overrides this."""
@@ -350,79 +407,79 @@ class DraftVerifyDecoder(Decoder):
         if not prompt:
             raise ValueError("empty prompt")
         with self.target.linear.active():  # draft heads and models run on the same linear path
-            return self._generate(prompt, stop, sampling, generator)
+            return self._generate(self.new_state(0, prompt, stop, sampling, generator))
 
-    def _generate(self, prompt, stop, sampling, generator) -> DecodeOutput:
-        self.sampling, self.generator = sampling, generator
+    def _generate(self, state: DecodeState) -> DecodeOutput:
+        prompt, stop, stats = state.prompt, state.stop, state.stats
         self.target.reset()
         self.target.check_room(len(prompt) + stop.max_new_tokens)
         self.target.reserve(len(prompt) + stop.max_new_tokens)
-        stats = DecodeStats(prefill_step=self.prefill_step)
         clock = PhaseClock(self.target.device, stats.phase_time)
         begin = clock.last
 
         first = self.prefill(prompt)
-        if self.sampling.greedy:  # the token and its margin in one read, as every greedy step
+        if state.sampling.greedy:  # the token and its margin in one read, as every greedy step
             chosen = greedy_accept_logits(Tree(torch.zeros(1, dtype=torch.long), [-1]), first.logits[-1:])
             token, first_margins = chosen.next_token, chosen.margins
         else:
-            token = sample(logits_to_probs(first.logits[-1], self.sampling), self.generator)
+            token = sample(logits_to_probs(first.logits[-1], state.sampling), state.generator)
             first_margins = logit_margins(first.logits[-1:], [token])
         stats.ttft = clock.now() - begin
-        margins = stats.logit_margins  # one per token of `tokens`, cut with it
-        margins.extend(first_margins)
         clock.lap("prefill")
-        tokens = [token]
-        stats.accepted_lengths.append(1)
-        self.sequence = prompt + tokens  # prompt and output; the last token is not in the target KV
-        self.start(prompt, first)
+        done = state.emit([token], first_margins)
+        self.start(state, first)
         clock.lap("draft")
 
-        done = stop.cut(tokens, 0)
         while done is None:
-            tree = self.propose(token, stop.max_new_tokens - len(tokens) - 1)
+            tree = self.propose(state, token, stop.max_new_tokens - len(state.tokens) - 1)
             clock.lap("draft")
             prefix = self.target.length
             verified = self.target.verify(tree)
             clock.lap("verify")
             # extra rows are never accepted; at temperature 0 their argmax comes back with the step's read
             extra = verified.logits[len(tree):] if tree.extra_rows is not None else None
-            acceptance = self._accept(tree, verified.logits[: len(tree)], extra)
+            acceptance = self._accept(state, tree, verified.logits[: len(tree)], extra)
             emitted = acceptance.emitted or tree.tokens[acceptance.path[1:]].tolist() + [acceptance.next_token]
             # the row of each accepted node chose the token after it: its accepted child, or the next token
-            margins.extend(acceptance.margins or logit_margins(verified.logits[acceptance.path], emitted))
+            margins = acceptance.margins or logit_margins(verified.logits[acceptance.path], emitted)
             clock.lap("accept")
             self.target.commit(prefix, acceptance.path)
             clock.lap("commit")
-            checked = len(tokens)
-            tokens.extend(emitted)
-            self.sequence.extend(emitted)
-            done = stop.cut(tokens, checked)
-            stats.accepted_lengths.append(len(emitted) if done is None else done[0] - checked)
+            done = state.emit(emitted, margins)
             self.count_acceptance(stats, tree, acceptance)
             clock.lap("other")  # emitting, stop checks, statistics: the loop's own overhead
             if done is None:
-                self.advance(tree, acceptance, verified)
+                self.advance(state, tree, acceptance, verified)
                 clock.lap("draft")
             token = acceptance.next_token
 
-        keep, stats.stop_reason = done
-        del tokens[keep:]
-        del margins[keep:]
-        stats.new_tokens = len(tokens)
-        stats.steps = len(stats.accepted_lengths)
+        output = state.conclude(done)
+        self.finish(state)
         clock.lap("other")
         stats.total_time = clock.last - begin
-        return DecodeOutput(tokens=tokens, stats=stats)
+        return output
 
-    def _accept(self, tree: Tree, logits: torch.Tensor, extra: torch.Tensor | None = None) -> Acceptance:
-        if self.sampling.greedy:
+    def _accept(self, state: DecodeState, tree: Tree, logits: torch.Tensor,
+                extra: torch.Tensor | None = None) -> Acceptance:
+        if state.sampling.greedy:
             return greedy_accept_logits(tree, logits, extra)
-        return self.sample_accept(tree, logits_to_probs(logits, self.sampling), self.generator, logits=logits,
+        return self.sample_accept(tree, logits_to_probs(logits, state.sampling), state.generator, logits=logits,
                                   extra=extra)
+
+    def accept_batch(self, states: Sequence[DecodeState], trees: Sequence[Tree], logits: torch.Tensor) -> list:
+        """Each sequence's rule on its own rows of `logits` [B, R, V], decided on the device, then one
+        read for the batch (`methods/batched.py`)."""
+        pending = []
+        for row, (state, tree) in enumerate(zip(states, trees)):
+            rows = logits[row, : len(tree)]
+            pending.append(greedy_pending(tree, rows) if state.sampling.greedy else
+                           self.sample_pending(tree, logits_to_probs(rows, state.sampling), state.generator,
+                                               logits=rows))
+        return read_together(pending)
 
     # Swappable so that tests can show a broken acceptor is caught.
     sample_accept = staticmethod(sample_accept)
+    sample_pending = staticmethod(sample_pending)
 
     @staticmethod
     def count_acceptance(stats: DecodeStats, tree: Tree, acceptance: Acceptance) -> None:

@@ -3,18 +3,18 @@
     prefill(prompts)                         -> ONE forward over the prompts, padded to the longest;
                                                 every sequence's first token (TTFT ends here)
     repeat until every sequence stopped:
-        trees  = [lane.propose(...) ...]     # each sequence's own drafter state (`lane`)
-        out    = target.forward_batch(rows)   # ONE forward over [B, R] rows, R the largest tree
-        accept = read_together(decisions)     # each sequence's rule on the device, ONE read for the batch
-        target.cache.commit_batch(paths)         # each sequence keeps its own accepted rows
-        lane.advance(...)                        # each drafter follows its own path
+        trees  = [decoder.propose(state, ...) ...]  # each sequence's `DecodeState` (its own drafter in it)
+        out    = target.forward_batch(rows)          # ONE forward over [B, R] rows, R the largest tree
+        accept = decoder.accept_batch(...)           # each sequence's rule on the device, ONE read for the batch
+        target.cache.commit_batch(paths)             # each sequence keeps its own accepted rows
+        decoder.advance(state, ...)                  # each drafter follows its own path
         sequences that stopped leave the batch
 
 The KV cache (`kv_cache.BatchKVCache`) holds every sequence in a row of [B, kv_heads, capacity,
 head_dim] buffers with its own length; positions and masks are per sequence, padding slots and
 padding rows are masked out and never committed (`ModelRunner.forward_batch`). Acceptance is
 `acceptance.py`'s rules, per sequence, decided on the device (`greedy_pending`, `sample_pending`)
-and read together once (`read_together`), so a sequence decodes the tokens it decodes alone
+and read together once (`DraftVerifyDecoder.accept_batch`), so a sequence decodes the tokens it decodes alone
 (greedy; sampled, from its own generator in the order it draws alone: the same tokens).
 
 Finished sequences: the batch DRAINS. A sequence that stops leaves the batch at the next step (its
@@ -23,8 +23,9 @@ in its place. The caller decodes its prompts B at a time, each group to the end 
 `batch_size`, docs/batching.md), so the last steps of a group run below B.
 
 Which methods: those whose settings say `batchable` (AR, PLD with one branch, SpS, the EAGLE
-family): a drafter whose per-sequence state is its attributes (`DraftVerifyDecoder.lane`; SpS's
-draft LM and the EAGLE head get one cache per sequence, and draft one sequence at a time).
+family): a drafter whose per-sequence state is in the sequence's `DecodeState` (SpS's draft LM and
+the EAGLE head get one cache per sequence, `DraftVerifyDecoder.draft_state`, and draft one sequence
+at a time).
 """
 
 from __future__ import annotations
@@ -33,10 +34,9 @@ from typing import Sequence
 
 import torch
 
-from .base import DecodeOutput, DecodeStats, DraftVerifyDecoder, PhaseClock, available_methods, method_settings
-from .engine.acceptance import greedy_pending, read_together, sample_pending
+from .base import DecodeOutput, DecodeState, DraftVerifyDecoder, PhaseClock, available_methods, method_settings
 from .engine.runner import ForwardOutput
-from .engine.sampling import SamplingConfig, logits_to_probs
+from .engine.sampling import SamplingConfig
 from .engine.stopping import StopCondition
 from .engine.tree import Tree
 
@@ -61,9 +61,6 @@ def row_output(out: ForwardOutput, row: int, n: int, logits: torch.Tensor | None
 class BatchedDecoder:
     """Decodes several prompts at once with a `DraftVerifyDecoder` of a batchable method."""
 
-    # Swappable so that tests can show a broken acceptor is caught.
-    sample_pending = staticmethod(sample_pending)
-
     def __init__(self, decoder: DraftVerifyDecoder):
         if not isinstance(decoder, DraftVerifyDecoder) or not method_settings(decoder.name).batchable:
             raise ValueError(f"method {decoder.name!r} does not decode at batch size > 1; "
@@ -83,63 +80,45 @@ class BatchedDecoder:
         if len(stops) != len(prompts):
             raise ValueError(f"{len(stops)} stop conditions for {len(prompts)} prompts")
         generators = list(generators) if generators is not None else [None] * len(prompts)
+        states = [self.decoder.new_state(b, prompt, stop, sampling, generator)
+                  for b, (prompt, stop, generator) in enumerate(zip(prompts, stops, generators))]
         with self.decoder.target.linear.active():
-            return self._generate(prompts, list(stops), sampling, generators)
+            return self._generate(states)
 
-    def _accept(self, trees: list[Tree], logits: torch.Tensor, sampling: SamplingConfig, generators: list):
-        """Each sequence's rule on its own rows of `logits` [B, R, V], then one read for the batch."""
-        pending = []
-        for row, (tree, generator) in enumerate(zip(trees, generators)):
-            rows = logits[row, : len(tree)]
-            pending.append(greedy_pending(tree, rows) if sampling.greedy else
-                           self.sample_pending(tree, logits_to_probs(rows, sampling), generator, logits=rows))
-        return read_together(pending)
-
-    def _generate(self, prompts, stops, sampling, generators) -> list[DecodeOutput]:
+    def _generate(self, states: list[DecodeState]) -> list[DecodeOutput]:
         decoder, target = self.decoder, self.decoder.target
-        for prompt, stop in zip(prompts, stops):
-            target.check_room(len(prompt) + stop.max_new_tokens)
-        target.reserve_batch(len(prompts), max(len(p) + s.max_new_tokens for p, s in zip(prompts, stops)))
+        for state in states:
+            target.check_room(len(state.prompt) + state.stop.max_new_tokens)
+        target.reserve_batch(len(states), max(len(s.prompt) + s.stop.max_new_tokens for s in states))
         phases: dict[str, float] = {}
         clock = PhaseClock(target.device, phases)
         begin = clock.last
-        lanes = [decoder.lane(b, stop) for b, stop in enumerate(stops)]
-        stats = [DecodeStats(prefill_step=decoder.prefill_step) for _ in prompts]
-        outputs: list[DecodeOutput | None] = [None] * len(prompts)
+        outputs: list[DecodeOutput | None] = [None] * len(states)
 
-        first = target.forward_batch([causal_rows(prompt) for prompt in prompts], last_logits=True)  # logits [B, V]
-        target.cache.commit_batch(0, [range(len(prompt)) for prompt in prompts])
-        roots = [Tree(torch.tensor([prompt[-1]]), [-1]) for prompt in prompts]  # the first token: a root's choice
-        chosen = self._accept(roots, first.logits[:, None], sampling, generators)
+        first = target.forward_batch([causal_rows(s.prompt) for s in states], last_logits=True)  # logits [B, V]
+        target.cache.commit_batch(0, [range(len(s.prompt)) for s in states])
+        roots = [Tree(torch.tensor([s.prompt[-1]]), [-1]) for s in states]  # the first token: a root's choice
+        chosen = decoder.accept_batch(states, roots, first.logits[:, None])
         ttft = clock.now() - begin
         clock.lap("prefill")
-        tokens = [[acceptance.next_token] for acceptance in chosen]
-        for b, (lane, prompt) in enumerate(zip(lanes, prompts)):
-            stats[b].ttft = ttft
-            stats[b].logit_margins.extend(chosen[b].margins)
-            stats[b].accepted_lengths.append(1)
-            lane.sampling, lane.generator = sampling, generators[b]
-            lane.sequence = prompt + tokens[b]  # prompt and output; the last token is not in the target KV
-            lane.start(prompt, row_output(first, b, len(prompt), logits=first.logits[b:b + 1]))
+        done = {}
+        for b, state in enumerate(states):
+            state.stats.ttft = ttft
+            done[b] = state.emit([chosen[b].next_token], chosen[b].margins)
+            decoder.start(state, row_output(first, b, len(state.prompt), logits=first.logits[b:b + 1]))
         clock.lap("draft")
 
-        def finish(b: int, done: tuple[int, str]) -> None:
-            keep, stats[b].stop_reason = done
-            del tokens[b][keep:]
-            del stats[b].logit_margins[keep:]
-            stats[b].new_tokens = len(tokens[b])
-            stats[b].steps = len(stats[b].accepted_lengths)
-            lanes[b].finish(stats[b])
+        def finish(b: int) -> None:
+            outputs[b] = states[b].conclude(done[b])
+            decoder.finish(states[b])
             clock.lap("other")
-            stats[b].total_time = clock.last - begin
-            stats[b].phase_time = dict(phases)
-            outputs[b] = DecodeOutput(tokens=tokens[b], stats=stats[b])
+            states[b].stats.total_time = clock.last - begin
+            states[b].stats.phase_time = dict(phases)
 
-        rows = list(range(len(prompts)))  # the sequences in the cache, by row
+        rows = list(range(len(states)))  # the sequences in the cache, by row
         for b in rows:
-            done = stops[b].cut(tokens[b], 0)
-            if done is not None:
-                finish(b, done)
+            if done[b] is not None:
+                finish(b)
         while True:
             running = [b for b in rows if outputs[b] is None]
             if not running:
@@ -148,30 +127,26 @@ class BatchedDecoder:
                 target.cache.keep_sequences([rows.index(b) for b in running])
                 rows = running
                 clock.lap("commit")
-            trees = [lanes[b].propose(tokens[b][-1], stops[b].max_new_tokens - len(tokens[b]) - 1) for b in rows]
+            trees = [decoder.propose(states[b], states[b].tokens[-1],
+                                     states[b].stop.max_new_tokens - len(states[b].tokens) - 1) for b in rows]
             clock.lap("draft")
             start = target.length
             verified = target.forward_batch([tree.forward_rows() for tree in trees])
             clock.lap("verify")
-            acceptances = self._accept(trees, verified.logits, sampling, [generators[b] for b in rows])
+            acceptances = decoder.accept_batch([states[b] for b in rows], trees, verified.logits)
             clock.lap("accept")
             target.cache.commit_batch(start, [acceptance.path for acceptance in acceptances])
             clock.lap("commit")
             followed = []
             for row, (b, tree, acceptance) in enumerate(zip(rows, trees, acceptances)):
-                checked = len(tokens[b])
-                tokens[b].extend(acceptance.emitted)
-                lanes[b].sequence.extend(acceptance.emitted)
-                stats[b].logit_margins.extend(acceptance.margins)
-                done = stops[b].cut(tokens[b], checked)
-                stats[b].accepted_lengths.append(len(acceptance.emitted) if done is None else done[0] - checked)
-                decoder.count_acceptance(stats[b], tree, acceptance)
-                if done is None:
+                done[b] = states[b].emit(acceptance.emitted, acceptance.margins)
+                decoder.count_acceptance(states[b].stats, tree, acceptance)
+                if done[b] is None:
                     followed.append((b, tree, acceptance, row))
                 else:
-                    finish(b, done)
+                    finish(b)
             clock.lap("other")
             for b, tree, acceptance, row in followed:
-                lanes[b].advance(tree, acceptance, row_output(verified, row, len(tree)))
+                decoder.advance(states[b], tree, acceptance, row_output(verified, row, len(tree)))
             clock.lap("draft")
         return outputs

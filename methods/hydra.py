@@ -126,18 +126,18 @@ class HydraDecoder(DraftVerifyDecoder):
         self.committed += n
         self.h = out[-1]
 
-    def start(self, prompt, prefill) -> None:
+    def start(self, state, prefill) -> None:
         self.cache = TreeKVCache()
         self.committed = 0
         self._follow(self.features(prefill))
 
-    def advance(self, tree, acceptance, verified) -> None:
+    def advance(self, state, tree, acceptance, verified) -> None:
         self._follow(self.features(verified)[acceptance.path])
 
-    def _accept(self, tree, logits, extra=None):
-        if self.acceptance == "typical" and not self.sampling.greedy:
-            return typical_accept(tree, logits_to_probs(logits, self.sampling), *self.typical, logits=logits)
-        return super()._accept(tree, logits, extra)
+    def _accept(self, state, tree, logits, extra=None):
+        if self.acceptance == "typical" and not state.sampling.greedy:
+            return typical_accept(tree, logits_to_probs(logits, state.sampling), *self.typical, logits=logits)
+        return super()._accept(state, tree, logits, extra)
 
     # ---------------------------------------------------------------------------------------
     def _logits(self, i: int, features: torch.Tensor) -> torch.Tensor:
@@ -156,7 +156,7 @@ class HydraDecoder(DraftVerifyDecoder):
         return self.vocabulary.scatter(self.vocabulary.head(linear.weight)(features).float() + self._bias[i])
 
     @torch.inference_mode()
-    def propose(self, root: int, budget: int) -> Tree:
+    def propose(self, state, root: int, budget: int) -> Tree:
         tree = self.tree
         depth_limit = min(tree.max_depth, budget)
         count = sum(1 for d in tree.depths if d <= depth_limit)  # nodes are sorted by depth

@@ -68,23 +68,22 @@ class JacobiDecoder(DraftVerifyDecoder):
         if not sampling.greedy:
             raise ValueError("jacobi decoding is greedy only; run it with temperature=0")
         self.iterations_per_block: list[int] = []
-        self._prompt = list(prompt)
         self._rng = random.Random(self.seed)  # the host's: the guesses are drawn from the host's tokens
         out = super().generate(prompt, stop, sampling, generator)
         out.stats.extra["iterations_per_block"] = self.iterations_per_block
         return out
 
-    def start(self, prompt, prefill) -> None:
+    def start(self, state, prefill) -> None:
         # guesses for the positions after the root, in the current block: on the target's device, so
         # that the next iteration's block never comes back to the host
         self.guess = torch.empty(0, dtype=torch.long, device=self.target.device)
         self.remaining = 0  # unconverged positions of the current block after the root
 
-    def _new_block(self, root: int) -> None:
+    def _new_block(self, state, root: int) -> None:
         self.iterations_per_block.append(0)
         self.remaining = self.block_size - 1
         if self.initial_guess in ("sequence", "prompt"):  # uniform draws, with replacement
-            pool = self.sequence if self.initial_guess == "sequence" else self._prompt
+            pool = state.sequence if self.initial_guess == "sequence" else state.prompt
             guess = [pool[self._rng.randrange(len(pool))] for _ in range(self.remaining)]
         elif self.initial_guess == "repeat":
             guess = [root] * self.remaining
@@ -92,14 +91,14 @@ class JacobiDecoder(DraftVerifyDecoder):
             guess = [self.pad_token] * self.remaining
         self.guess = torch.tensor(guess, dtype=torch.long, device=self.target.device)
 
-    def propose(self, root: int, budget: int) -> Tree:
+    def propose(self, state, root: int, budget: int) -> Tree:
         if self.remaining <= 0:
-            self._new_block(root)
+            self._new_block(state, root)
         self.iterations_per_block[-1] += 1
         guess = self.guess[: min(self.remaining, budget)]
         return Tree.chain(torch.cat([guess.new_tensor([root]), guess]))
 
-    def advance(self, tree, acceptance, verified) -> None:
+    def advance(self, state, tree, acceptance, verified) -> None:
         converged = acceptance.accepted_drafts + 1  # accepted guesses and the target's next token
         self.remaining -= converged
         # the target's argmax after each unaccepted node: the next guesses for the positions after

@@ -30,7 +30,6 @@ from .ar import AutoregressiveDecoder
 from .base import BuildContext, register
 from .engine.params import Check, Settings, setting
 from .engine.runner import ForwardOutput, ModelRunner
-from .engine.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -208,13 +207,12 @@ class LazyLLMDecoder(AutoregressiveDecoder):
     def describe(self):
         return {**super().describe(), "schedule": {int(k): v for k, v in self.target.schedule.items()}}
 
-    def generate(self, prompt, stop, sampling=SamplingConfig(), generator=None):
-        out = super().generate(prompt, stop, sampling, generator)
-        out.stats.extra["prompt_tokens"] = self.target.prompt_length
-        out.stats.extra["prefill_layer_token_fraction"] = self.target.layer_token_fractions(prefill_only=True)
-        out.stats.extra["layer_token_fraction"] = self.target.layer_token_fractions()
-        out.stats.extra["revived_per_layer"] = list(self.target.revived)
-        return out
+    def finish(self, state) -> None:
+        extra = state.stats.extra
+        extra["prompt_tokens"] = self.target.prompt_length
+        extra["prefill_layer_token_fraction"] = self.target.layer_token_fractions(prefill_only=True)
+        extra["layer_token_fraction"] = self.target.layer_token_fractions()
+        extra["revived_per_layer"] = list(self.target.revived)
 
 
 @register("lazyllm", settings=LazyLLMSettings)

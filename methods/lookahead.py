@@ -116,7 +116,7 @@ class LookaheadDecoder(DraftVerifyDecoder):
                 self._remember(prompt[end - self.level], tuple(prompt[end - self.level + 1 : end]))
         return ForwardOutput(logits=out.logits[:1], hidden=out.hidden[: len(prompt)])
 
-    def start(self, prompt, prefill) -> None:
+    def start(self, state, prefill) -> None:
         self.levels[0] = self.levels[0][1:]
         self.levels[1] = self._first_window
         self.filled = 1  # index of the last filled level
@@ -154,7 +154,7 @@ class LookaheadDecoder(DraftVerifyDecoder):
             self._masks[key] = visible
         return self._masks[key]
 
-    def propose(self, root: int, budget: int) -> Tree:
+    def propose(self, state, root: int, budget: int) -> Tree:
         full = self.levels[-1] is not None
         ngrams = self.pool.get(root, []) if full and self.guess > 0 else []
         self.with_guesses += bool(ngrams and budget > 0)
@@ -179,17 +179,17 @@ class LookaheadDecoder(DraftVerifyDecoder):
         self.candidates += n - 1
         return tree
 
-    def advance(self, tree, acceptance, verified) -> None:
+    def advance(self, state, tree, acceptance, verified) -> None:
         if tree.extra_rows is not None:
-            self._slide(tree, acceptance, verified)
+            self._slide(state, tree, acceptance, verified)
         if self.pool_from_prompt:
             emitted = len(acceptance.path)  # accepted drafts and the next token
-            text = self.sequence
+            text = state.sequence
             for end in range(len(text) - emitted + 1, len(text) + 1):
                 if end >= self.level:
                     self._remember(text[end - self.level], tuple(text[end - self.level + 1 : end]))
 
-    def _slide(self, tree, acceptance, verified) -> None:
+    def _slide(self, state, tree, acceptance, verified) -> None:
         """The last level's argmax becomes a new level (warm-up) or, once warm, each column's
         trajectory goes to the pool and the window slides one column."""
         width = len(self.levels[0]) + 1
@@ -200,7 +200,7 @@ class LookaheadDecoder(DraftVerifyDecoder):
             self.filled += 1
             self.levels[self.filled] = newest[1:]
         else:
-            root = self.sequence[-len(acceptance.path) - 1]  # the step's root: the token before the emitted ones
+            root = state.sequence[-len(acceptance.path) - 1]  # the step's root: the token before the emitted ones
             for column in range(self.window):
                 first = root if column == 0 else self.levels[0][column - 1]
                 self._remember(first, tuple(self.levels[row][column] for row in range(1, self.level - 1))

@@ -64,31 +64,34 @@ class MultiCandidateDecoder(DraftVerifyDecoder):
         self.draft = DraftLM(draft_model, target.vocab_size, vocabulary, target.skinny_gemm, target.decoder_mode,
                              target.profile)
         self.vocabulary = vocabulary
-        self.lane_drafts = [self.draft]  # lane i of a batch drafts with lane_drafts[i] (`lane`)
+        self.lane_drafts = [self.draft]  # sequence i of a batch drafts with lane_drafts[i] (`draft_state`)
 
     def describe(self):
         return {**super().describe(), "k_config": list(self.k_config), "replacement": self.replacement,
                 "draft_vocab": len(self.vocabulary) if self.vocabulary else None}
 
-    def start(self, prompt, prefill) -> None:
-        self.draft.reset()
-
-    def lane(self, index, stop):
-        lane = super().lane(index, stop)
+    def draft_state(self, index: int) -> DraftLM:
+        """Sequence `index`'s draft LM: its own cache over the same weights (index 0: `self.draft`)."""
         while len(self.lane_drafts) <= index:
             self.lane_drafts.append(self.draft.another())
-        lane.draft = self.lane_drafts[index]
-        return lane
+        return self.lane_drafts[index]
 
-    def propose(self, root: int, budget: int) -> Tree:
-        k_config = self.k_config[:budget]
+    def start(self, state, prefill) -> None:
+        state.draft.reset()
+
+    def k_config_of(self, state) -> tuple[int, ...]:
+        """Children per depth of this sequence's next tree."""
+        return self.k_config
+
+    def propose(self, state, root: int, budget: int) -> Tree:
+        k_config = self.k_config_of(state)[:budget]
         if not k_config:
             return Tree(torch.tensor([root]), [-1])
-        return self.draft.draft_tree(self.sequence, k_config, self.sampling, self.generator,
-                                     without_replacement=not self.replacement)
+        return state.draft.draft_tree(state.sequence, k_config, state.sampling, state.generator,
+                                      without_replacement=not self.replacement)
 
-    def advance(self, tree, acceptance, verified) -> None:
-        self.draft.keep_path(tree, acceptance.path, acceptance.emitted)
+    def advance(self, state, tree, acceptance, verified) -> None:
+        state.draft.keep_path(tree, acceptance.path, acceptance.emitted)
 
 
 def parse_k_config(value) -> tuple[int, ...]:

@@ -74,11 +74,11 @@ class MedusaDecoder(DraftVerifyDecoder):
                 "tree_nodes": len(self.tree), "tree_depth": self.tree.max_depth, "heads": len(self.heads),
                 "draft_vocab": len(self.vocabulary) if self.vocabulary else None}
 
-    def start(self, prompt, prefill) -> None:
+    def start(self, state, prefill) -> None:
         self.hidden = prefill.hidden[-1]
 
     @torch.inference_mode()
-    def propose(self, root: int, budget: int) -> Tree:
+    def propose(self, state, root: int, budget: int) -> Tree:
         depth = min(self.tree.max_depth, budget)
         count = sum(1 for d in self.tree.depths if d <= depth)  # nodes are sorted by depth
         if depth == 0:
@@ -87,13 +87,13 @@ class MedusaDecoder(DraftVerifyDecoder):
         candidates = [torch.topk(logits[d], self.tree.top_k(d + 1)).indices for d in range(depth)]
         return Tree(template_tokens(root, candidates, self.tree, count), self.tree.parents[:count])
 
-    def advance(self, tree, acceptance, verified) -> None:
+    def advance(self, state, tree, acceptance, verified) -> None:
         self.hidden = verified.hidden[acceptance.path[-1]]
 
-    def _accept(self, tree, logits, extra=None):
-        if self.acceptance == "typical" and not self.sampling.greedy:
-            return typical_accept(tree, logits_to_probs(logits, self.sampling), *self.typical, logits=logits)
-        return super()._accept(tree, logits, extra)
+    def _accept(self, state, tree, logits, extra=None):
+        if self.acceptance == "typical" and not state.sampling.greedy:
+            return typical_accept(tree, logits_to_probs(logits, state.sampling), *self.typical, logits=logits)
+        return super()._accept(state, tree, logits, extra)
 
 
 @register("medusa", settings=MedusaSettings)

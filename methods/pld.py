@@ -26,7 +26,6 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from .base import DraftVerifyDecoder, register
 from .engine.params import Settings, integer, setting
-from .engine.sampling import SamplingConfig
 from .engine.tree import Tree
 
 
@@ -119,31 +118,17 @@ class PromptLookupDecoder(DraftVerifyDecoder):
         return {**super().describe(), "max_ngram": self.max_ngram, "num_draft": self.num_draft,
                 "branches": self.branches}
 
-    def generate(self, prompt, stop, sampling=None, generator=None):
-        self.begin(stop)
-        out = super().generate(prompt, stop, sampling or SamplingConfig(), generator)
-        self.finish(out.stats)
-        return out
+    def finish(self, state) -> None:
+        steps = state.stats.steps - 1  # verifications (the prefill proposes nothing)
+        matched = state.values.get("matched_steps", 0)
+        state.stats.extra["match_rate"] = matched / steps if steps else 0.0  # steps with a draft
 
-    def begin(self, stop) -> None:
-        self.eos = stop.eos_token_ids
-        self.matched_steps = 0
-
-    def lane(self, index, stop):
-        lane = super().lane(index, stop)
-        lane.begin(stop)
-        return lane
-
-    def finish(self, stats) -> None:
-        steps = stats.steps - 1  # verifications (the prefill proposes nothing)
-        stats.extra["match_rate"] = self.matched_steps / steps if steps else 0.0  # steps with a draft
-
-    def propose(self, root: int, budget: int) -> Tree:
+    def propose(self, state, root: int, budget: int) -> Tree:
         if budget <= 0:
             return Tree(torch.tensor([root]), [-1])
-        found = lookup_continuations(self.sequence, self.max_ngram, min(self.num_draft, budget), self.eos,
-                                     self.branches)
-        self.matched_steps += bool(found)
+        found = lookup_continuations(state.sequence, self.max_ngram, min(self.num_draft, budget),
+                                     state.stop.eos_token_ids, self.branches)
+        state.values["matched_steps"] = state.values.get("matched_steps", 0) + bool(found)
         return trie(root, found)
 
 

@@ -116,10 +116,10 @@ class TokenRecyclingDecoder(DraftVerifyDecoder):
         self.adjacency[rows] = successors
         self.filled[rows] = True
 
-    def start(self, prompt, prefill) -> None:
-        self._recycle(torch.tensor(prompt[-1:]), prefill.logits[-1:])
+    def start(self, state, prefill) -> None:
+        self._recycle(torch.tensor(state.prompt[-1:]), prefill.logits[-1:])
 
-    def propose(self, root: int, budget: int) -> Tree:
+    def propose(self, state, root: int, budget: int) -> Tree:
         depth = min(self.tree.max_depth, budget)
         count = 1 + sum(len(level) for level in self.levels[:depth])  # nodes are sorted by depth
         tokens = torch.empty(count, dtype=torch.long, device=self.adjacency.device)
@@ -128,7 +128,7 @@ class TokenRecyclingDecoder(DraftVerifyDecoder):
             tokens[nodes] = self.adjacency[tokens[self.parents[nodes - 1]], self.ranks[nodes - 1]]
         return Tree(tokens, self.tree.parents[:count])
 
-    def advance(self, tree, acceptance, verified) -> None:
+    def advance(self, state, tree, acceptance, verified) -> None:
         self._recycle(tree.tokens, verified.logits)
 
 

@@ -223,10 +223,10 @@ class RestDecoder(DraftVerifyDecoder):
         out.stats.extra["match_rate"] = self.hits / self.retrievals if self.retrievals else 0.0
         return out
 
-    def propose(self, root: int, budget: int) -> Tree:
+    def propose(self, state, root: int, budget: int) -> Tree:
         if budget <= 0:
             return Tree(torch.tensor([root]), [-1])
-        paths = retrieve(self.reader, self.sequence, self.settings)
+        paths = retrieve(self.reader, state.sequence, self.settings)
         self.retrievals += 1
         self.hits += bool(paths)
         return trie(root, [path[:budget] for path in paths])

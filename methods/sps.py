@@ -71,23 +71,29 @@ class SpeculativeSamplingDecoder(MultiCandidateDecoder):
         self.auto = {"curve": curve, "cost": cost, "prior": alpha, "tested": 0, "accepted": 0}
         self.set_gamma(chain_length(curve, cost, alpha)[0])
 
-    def start(self, prompt, prefill) -> None:
-        super().start(prompt, prefill)
-        if self.heuristic:  # transformers builds a new candidate generator, at γ = 5, per call
-            self.set_gamma(HEURISTIC_START)
+    def start(self, state, prefill) -> None:
+        super().start(state, prefill)
+        # the sequence's γ: heuristic, transformers' per call (a new candidate generator at γ = 5);
+        # else the decoder's (fixed, or `auto`'s from the acceptance of every sequence so far)
+        state.values["gamma"] = HEURISTIC_START if self.heuristic else self.gamma
 
-    def advance(self, tree, acceptance, verified) -> None:
-        super().advance(tree, acceptance, verified)
-        if len(tree) > 1:
-            self.steps_by_gamma[self.gamma] = self.steps_by_gamma.get(self.gamma, 0) + 1
-        if self.heuristic and len(tree) > 1:  # all of the γ asked for accepted: +2, else -1
-            self.set_gamma(self.gamma + 2 if acceptance.accepted_drafts == self.gamma else max(1, self.gamma - 1))
-        if self.auto is not None and len(tree) > 1:
+    def k_config_of(self, state) -> tuple[int, ...]:
+        return (1,) * state.values["gamma"]
+
+    def advance(self, state, tree, acceptance, verified) -> None:
+        super().advance(state, tree, acceptance, verified)
+        if len(tree) <= 1:
+            return
+        gamma = state.values["gamma"]
+        self.steps_by_gamma[gamma] = self.steps_by_gamma.get(gamma, 0) + 1
+        if self.heuristic:  # all of the γ asked for accepted: +2, else -1
+            state.values["gamma"] = gamma + 2 if acceptance.accepted_drafts == gamma else max(1, gamma - 1)
+        if self.auto is not None:
             auto = self.auto
-            drafted = len(tree) - 1
             auto["accepted"] += acceptance.accepted_drafts
-            auto["tested"] += min(acceptance.accepted_drafts + 1, drafted)
+            auto["tested"] += min(acceptance.accepted_drafts + 1, len(tree) - 1)
             self.set_gamma(chain_length(auto["curve"], auto["cost"], self.alpha_estimate())[0])
+            state.values["gamma"] = self.gamma
 
     def alpha_estimate(self) -> float:
         auto = self.auto

@@ -128,8 +128,8 @@ class SuffixDecoder(DraftVerifyDecoder):
             "mean_match_length": self.match_lengths / self.matched if self.matched else 0.0})
         return out
 
-    def propose(self, root: int, budget: int) -> Tree:
-        sequence = self.sequence  # prompt + output, `root` last
+    def propose(self, state, root: int, budget: int) -> Tree:
+        sequence = state.sequence  # prompt + output, `root` last
         if len(sequence) > self.added:  # what the last step emitted (vLLM: the sampled ids)
             self.cache.add_active_response(self.request, sequence[self.added:])
             self.added = len(sequence)

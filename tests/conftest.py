@@ -140,6 +140,18 @@ def embedded_decoder(embedded):
                                                        context)
 
 
+def decode_state(decoder, prompt, emitted=(), sampling=None):
+    """A sequence's `DecodeState` as the shared loop has it once `emitted` tokens followed the prompt
+    (greedy unless `sampling` says otherwise): for tests that drive a drafter's calls by hand."""
+    from methods.engine.sampling import SamplingConfig
+    from methods.engine.stopping import StopCondition
+
+    state = decoder.new_state(0, list(prompt), StopCondition(1000), sampling or SamplingConfig(), None)
+    state.tokens.extend(emitted)
+    state.sequence.extend(emitted)
+    return state
+
+
 def hf_greedy(model, prompt, max_new_tokens, eos=None):
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)

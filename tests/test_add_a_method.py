@@ -28,7 +28,7 @@ class RepeatDecoder(DraftVerifyDecoder):
         super().__init__(target)
         self.length = length
 
-    def propose(self, root: int, budget: int) -> Tree:
+    def propose(self, state, root: int, budget: int) -> Tree:
         count = min(self.length, budget)
         return Tree(torch.tensor([root] * (count + 1)), list(range(-1, count)))
 

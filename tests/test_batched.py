@@ -254,7 +254,8 @@ def test_sps_batch_with_broken_residual_is_caught(tiny_vocab_pair):
     batched test must reject it."""
     target, draft = tiny_vocab_pair
     expected = exact_joint(target, PROMPT, 3, TEMPERATURE_1)
-    decoder = BatchedDecoder(SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2))
-    decoder.sample_pending = functools.partial(BatchedDecoder.sample_pending, residual=lambda p, q: p)
+    sps = SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2)
+    sps.sample_pending = functools.partial(type(sps).sample_pending, residual=lambda p, q: p)
+    decoder = BatchedDecoder(sps)
     samples = draw_batched(decoder, 1500, seed=1)
     assert chi_square_pvalue(samples, expected) < 1e-6

@@ -135,9 +135,9 @@ def recording(decoder):
     trees = []
     propose = decoder.propose
 
-    def wrapped(root, budget):
-        tree = propose(root, budget)
-        trees.append((tree, decoder.drafter.root_logits.clone()))
+    def wrapped(state, root, budget):
+        tree = propose(state, root, budget)
+        trees.append((tree, state.draft.root_logits.clone()))
         return tree
 
     decoder.propose = wrapped
@@ -196,8 +196,8 @@ def test_eagle1_with_a_draft_vocabulary_smaller_than_the_siblings_and_top_p(tiny
     trees = recording(decoder)
     accepted = []
     accept = decoder._accept
-    decoder._accept = lambda tree, logits, extra=None: accepted.append((tree,
-                                                                        accept(tree, logits, extra))) or accepted[-1][1]
+    decoder._accept = lambda state, tree, logits, extra=None: accepted.append(
+        (tree, accept(state, tree, logits, extra))) or accepted[-1][1]
     samples = draw(decoder, 1200, seed=3, sampling=sampling)
     assert chi_square_pvalue(samples, exact_joint(tiny_target, PROMPT, 3, sampling)) > 1e-3
     assert any(token in (1, 3) for sample in samples for token in sample)

@@ -53,9 +53,9 @@ def test_jacobi_first_guesses_come_from_prompt_and_output():
         guesses = []
         new_block = decoder._new_block
 
-        def recording(root, new_block=new_block, decoder=decoder, guesses=guesses):
-            new_block(root)
-            guesses.append((decoder.guess.tolist(), set(decoder.sequence)))
+        def recording(state, root, new_block=new_block, decoder=decoder, guesses=guesses):
+            new_block(state, root)
+            guesses.append((decoder.guess.tolist(), set(state.sequence)))
 
         decoder._new_block = recording
         out = decoder.generate(prompt, StopCondition(40))
@@ -73,10 +73,10 @@ def test_sps_heuristic_gamma_follows_spec_benchs_schedule():
     steps = []
     advance = decoder.advance
 
-    def recording(tree, acceptance, verified):
-        gamma = decoder.gamma
-        advance(tree, acceptance, verified)
-        steps.append((gamma, len(tree) - 1, acceptance.accepted_drafts, decoder.gamma))
+    def recording(state, tree, acceptance, verified):
+        gamma = state.values["gamma"]
+        advance(state, tree, acceptance, verified)
+        steps.append((gamma, len(tree) - 1, acceptance.accepted_drafts, state.values["gamma"]))
 
     decoder.advance = recording
     ar = AutoregressiveDecoder(ModelRunner(target))

@@ -102,7 +102,7 @@ def test_a_genuine_run_has_no_mismatch_and_records_the_forwards_margins(tiny_cha
     assert compared > 10
 
 
-def broken_accept(self, tree, logits, extra=None):
+def broken_accept(self, state, tree, logits, extra=None):
     """Greedy acceptance with a bug: the token after the accepted path is the row's argmin."""
     accepted = greedy_accept(tree, logits.argmax(-1).tolist())
     return type(accepted)(accepted.path, int(logits[accepted.path[-1]].argmin()))

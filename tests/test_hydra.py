@@ -21,7 +21,7 @@ from methods.engine.stopping import StopCondition
 from methods.hydra import HydraDecoder
 from methods.models.heads.hydra import load_hydra_heads
 from methods.models.specs import ModelSpec, ModelUnavailableError
-from tests.conftest import tiny_model, tiny_target_with_answers
+from tests.conftest import decode_state, tiny_model, tiny_target_with_answers
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 
 # ---------------------------------------------------------------------------------------------
@@ -172,15 +172,15 @@ def test_released_layout_loads_and_drafts_as_upstreams_modules(tmp_path, arch, g
     decoder = HydraDecoder(ModelRunner(target), heads, StaticTree.build("hydra_mc_sim_7b_63"))
     prompt = [3, 9, 27, 17, 51, 25]
     prefill = decoder.target.prefill(prompt)
-    decoder.sequence = prompt + [5]
-    decoder.start(prompt, prefill)
+    seq = decode_state(decoder, prompt, [5])
+    decoder.start(seq, prefill)
     h = prefill.hidden[-1] if arch == "mlp" else reference_prefix(state, prefill.hidden, target.config)[-1]
     torch.testing.assert_close(decoder.h, h, rtol=1e-4, atol=1e-4)
-    tree = decoder.propose(5, budget=10)
+    tree = decoder.propose(seq, 5, budget=10)
     assert len(tree) == 64 and tree.parents == decoder.tree.parents
     assert tree.tokens.tolist() == reference_tree(state, arch, grounded, 3, h, embed, 5, decoder.tree, 64)
     # a budget of 2 draft tokens cuts the tree to depth 2
-    assert max(decoder.propose(5, budget=2).depths) == 2
+    assert max(decoder.propose(seq, 5, budget=2).depths) == 2
 
 
 def test_prefix_layer_cache_follows_the_accepted_sequence(tmp_path):
@@ -337,7 +337,7 @@ def test_recipe_learns_and_its_files_load_through_the_loader(tiny_target_data, t
     decoder = HydraDecoder(ModelRunner(target), heads, StaticTree.build(SMALL[:6]))
     drafted = []
     propose = decoder.propose
-    decoder.propose = lambda root, budget: drafted.append(t := propose(root, budget)) or t
+    decoder.propose = lambda seq, root, budget: drafted.append(t := propose(seq, root, budget)) or t
     ar = AutoregressiveDecoder(ModelRunner(target))
     for example in examples[:3]:
         prompt = example.ids[: example.answer_start].tolist()
@@ -357,9 +357,9 @@ def test_full_vocabulary_heads_draft_over_a_draft_vocabulary(tmp_path):
     decoder = HydraDecoder(ModelRunner(target), heads, StaticTree.build(SMALL), vocabulary=vocabulary)
     prompt = [3, 9, 27, 17]
     prefill = decoder.target.prefill(prompt)
-    decoder.sequence = prompt + [5]
-    decoder.start(prompt, prefill)
-    tree = decoder.propose(5, budget=8)
+    seq = decode_state(decoder, prompt, [5])
+    decoder.start(seq, prefill)
+    tree = decoder.propose(seq, 5, budget=8)
     assert all(t % 3 == 0 for t in tree.tokens[1:].tolist())
     # the depth-1 candidates are the head's best among the vocabulary's tokens (bias included)
     x = torch.cat([prefill.hidden[-1], target.get_input_embeddings().weight[5]])
@@ -408,7 +408,7 @@ def test_hidden_state_offset_reads_an_earlier_layer(tmp_path):
     with torch.no_grad():
         expected = target(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states[-2][0]
     torch.testing.assert_close(prefill.layers, expected, rtol=1e-5, atol=1e-5)
-    decoder.start(prompt, prefill)
+    decoder.start(decode_state(decoder, prompt), prefill)
     state = torch.load(tmp_path / "hydra_lm_head.pt", weights_only=True)
     torch.testing.assert_close(decoder.h, reference_prefix(state, expected, target.config)[-1], rtol=1e-4, atol=1e-4)
 

@@ -40,7 +40,7 @@ class EchoDecoder(DraftVerifyDecoder):
         super().__init__(target)
         self.length = length
 
-    def propose(self, root, budget):
+    def propose(self, state, root, budget):
         count = min(self.length, budget)
         return Tree(torch.tensor([root] * (count + 1)), list(range(-1, count)))
 

@@ -19,7 +19,7 @@ from methods.engine.stopping import StopCondition
 from methods.pld import trie
 from methods.rest import RestDecoder, RestSettings, retrieve, write_datastore
 from methods.suffix import SuffixDecoder, SuffixSettings, draft_tree
-from tests.conftest import tiny_model
+from tests.conftest import decode_state, tiny_model
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 from tests.test_training_free import assert_stops_on_eos_like_ar, random_prompts
 
@@ -130,10 +130,10 @@ def test_rest_retrieval_is_upstreams_trie_of_continuations(tmp_path):
     paths = retrieve(reader, [3, 4], settings)
     assert paths and len({tuple(p[:i + 1]) for p in paths for i in range(len(p))}) <= 24  # a best-effort cut
     decoder = RestDecoder(None, path, settings)
-    decoder.sequence = [3, 4]
-    tree = decoder.propose(4, 100)
+    state = decode_state(decoder, [3, 4])
+    tree = decoder.propose(state, 4, 100)
     assert len(tree) - 1 <= 24 and max(tree.depths) <= 10
-    assert max(decoder.propose(4, 2).depths) == 2  # the budget cuts each path
+    assert max(decoder.propose(state, 4, 2).depths) == 2  # the budget cuts each path
 
 
 def test_rest_longest_span_first(tmp_path):

@@ -23,7 +23,7 @@ from methods.engine.tree import ExtraRows, Tree
 from methods.lookahead import LookaheadDecoder
 from methods.pld import PromptLookupDecoder, lookup_continuations
 from methods.recycling import TEMPLATE_2_2_2, TokenRecyclingDecoder
-from tests.conftest import tiny_model
+from tests.conftest import decode_state, tiny_model
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 
 
@@ -67,12 +67,12 @@ def test_pld_branches_merge_further_matches_into_a_trie():
     found = lookup_continuations(sequence, 2, 3, branches=3)
     assert found == [[3, 9, 1], [4, 7, 1], [3, 8, 1]]
     decoder = PromptLookupDecoder(None, max_ngram=2, num_draft=3, branches=3)
-    decoder.sequence, decoder.eos, decoder.matched_steps = sequence.tolist(), frozenset(), 0
-    tree = decoder.propose(2, 10)
+    state = decode_state(decoder, sequence.tolist())
+    tree = decoder.propose(state, 2, 10)
     # root 2; "3" shared by two continuations; then 9 1 / 8 1, and 4 7 1
     assert tree.tokens.tolist() == [2, 3, 9, 1, 4, 7, 1, 8, 1]
     assert tree.parents == [-1, 0, 1, 2, 0, 4, 5, 1, 7]
-    assert max(tree.depths) == 3 and len(decoder.propose(2, 1)) == 3  # the budget cuts each branch
+    assert max(tree.depths) == 3 and len(decoder.propose(state, 2, 1)) == 3  # the budget cuts each branch
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -147,26 +147,26 @@ def test_lookahead_drops_the_window_where_the_model_has_no_positions_left():
 
 
 def drive(decoder, prompt, steps):
-    """The shared loop's steps by hand (greedy), leaving the decoder and target mid-generation."""
-    decoder.sampling, decoder.generator = SamplingConfig(), None
+    """The shared loop's steps by hand (greedy), leaving the decoder and target mid-generation; returns
+    the next root and the sequence's state."""
     decoder.pool = {}
     decoder.rows = decoder.candidates = decoder.with_guesses = 0
     decoder.target.reset()
     first = decoder.prefill(prompt)
     root = int(first.logits[-1].argmax())
-    decoder.sequence = list(prompt) + [root]
-    decoder.start(prompt, first)
+    state = decode_state(decoder, prompt, [root])
+    decoder.start(state, first)
     for _ in range(steps):
-        tree = decoder.propose(root, 100)
+        tree = decoder.propose(state, root, 100)
         prefix = decoder.target.length
         out = decoder.target.verify(tree)
         # as the shared loop accepts: the window's argmax comes back with the acceptance
         acceptance = greedy_accept_logits(tree, out.logits[: len(tree)], out.logits[len(tree):])
         decoder.target.commit(prefix, acceptance.path)
-        decoder.sequence += tree.tokens[acceptance.path[1:]].tolist() + [acceptance.next_token]
-        decoder.advance(tree, acceptance, out)
+        state.emit(tree.tokens[acceptance.path[1:]].tolist() + [acceptance.next_token], [])
+        decoder.advance(state, tree, acceptance, out)
         root = acceptance.next_token
-    return root
+    return root, state
 
 
 def test_lookahead_window_rows_see_their_trajectory_and_the_commit_drops_them():
@@ -177,11 +177,11 @@ def test_lookahead_window_rows_see_their_trajectory_and_the_commit_drops_them():
     target = tiny_model("llama", seed=64, vocab_size=32, layers=2)
     decoder = LookaheadDecoder(ModelRunner(target), window=4, level=4, guess=4, pool_from_prompt=True)
     prompt = random_prompts(32, 1, seed=4, low=30, high=31)[0]
-    root = drive(decoder, prompt, 6)
+    root, state = drive(decoder, prompt, 6)
     assert decoder.levels[-1] is not None  # warm
-    tree = decoder.propose(root, 100)
+    tree = decoder.propose(state, root, 100)
     assert len(tree) > 1 and len(tree.extra_rows) == 3 * 4 - 1
-    prefix = decoder.sequence[:-1]
+    prefix = state.sequence[:-1]
     assert decoder.target.length == len(prefix)
     # the KV after several commits equals a fresh prefill of the text
     reference = ModelRunner(target)
@@ -249,7 +249,8 @@ def test_recycling_matrix_holds_the_targets_top_k_and_bfs_follows_it():
     assert decoder.adjacency[5].tolist() == torch.topk(logits[2], 8).indices.tolist()
     assert decoder.filled[:-1].nonzero().flatten().tolist() == [5, 9, 11]  # the last row: the overridden write's
     decoder.adjacency = torch.randint(0, 64, (64, 8), generator=torch.Generator().manual_seed(0))
-    tree = decoder.propose(3, 100)
+    state = decode_state(decoder, [1, 3])
+    tree = decoder.propose(state, 3, 100)
     assert len(tree) == 81 and max(tree.depths) == 6
     adj = decoder.adjacency
     for node, path in enumerate(TEMPLATE_2_2_2, start=1):
@@ -257,7 +258,7 @@ def test_recycling_matrix_holds_the_targets_top_k_and_bfs_follows_it():
         for rank in path:
             token = int(adj[token, rank])
         assert int(tree.tokens[node]) == token
-    assert max(decoder.propose(3, 2).depths) == 2
+    assert max(decoder.propose(state, 3, 2).depths) == 2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from methods.models.heads.eagle import load_eagle_head
 from methods.models.heads.medusa import load_medusa_heads
 from methods.models.heads.source import head_spec
 from methods.models.specs import ModelSpec
-from tests.conftest import tiny_model, write_checkpoint
+from tests.conftest import decode_state, tiny_model, write_checkpoint
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 
 # ---------------------------------------------------------------------------------------------
@@ -284,7 +284,7 @@ def test_tiny_greedy_tree_methods_equal_ar(arch, tmp_path):
 class DuplicateSiblings(AutoregressiveDecoder):
     """Proposes trees whose siblings repeat tokens (random trees over a small vocabulary)."""
 
-    def propose(self, root, budget):
+    def propose(self, state, root, budget):
         gen = self._gen
         size = int(torch.randint(2, 12, (), generator=gen))
         parents = [-1] + [int(torch.randint(0, n, (), generator=gen)) for n in range(1, size)]
@@ -353,9 +353,9 @@ def test_eagle2_tree_is_connected_and_bounded(tmp_path):
         decoder = Eagle2Decoder(ModelRunner(target), head, total_tokens=total, depth=depth, top_k=k)
         decoder.target.reset()
         prefill = decoder.target.prefill([1, 2, 3, 4])
-        decoder.sequence = [1, 2, 3, 4, 7]
-        decoder.start([1, 2, 3, 4], prefill)
-        tree = decoder.propose(7, budget=50)
+        state = decode_state(decoder, [1, 2, 3, 4], [7])
+        decoder.start(state, prefill)
+        tree = decoder.propose(state, 7, budget=50)
         candidates = k + depth * k * k
         assert len(tree) == min(total, 1 + candidates)
         assert max(tree.depths) <= depth + 1
@@ -381,15 +381,15 @@ def test_eagle2_tree_built_on_the_device_is_the_tree_the_host_builds(tmp_path):
         decoder = Eagle2Decoder(ModelRunner(target), head, total_tokens=total, depth=depth, top_k=k)
         decoder.target.reset()
         prefill = decoder.target.prefill([1, 2, 3, 4])
-        decoder.sequence = [1, 2, 3, 4, 7]
-        decoder.start([1, 2, 3, 4], prefill)
+        state = decode_state(decoder, [1, 2, 3, 4], [7])
+        decoder.start(state, prefill)
         candidates, rerank = [], decoder._rerank
         decoder._rerank = lambda *args: candidates.append(args) or rerank(*args)
         with counting_host_reads() as reads:
-            tree = decoder.propose(7, budget=50)
+            tree = decoder.propose(state, 7, budget=50)
             tree.ancestors, tree.earlier_siblings, tree.has_children  # what verifying and accepting it build
         assert isinstance(tree, DeviceTree) and reads.total == 0, reads.counts
-        decoder.verify_seconds, decoder.adaptive_size = {1: 1.0}, lambda probabilities: len(probabilities)
+        decoder.verify_seconds, decoder.adaptive_size = {1: 1.0}, lambda probabilities, greedy: len(probabilities)
         host = rerank(*candidates[0])
         assert not isinstance(host, DeviceTree)
         assert torch.equal(tree.tokens, host.tokens) and tree.parents == host.parents

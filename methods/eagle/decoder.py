@@ -1,4 +1,4 @@
-"""What the EAGLE family's decoders share: one drafter per lane of a batch, the head following the
+"""What the EAGLE family's decoders share: one drafter per sequence of a batch, the head following the
 prefill and every accepted path with the target's features, and the draft loop `StaticDraft` runs."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ class EagleBase(DraftVerifyDecoder):
     def __init__(self, target, head: EagleHead, vocabulary=None, sizing: dict | None = None):
         super().__init__(target, sizing)
         self.drafter = self.make_drafter(head, vocabulary)
-        self.lane_drafters = [self.drafter]  # lane i of a batch drafts with lane_drafters[i] (`lane`)
+        self.lane_drafters = [self.drafter]  # sequence i of a batch drafts with lane_drafters[i] (`draft_state`)
         # `engine.cuda_graphs`: the draft depth loop as a static computation (a CUDA graph on a GPU)
         self.static = None if target.graph_mode == "off" else StaticDraft(self, target.graph_mode == "graphs")
 
@@ -31,14 +31,17 @@ class EagleBase(DraftVerifyDecoder):
     def full_depth(self) -> int:
         raise NotImplementedError
 
-    def lane(self, index, stop):
-        """Sequence `index` of a batch: its own drafter (the head's cache), drafting eagerly."""
-        lane = super().lane(index, stop)
+    def draft_state(self, index: int) -> EagleDrafter:
+        """Sequence `index`'s drafter (the head's own cache; index 0: `self.drafter`, the one the static
+        draft loop runs; the others draft eagerly)."""
         while len(self.lane_drafters) <= index:
             self.lane_drafters.append(self.make_drafter(self.drafter.head, self.drafter.vocabulary))
-        lane.drafter = self.lane_drafters[index]
-        lane.static = None
-        return lane
+        return self.lane_drafters[index]
+
+    def static_for(self, state, depth: int) -> StaticDraft | None:
+        """The static draft loop when this sequence's drafter is the one it runs and it is ready at `depth`."""
+        static = self.static
+        return static if static is not None and state.draft is self.drafter and static.ready(depth) else None
 
     def make_drafter(self, head, vocabulary) -> EagleDrafter:
         drafter = EagleDrafter(head, self.target.lm_head, vocabulary)
@@ -55,13 +58,13 @@ class EagleBase(DraftVerifyDecoder):
         vocabulary = self.drafter.vocabulary
         return {**super().describe(), "draft_vocab": len(vocabulary) if vocabulary else None}
 
-    def start(self, prompt, prefill) -> None:
-        self.drafter.reset(self.target.cache.capacity)  # the target's reserved capacity
+    def start(self, state, prefill) -> None:
+        state.draft.reset(self.target.cache.capacity)  # the target's reserved capacity
         # pairs (x_{i+1}, f_i) for every prompt position: the tokens are shifted by one
-        self.drafter.follow(self.sequence[1:], self.features(prefill))
+        state.draft.follow(state.sequence[1:], self.features(prefill))
 
-    def advance(self, tree, acceptance, verified) -> None:
+    def advance(self, state, tree, acceptance, verified) -> None:
         path = acceptance.path
         # the emitted tokens are on the host already (the step's one read): no second read of the tree
         tokens = acceptance.emitted or tree.tokens[path[1:]].tolist() + [acceptance.next_token]
-        self.drafter.follow(tokens, self.features(verified)[path])
+        state.draft.follow(tokens, self.features(verified)[path])

@@ -38,22 +38,22 @@ class Eagle2Decoder(EagleBase):
         return {**super().describe(), "total_tokens": "adaptive" if self.verify_seconds else self.total_tokens,
                 "depth": self.depth, "top_k": self.top_k}
 
-    def propose(self, root: int, budget: int) -> Tree:
+    def propose(self, state, root: int, budget: int) -> Tree:
         started = time.perf_counter()
-        tree = self._propose(root, budget)
+        tree = self._propose(state, root, budget)
         # this step's drafting: the head following the last accepted path, then this tree
         if self.verify_seconds is not None:
             step = time.perf_counter() - started + self._follow_seconds
             self.draft_seconds += 0.1 * (step - self.draft_seconds)
         return tree
 
-    def advance(self, tree, acceptance, verified) -> None:
+    def advance(self, state, tree, acceptance, verified) -> None:
         started = time.perf_counter()
-        super().advance(tree, acceptance, verified)
+        super().advance(state, tree, acceptance, verified)
         self._follow_seconds = time.perf_counter() - started
 
     def draft_levels(self, root_hidden, root_logits, key, feed):
-        return self._expand(root_hidden, root_logits, key, feed)
+        return self._expand(root_hidden, root_logits, key, feed, self.drafter.logits)
 
     def drafted_entries(self, key: int) -> int:
         return (key - 1) * self.branching()
@@ -65,19 +65,21 @@ class Eagle2Decoder(EagleBase):
         """Children per expanded node: top_k, or the whole draft vocabulary when it is smaller."""
         return min(self.top_k, self.drafter.root_logits.shape[-1])
 
-    def _propose(self, root: int, budget: int) -> Tree:
+    def _propose(self, state, root: int, budget: int) -> Tree:
         levels = min(self.depth + 1, budget)  # draft tokens along a path
         if levels <= 0:
             return Tree(torch.tensor([root]), [-1])
-        if self.static is not None and self.static.ready(levels):
-            tokens, parents, values = self.static.run(levels)
+        static = self.static_for(state, levels)
+        if static is not None:
+            tokens, parents, values = static.run(levels)
         else:
-            drafter = self.drafter
-            tokens, parents, values = self._expand(drafter.root_hidden, drafter.root_logits, levels, drafter.feed_level)
-        return self._rerank(root, tokens, parents, values, levels)
+            drafter = state.draft
+            tokens, parents, values = self._expand(drafter.root_hidden, drafter.root_logits, levels,
+                                                   drafter.feed_level, drafter.logits)
+        return self._rerank(root, tokens, parents, values, levels, state.sampling.greedy)
 
     def _expand(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, levels: int,
-                feed) -> tuple[torch.Tensor, ...]:
+                feed, head_logits) -> tuple[torch.Tensor, ...]:
         """EAGLE-2's expansion: the top-k children of the root, then per level the top-k children of
         the k best frontier nodes, of which the k best by path value form the next frontier. Returns
         every candidate's token, parent (-1: the root) and path value (cumulative log-probability),
@@ -96,7 +98,7 @@ class Eagle2Decoder(EagleBase):
         count = k
         for level in range(1, levels):
             hidden = feed(torch.cat(tokens)[frontier_ids], frontier_hidden, level, seen)
-            child = torch.topk(torch.log_softmax(self.drafter.logits(hidden), -1), k)  # [k, k]
+            child = torch.topk(torch.log_softmax(head_logits(hidden), -1), k)  # [k, k]
             cumulative = (frontier_values[:, None] + child.values).flatten()
             tokens.append(child.indices.flatten())
             parents.append(frontier_ids.repeat_interleave(k))
@@ -112,7 +114,7 @@ class Eagle2Decoder(EagleBase):
         return torch.cat(tokens), torch.cat(parents), torch.cat(values)
 
     def _rerank(self, root: int, tokens: torch.Tensor, parents: torch.Tensor, values: torch.Tensor,
-                levels: int) -> Tree:
+                levels: int, greedy: bool) -> Tree:
         """Keep the best `total_tokens - 1` candidates; ties go to the earlier candidate (a stable
         sort), so a kept node's ancestors (never worth less) are kept too; the kept candidates in
         creation order (ancestors before descendants) are the tree's nodes.
@@ -125,7 +127,7 @@ class Eagle2Decoder(EagleBase):
             return self._device_tree(root, tokens, parents, order.sort().values, levels)
         ids, ups, probabilities = torch.stack([order.double(), parents[order].double(),
                                                values[order].exp().double()]).tolist()
-        ids = ids[:self.adaptive_size(probabilities)]
+        ids = ids[:self.adaptive_size(probabilities, greedy)]
         kept = sorted(int(c) for c in ids)
         # candidate -> its node (the root's children: parent 0)
         node_of = {c: node for node, c in enumerate(kept, start=1)}
@@ -147,7 +149,7 @@ class Eagle2Decoder(EagleBase):
         return DeviceTree(torch.cat([tokens.new_tensor([root]), tokens.index_select(0, kept)]),
                           torch.cat([zero, node_parents]), torch.cat([zero, depths]), height=levels)
 
-    def adaptive_size(self, probabilities: list[float]) -> int:
+    def adaptive_size(self, probabilities: list[float], greedy: bool = True) -> int:
         """How many of the best candidates (path probabilities, best first) to verify: the n with
         the most expected tokens, 1 + sum of the first n, per second of drafting + verifying.
         Sampled (temperature > 0), drafting is not charged: its time is the wall clock's (a running
@@ -155,8 +157,7 @@ class Eagle2Decoder(EagleBase):
         seeded answer would depend on timing (on the run, and on the batch size: `batched.py`
         promises B = 1's tokens). The verify curve is measured once and kept: the size depends on
         the head's path probabilities and the curve only. Greedy output does not depend on the size."""
-        sampling = getattr(self, "sampling", None)
-        draft = self.draft_seconds if sampling is None or sampling.greedy else 0.0
+        draft = self.draft_seconds if greedy else 0.0
         expected, best, best_rate = 1.0, 0, 1.0 / (draft + self.verify_time(1))
         for n, p in enumerate(probabilities, start=1):
             expected += p

@@ -51,22 +51,19 @@ class EagleDecoder(EagleBase):
         return {**super().describe(), "tree_nodes": len(self.tree), "tree_depth": self.tree.max_depth,
                 "top_k": self.tree.top_k(), "sampling_rule": self.sampling_rule}
 
-    def _sampled(self) -> bool:
-        """Whether this step's children are sampled (EAGLE-1 at temperature > 0)."""
-        sampling = getattr(self, "sampling", None)
-        return self.sampling_rule == "eagle1" and sampling is not None and not sampling.greedy
-
-    def propose(self, root: int, budget: int) -> Tree:
+    def propose(self, state, root: int, budget: int) -> Tree:
         depth_limit = min(self.tree.max_depth, budget)
-        sampled = self._sampled()
-        drafter = self.drafter
-        if not sampled and self.static is not None and self.static.ready(depth_limit):
-            tokens, _ = self.static.run(depth_limit)
+        # EAGLE-1 at temperature > 0: each parent's children are sampled
+        sampled = self.sampling_rule == "eagle1" and not state.sampling.greedy
+        drafter = state.draft
+        static = None if sampled else self.static_for(state, depth_limit)
+        if static is not None:
+            tokens, _ = static.run(depth_limit)
             draft_probs = None
         else:
             with torch.inference_mode():
                 tokens, draft_probs = self._fill(drafter.root_hidden, drafter.root_logits, depth_limit,
-                                                 drafter.feed_level, sampled)
+                                                 drafter.feed_level, drafter.logits, state if sampled else None)
         _, parents, _ = self.plan(depth_limit)
         tokens = torch.cat([tokens.new_tensor([root]), tokens[1:]])
         return Tree(tokens, parents, draft_probs, without_replacement=sampled)
@@ -107,8 +104,8 @@ class EagleDecoder(EagleBase):
         plans[depth_limit] = count, parents, levels
         return plans[depth_limit]
 
-    def _fill(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, depth_limit: int, feed,
-              sampled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _fill(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, depth_limit: int, feed, head_logits,
+              sampled_for=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The template filled level by level on the head's device (`plan`'s index tensors: nothing
         read, nothing sent), the tokens never coming back to the host (the verification's read
         brings the accepted ones). Greedy (or the `eagle2` rule): each parent's top-k children by
@@ -116,7 +113,10 @@ class EagleDecoder(EagleBase):
         order (`sampling.draw_children`; where q has fewer tokens than children, the extra ones
         hold tokens of probability 0 and are never accepted), q kept for verification. Rows are in
         node order: node n's token, hidden state and logits are row n (row 0's token: the root's,
-        set by the caller). Returns the tokens and, sampled, each node's q."""
+        set by the caller). `sampled_for`: the sequence's `DecodeState` when its children are sampled (its
+        sampling and generator), else None. `head_logits`: the drafter's logits over fed rows. Returns the
+        tokens and, sampled, each node's q."""
+        sampled = sampled_for is not None
         count, _, levels = self.plan(depth_limit)
         tokens = torch.zeros(count, dtype=torch.long, device=root_logits.device)
         hidden = torch.cat([root_hidden[None], root_hidden.new_empty(count - 1, root_hidden.shape[-1])])
@@ -125,9 +125,9 @@ class EagleDecoder(EagleBase):
         for level in levels:
             parent_logits = logits.index_select(0, level.rows)
             if sampled:  # a child's place among its parent's children is its draw
-                q = logits_to_probs(parent_logits, self.sampling)
+                q = logits_to_probs(parent_logits, sampled_for.sampling)
                 draft_probs.index_copy_(0, level.rows, q)
-                drawn = draw_children(q, level.width, True, self.generator)
+                drawn = draw_children(q, level.width, True, sampled_for.generator)
                 tokens.index_copy_(0, level.nodes, drawn[level.row_of, level.draw])
             else:
                 ranked = torch.topk(parent_logits, level.top_k).indices  # [parents, k]
@@ -137,11 +137,11 @@ class EagleDecoder(EagleBase):
             out = feed(tokens.index_select(0, level.expand), hidden.index_select(0, level.expand_parents), level.depth,
                        level.visible)
             hidden.index_copy_(0, level.expand, out)
-            logits.index_copy_(0, level.expand, self.drafter.logits(out))
+            logits.index_copy_(0, level.expand, head_logits(out))
         return tokens, draft_probs
 
     def draft_levels(self, root_hidden, root_logits, key, feed):
-        return self._fill(root_hidden, root_logits, key, feed, False)
+        return self._fill(root_hidden, root_logits, key, feed, self.drafter.logits)
 
     def drafted_entries(self, key: int) -> int:
         return sum(len(level.expand) for level in self.plan(key)[2] if level.expand is not None)
