@@ -66,8 +66,9 @@ def resolve_schedule(schedule, num_layers: int) -> dict[int, float]:
 class LazyRunner(ModelRunner):
     """The target with LazyLLM's pruned prefill, Aux Cache and revival."""
 
-    def __init__(self, model, schedule=LazyLLMSettings.schedule):
-        super().__init__(model)
+    def __init__(self, model, schedule=LazyLLMSettings.schedule, skinny_gemm: str = "auto", decoder: str = "auto",
+                 cuda_graphs: str = "auto", profile=None):
+        super().__init__(model, skinny_gemm, decoder, cuda_graphs, profile=profile)
         self.layers = self.decoder.layers
         self.schedule = resolve_schedule(schedule, len(self.layers))
         attention = self.layers[0].self_attn
@@ -201,8 +202,10 @@ class LazyLLMDecoder(AutoregressiveDecoder):
     name = "lazyllm"
     lossless = False
 
-    def __init__(self, model, schedule=LazyLLMSettings.schedule):
-        super().__init__(LazyRunner(model, schedule))
+    def __init__(self, target: ModelRunner, schedule=LazyLLMSettings.schedule):
+        """`target`: the run's runner, whose model, engine settings and machine profile the lazy runner takes."""
+        super().__init__(LazyRunner(target.model, schedule, target.skinny_gemm, target.decoder_mode, target.cuda_graphs,
+                                    target.profile))
 
     def describe(self):
         return {**super().describe(), "schedule": {int(k): v for k, v in self.target.schedule.items()}}
@@ -217,4 +220,4 @@ class LazyLLMDecoder(AutoregressiveDecoder):
 
 @register("lazyllm", settings=LazyLLMSettings)
 def build(target, settings: LazyLLMSettings, context: BuildContext) -> LazyLLMDecoder:
-    return LazyLLMDecoder(context.target_model, [tuple(entry) for entry in settings.schedule])
+    return LazyLLMDecoder(target, [tuple(entry) for entry in settings.schedule])

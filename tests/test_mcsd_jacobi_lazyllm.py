@@ -156,7 +156,7 @@ def test_embedded_jacobi_and_mcsd_equal_generate(embedded, embedded_decoder, emb
 def test_lazyllm_without_pruning_equals_ar():
     target = tiny_model("llama", seed=55, vocab_size=64, layers=4)
     ar = AutoregressiveDecoder(ModelRunner(target))
-    decoder = LazyLLMDecoder(target, [(1, 1.0), (2, 1.0)])
+    decoder = LazyLLMDecoder(ModelRunner(target), [(1, 1.0), (2, 1.0)])
     for prompt in random_prompts(64, 3, seed=3, low=10, high=60):
         out = decoder.generate(prompt, StopCondition(25))
         assert out.tokens == ar.generate(prompt, StopCondition(25)).tokens
@@ -203,7 +203,7 @@ def test_lazyllm_aux_cache_and_revival_match_full_computation():
 def test_lazyllm_never_computes_more_than_full_prefill_and_revives():
     target = tiny_model("llama", seed=58, vocab_size=64, layers=6)
     prompt = random_prompts(64, 1, seed=6, low=60, high=61)[0]
-    decoder = LazyLLMDecoder(target, [(1, 0.6), (3, 0.3)])
+    decoder = LazyLLMDecoder(ModelRunner(target), [(1, 0.6), (3, 0.3)])
     out = decoder.generate(prompt, StopCondition(40))
     runner = decoder.target
     assert sum(runner.revived) > 0  # decoding steps selected pruned tokens again

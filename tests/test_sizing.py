@@ -222,3 +222,22 @@ def test_the_summary_names_a_busy_profile_that_sized_the_run():
     profiles["/c/profiles/m/curve-x-1-float32-auto.json"]["quiet"] = True
     assert "BUSY PROFILE" not in format_summary(summarize("ar", records, None,
                                                           {"dtype": "float32", "engine": {"profiles": profiles}}))
+
+
+@pytest.mark.parametrize("method, params", [
+    ("lazyllm", {"schedule": [[1, 0.5]]}), ("sps", {"gamma": 2, "draft": {"target_layers": 1}}),
+    ("mcsd", {"k_config": [2, 1], "draft": {"target_layers": 1}}), ("medusa", {"head": {"random_init": 0}}),
+    ("eagle2", {"head": {"random_init": 0}, "total_tokens": 8}), ("ar", {}),
+])
+def test_every_runner_a_method_builds_takes_the_runs_profile(method, params):
+    """The runners a method makes for itself (LazyLLM's pruning runner, a draft LM's) run on the run's
+    machine profile, as the target does: one without it would run stock kernels (LazyLLM did, at 0.29x)."""
+    from methods.engine.runner import ModelRunner as Runner
+
+    target = tiny_model("llama", seed=70, vocab_size=32, layers=4)
+    profile = MachineProfile("cpu")
+    decoder = get_method(method)(Runner(target, profile=profile), {"name": method, **params},
+                                 BuildContext(target, "tiny", {}, profile))
+    runners = [value for value in vars(decoder).values() if isinstance(value, Runner)]
+    runners += [d.runner for d in getattr(decoder, "lane_drafts", [])]
+    assert runners and all(r.profile is profile and r.linear.plan is not None for r in runners)
