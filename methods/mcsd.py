@@ -61,8 +61,7 @@ class MultiCandidateDecoder(DraftVerifyDecoder):
         if not k_config or min(k_config) < 1:
             raise ValueError(f"k_config must be a non-empty list of positive integers, got {list(k_config)}")
         self.k_config, self.replacement = k_config, replacement
-        self.draft = DraftLM(draft_model, target.vocab_size, vocabulary, target.skinny_gemm, target.decoder_mode,
-                             target.profile)
+        self.draft = DraftLM(draft_model, target.vocab_size, vocabulary, **target.engine_settings())
         self.vocabulary = vocabulary
         self.lane_drafts = [self.draft]  # sequence i of a batch drafts with lane_drafts[i] (`draft_state`)
 

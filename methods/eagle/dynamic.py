@@ -16,11 +16,13 @@ from ..models.heads.source import head_spec
 from .decoder import EagleBase
 from .settings import DynamicTreeSettings, Eagle2Settings
 
+UPSTREAM_TOTAL = 60  # upstream's total_token; `auto` and `adaptive` without a machine profile
+
 
 class Eagle2Decoder(EagleBase):
     name = "eagle2"
 
-    def __init__(self, target, head: EagleHead, total_tokens: int = 60, depth: int = Eagle2Settings.depth,
+    def __init__(self, target, head: EagleHead, total_tokens: int = UPSTREAM_TOTAL, depth: int = Eagle2Settings.depth,
                  top_k: int = Eagle2Settings.top_k, vocabulary=None, verify_seconds: dict[int, float] | None = None,
                  sizing: dict | None = None):
         """`verify_seconds`: the target's latency curve (the machine profile's) for the adaptive size; None: the
@@ -171,7 +173,6 @@ class Eagle2Decoder(EagleBase):
         return verify_cost(self.verify_seconds, tokens) * self.verify_seconds[min(self.verify_seconds)]
 
 
-UPSTREAM_TOTAL = 60  # upstream's total_token; `auto` and `adaptive` without a machine profile
 ADAPTIVE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # the latency curve `adaptive` reads
 
 

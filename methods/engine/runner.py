@@ -127,18 +127,25 @@ class ModelRunner:
             raise ValueError(f"layers {list(layers)}: the target has {count} decoder layers")
         self.feature_layers = tuple(layers)
 
+    def engine_settings(self) -> dict:
+        """What a runner a method builds beside this one (a draft LM's, LazyLLM's pruning runner) takes
+        from it: the linear path mode, the forward and the machine profile (`ModelRunner(model, **...)`)."""
+        return {"skinny_gemm": self.skinny_gemm, "decoder": self.decoder_mode, "profile": self.profile}
+
     def cover(self, *modules) -> None:
         """Route other modules this runner drives (draft heads) through its linear path too (the profile
         measures the shapes it lacks)."""
         self.linear = self._linear_path(self.model, *self._fused_linears(), *modules)
 
     def _linear_path(self, *modules) -> LinearPath:
+        if self.skinny_gemm == "off":
+            return STOCK
         if self.profile is None:
-            if self.skinny_gemm == "auto" and not _SAID:
+            if not _SAID:
                 _SAID.append(True)
                 log.info(NO_PROFILE)
             return STOCK
-        return self.profile.linear_path(modules, self.skinny_gemm)
+        return self.profile.linear_path(modules)
 
     def _fused_linears(self) -> list:
         return self.fused.linears if self.fused else []

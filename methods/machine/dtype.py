@@ -3,7 +3,6 @@ with native bf16 matmul the flags do not decide: bf16 is timed against fp32, onc
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ..engine.runner import ModelRunner
 from ..models.loading import DTYPES, _from_pretrained, load_model, local_folder
 from ..models.specs import ModelSpec
-from .identity import auto_dtype, cpu_isa
+from .identity import auto_dtype, config_key, cpu_isa
 
 BF16_CLEARLY_FASTER = 0.8  # on a CPU, bf16 only where its forward takes at most this share of fp32's
 
@@ -38,8 +37,7 @@ def choose_dtype(profile, name: str, spec: ModelSpec | None = None,
     if device.type != "cpu" or dtype != torch.bfloat16 or spec is None:
         return dtype, reason
     config = _from_pretrained(AutoConfig, local_folder(spec), "config")
-    shape = hashlib.sha1(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:8]
-    file = profile.folder / f"dtype-{model_name}-{shape}.json"  # one per machine and model shape
+    file = profile.folder / f"dtype-{model_name}-{config_key(config)}.json"  # one per machine and model shape
     ratios = _stored_ratios(profile, file)
     if ratios is None:
         available, fp32_bytes = _available_memory(), 4 * _parameter_count(config)

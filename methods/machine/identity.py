@@ -97,5 +97,10 @@ def machine_key(device: torch.device) -> str:
     return f"{slug}-{digest}"
 
 
+def config_key(config) -> str:
+    """A model's shape, as profile files are named by it: a digest of its `transformers` config."""
+    return hashlib.sha1(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
 def profile_dir(device: torch.device) -> Path:
     return cache_root() / "profiles" / machine_key(device)

@@ -21,7 +21,6 @@ and a method built without one (`BuildContext.profile`) takes upstream's fixed s
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -34,10 +33,10 @@ import torch
 
 from ..engine import native
 from ..engine.linear import KERNELS, LinearPath, LinearPlan, linear_shapes
-from ..engine.runner import SKINNY_GEMM_MODES, ModelRunner
+from ..engine.runner import STOCK, ModelRunner
 from . import load
 from .curves import forward_latency
-from .identity import machine, profile_dir
+from .identity import config_key, machine, profile_dir
 from .plan import measure_plan
 
 # How a curve is measured (`curves.forward_latency`); a cached curve of another method is measured again.
@@ -120,16 +119,14 @@ class MachineProfile:
     # --------------------------------------------------------------------------------------------
     # The linear plan (one path per dtype; shapes added as models appear)
 
-    def linear_path(self, models, mode: str = "auto") -> LinearPath:
-        """The linear path for these models: `off` is stock `F.linear`; `auto` uses the measured plan
-        of this machine, measuring (once, cached on disk) the shapes it does not know yet."""
-        if mode not in SKINNY_GEMM_MODES:
-            raise ValueError(f"engine.skinny_gemm={mode!r}; valid: {', '.join(SKINNY_GEMM_MODES)}")
+    def linear_path(self, models) -> LinearPath:
+        """The measured linear path for these models (`engine.skinny_gemm=auto`; `off` never asks the
+        profile): this machine's plan, measuring (once, cached on disk) the shapes it does not know yet."""
         models = [m for m in models if m is not None]
         param = next(models[0].parameters())
         device, dtype = param.device, param.dtype
-        if mode == "off" or device.type != "cpu":  # cuBLAS handles skinny GEMMs
-            return self._paths.setdefault(("off",), LinearPath(None))
+        if device.type != "cpu":  # cuBLAS handles skinny GEMMs
+            return STOCK
         LinearPath.adopt(*models)
         key = (str(device), str(dtype))
         file = self.folder / f"linear-{str(dtype).replace('torch.', '')}.json"
@@ -171,10 +168,8 @@ class MachineProfile:
         once per (machine, model, dtype, linear path) and kept in the profile folder. It decides how
         large a draft tree can be before verifying it stops paying (`auto` sizes, `make perf`)."""
         mode = ("auto" if runner.linear.plan is not None else "off") + ("-fused" if runner.fused else "")
-        config = json.dumps(runner.config.to_dict(), sort_keys=True, default=str)
-        shape = hashlib.sha1(config.encode()).hexdigest()[:8]
         dtype = str(runner.dtype).replace("torch.", "")
-        file = self.folder / f"curve-{model_name}-{shape}-{dtype}-{mode}.json"
+        file = self.folder / f"curve-{model_name}-{config_key(runner.config)}-{dtype}-{mode}.json"
         if file.is_file() and not refresh:
             stored = json.loads(file.read_text())
             if (stored.get("prefix") == prefix and stored.get("method") == CURVE_METHOD

@@ -19,9 +19,9 @@ from ..engine.tree import Tree, ancestors_of, level_mask
 
 
 class DraftLM:
-    def __init__(self, model, target_vocab_size: int, vocabulary=None, skinny_gemm: str = "auto",
-                 decoder: str = "auto", profile=None):
-        self.runner = ModelRunner(model, skinny_gemm, decoder, profile=profile)
+    def __init__(self, model, target_vocab_size: int, vocabulary=None, **engine):
+        """`engine`: the target runner's `engine_settings()` (its linear path, forward and machine profile)."""
+        self.runner = ModelRunner(model, **engine)
         self.runner.restrict_vocabulary(vocabulary)
         self.target_vocab_size = target_vocab_size
         self.fed: list[int] = []  # tokens whose KV the draft cache holds (committed part), in order
@@ -31,8 +31,7 @@ class DraftLM:
     def another(self) -> "DraftLM":
         """A draft LM over the same model and vocabulary with its own cache (one per sequence of a batch)."""
         runner = self.runner
-        return DraftLM(runner.model, self.target_vocab_size, runner.vocabulary, runner.skinny_gemm, runner.decoder_mode,
-                       runner.profile)
+        return DraftLM(runner.model, self.target_vocab_size, runner.vocabulary, **runner.engine_settings())
 
     def reset(self) -> None:
         self.runner.reset()
