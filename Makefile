@@ -146,3 +146,8 @@ train-drafts: setup
 # anyway; cached under ~/.cache/decodebench/rest/). Other models: python -m methods.rest --help.
 rest-datastore: setup
 	$(PY) -m methods.rest --model $(MODEL)
+
+# SAM-Decoding's static suffix automaton over the same corpus (built on first use anyway; cached under
+# ~/.cache/decodebench/sam/). Other models: python -m methods.sam --help.
+sam-automaton: setup
+	$(PY) -m methods.sam --model $(MODEL)

@@ -25,8 +25,10 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from .base import DraftVerifyDecoder, register
-from .engine.params import Settings, integer, setting
+from .engine.params import Settings, integer, one_of, setting
 from .engine.tree import Tree
+
+UPSTREAM_DRAFT = 10  # prompt-lookup-decoding's and Spec-Bench's draft_num_candidate_tokens
 
 
 @dataclass(frozen=True)
@@ -37,13 +39,15 @@ class PLDSettings(Settings):
 
     paper = "Saxena 2023 (apoorvumang/prompt-lookup-decoding)"
     size_setting, size_label = "num_draft", "draft length γ"  # the longest draft it copies
+    size_recorded = "draft_tokens"  # what `auto` resolved to
 
     max_ngram: int = setting(3, integer(1),
                              "longest n-gram looked up; Spec-Bench's draft_matching_window_size (transformers' own "
                              "default is 2)")
-    num_draft: int = setting(10, integer(1),
-                             "tokens per draft; transformers' prompt_lookup_num_tokens in its docs, Spec-Bench's "
-                             "draft_num_candidate_tokens")
+    num_draft: int | str = setting("auto", one_of("auto") | integer(1),
+                                   "tokens per draft: auto = this machine's verify budget less the root (upstream's "
+                                   "10 without a machine profile); 10 = transformers' prompt_lookup_num_tokens in its "
+                                   "docs, Spec-Bench's draft_num_candidate_tokens")
     branches: int = setting(1, integer(1),
                             "upstream proposes one match (a chain); b > 1 adds the next matches as branches of a trie")
 
@@ -89,14 +93,18 @@ def lookup_continuations(sequence: Sequence[int], max_ngram: int, num_draft: int
     return found
 
 
-def trie(root: int, continuations: list[list[int]]) -> Tree:
-    """The continuations merged into a token trie rooted at `root` (shared prefixes once)."""
+def trie(root: int, continuations: list[list[int]], nodes: int | None = None) -> Tree:
+    """The continuations merged into a token trie rooted at `root` (shared prefixes once); with `nodes`,
+    at most that many besides the root (the first continuations' first: a path stops where it would
+    add one more)."""
     tokens, parents, children = [root], [-1], [{}]
     for continuation in continuations:
         node = 0
         for token in continuation:
             child = children[node].get(token)
             if child is None:
+                if nodes is not None and len(tokens) > nodes:
+                    break
                 child = len(tokens)
                 tokens.append(token)
                 parents.append(node)
@@ -109,14 +117,16 @@ def trie(root: int, continuations: list[list[int]]) -> Tree:
 class PromptLookupDecoder(DraftVerifyDecoder):
     name = "pld"
 
-    def __init__(self, target, max_ngram: int = PLDSettings.max_ngram, num_draft: int = PLDSettings.num_draft,
-                 branches: int = PLDSettings.branches):
-        super().__init__(target)
-        self.max_ngram, self.num_draft, self.branches = max_ngram, num_draft, branches
+    def __init__(self, target, max_ngram: int = PLDSettings.max_ngram, num_draft: int = UPSTREAM_DRAFT,
+                 branches: int = PLDSettings.branches, sizing: dict | None = None, setting: int | str | None = None):
+        """`num_draft`: the draft length in tokens; `setting`: what `method.num_draft` said (`auto`)."""
+        super().__init__(target, sizing)
+        self.max_ngram, self.num_draft, self.branches = max_ngram, int(num_draft), branches
+        self.setting = num_draft if setting is None else setting
 
     def describe(self):
-        return {**super().describe(), "max_ngram": self.max_ngram, "num_draft": self.num_draft,
-                "branches": self.branches}
+        return {**super().describe(), "max_ngram": self.max_ngram, "num_draft": self.setting,
+                "draft_tokens": self.num_draft, "branches": self.branches}
 
     def finish(self, state) -> None:
         steps = state.stats.steps - 1  # verifications (the prefill proposes nothing)
@@ -134,4 +144,16 @@ class PromptLookupDecoder(DraftVerifyDecoder):
 
 @register("pld", settings=PLDSettings)
 def build(target, settings: PLDSettings, context) -> PromptLookupDecoder:
-    return PromptLookupDecoder(target, **settings.to_dict())
+    num_draft, sizing = settings.num_draft, None
+    if num_draft == "auto":
+        num_draft, sizing = draft_budget(context, target, "num_draft", UPSTREAM_DRAFT)
+    return PromptLookupDecoder(target, settings.max_ngram, num_draft, settings.branches, sizing, settings.num_draft)
+
+
+def draft_budget(context, target, what: str, upstream: int) -> tuple[int, dict]:
+    """An `auto` draft size in draft tokens (nodes besides the root): the machine's verify budget less
+    the root, or `upstream`'s without a machine profile (or a build context)."""
+    if context is None:
+        return upstream, {what: "auto", "draft_tokens": upstream, "profile": "none: upstream's size"}
+    tokens, sizing = context.tree_budget(target, what, upstream + 1)
+    return tokens - 1, {**sizing, "draft_tokens": tokens - 1, "chosen": f"{tokens - 1} draft tokens"}

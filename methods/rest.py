@@ -6,7 +6,9 @@ pinned) is searched with the last `span` tokens of prompt + output, `span` = `ma
 (16) down to 2, the first span with any match winning. For every match the library reads the `long`
 (10) tokens that follow it (at most `k` = 5000 matches per chunk), counts every prefix of those
 continuations, keeps the `num_draft` (64) most frequent prefixes (a trie: a prefix's count is at
-least its extensions'), and cuts paths until the trie has at most `num_draft` nodes. The kept
+least its extensions'), and cuts paths until the trie has at most `num_draft` nodes (the library's
+cut is best effort: the trie is cut to `num_draft` here). `num_draft: auto` is this machine's verify
+budget less the root (upstream's 64 without a machine profile). The kept
 prefixes are merged into a draft tree rooted at the last token and verified by the shared loop:
 greedy match, or rejection sampling with the draft as point masses (lossless at any temperature).
 Nothing retrieved: the step is an AR step (upstream then guesses token id 100 as a one-token draft;
@@ -40,13 +42,14 @@ from pathlib import Path
 import torch
 
 from .base import DraftVerifyDecoder, register
-from .engine.params import Check, ConfigError, Settings, integer, setting
+from .engine.params import Check, ConfigError, Settings, integer, one_of, setting
 from .engine.sampling import SamplingConfig
 from .engine.storage import cache_root
 from .engine.tree import Tree
 from .models.specs import PROJECT_ROOT
-from .pld import trie
+from .pld import draft_budget, trie
 
+UPSTREAM_DRAFT = 64  # upstream's --num-draft
 MIN_TOKEN_SPAN = 2  # upstream: token_spans = range(2, max_token_span + 1), longest first
 MAX_CHUNK_LEN = 512 * 1024 * 1024  # upstream's Writer(max_chunk_len=512 * 1024 * 1024)
 SHAREGPT_COMMAND = ("python -m methods.rest --tokenizer <the model's Hub id or folder> --sharegpt "
@@ -66,11 +69,14 @@ class RestSettings(Settings):
     (python -m methods.rest --help)."""
 
     paper = "He et al. 2024 (FasterDecoding/REST)"
+    size_setting, size_recorded, size_label = "num_draft", "draft_nodes", "draft tree nodes"
 
     datastore: str = setting("auto", Check(_datastore_value, "auto or a draftretriever datastore file"),
                              "auto = the model config's datastores.rest, or the embedded model's own (built once, "
                              "cached); or a file")
-    num_draft: int = setting(64, integer(1), "upstream's --num-draft 64 (draftretriever's choices): most draft nodes")
+    num_draft: int | str = setting("auto", one_of("auto") | integer(1),
+                                   "most draft nodes (draftretriever's choices): auto = this machine's verify budget "
+                                   "less the root (upstream's --num-draft 64 without a machine profile)")
     max_token_span: int = setting(16, integer(MIN_TOKEN_SPAN),
                                   "upstream's --max-token-span 16: the longest suffix searched (then shorter, to 2)")
     continuation: int = setting(10, integer(1), "draftretriever's long (upstream keeps its 10): tokens read after "
@@ -127,9 +133,10 @@ def write_datastore(path: Path, entries) -> dict:
     return {"entries": count, "tokens": tokens, "bytes": path.stat().st_size}
 
 
-def corpus_entries(model_name: str, tokenizer) -> tuple[str, list[list[int]]]:
+def corpus_entries(model_name: str, tokenizer, joined: bool = False) -> tuple[str, list[list[int]]]:
     """The suite's draft-training corpus for `model_name` as token-id sequences, and what it was:
-    the target's answers (prompt ids, answer ids) where `data/distill/<model>/answers.jsonl` is here
+    the target's answers (prompt ids, answer ids; `joined`: one sequence per record, as SAM-Decoding's
+    recipe joins prompt and response) where `data/distill/<model>/answers.jsonl` is here
     with the manifest's checksum, else the corpus's prompts regenerated from its recipe (their
     checksum checked against the manifest) and encoded as upstream encodes a message."""
     manifest = _manifest(model_name)
@@ -140,7 +147,8 @@ def corpus_entries(model_name: str, tokenizer) -> tuple[str, list[list[int]]]:
         entries = []
         for line in answers.read_text().splitlines():
             record = json.loads(line)
-            entries += [record["ids"][:record["answer_start"]], record["ids"][record["answer_start"]:]]
+            ids, start = record["ids"], record["answer_start"]
+            entries += [ids] if joined else [ids[:start], ids[start:]]
         return f"answers {manifest['sha256'][:12]}", entries
     # lazy: the corpus's prompt recipe (harness/training), only when the answers file is absent
     from harness.training.distill import training_prompts
@@ -191,11 +199,14 @@ def datastore_path(settings: RestSettings, model_name: str, model_config: dict) 
 # The decoder
 
 
-def retrieve(reader, sequence, settings: RestSettings) -> list[list[int]]:
+def retrieve(reader, sequence, settings: RestSettings, num_draft: int | None = None) -> list[list[int]]:
     """Upstream's retrieval: the longest span (max_token_span .. 2) of the text's end with a match;
-    its kept prefixes (draftretriever pads them with -2), padding stripped."""
+    its kept prefixes (draftretriever pads them with -2), padding stripped. `num_draft`: the nodes
+    kept (None: the settings' number, upstream's 64 for `auto`)."""
+    choices = num_draft if num_draft is not None else \
+        (settings.num_draft if isinstance(settings.num_draft, int) else UPSTREAM_DRAFT)
     for span in range(settings.max_token_span, MIN_TOKEN_SPAN - 1, -1):
-        paths = reader.search(list(sequence[-span:]), k=settings.matches, choices=settings.num_draft,
+        paths = reader.search(list(sequence[-span:]), k=settings.matches, choices=choices,
                               long=settings.continuation)[0]
         if paths:
             return [[t for t in path if t != -2] for path in paths]
@@ -205,16 +216,21 @@ def retrieve(reader, sequence, settings: RestSettings) -> list[list[int]]:
 class RestDecoder(DraftVerifyDecoder):
     name = "rest"
 
-    def __init__(self, target, datastore: Path | str, settings: RestSettings = RestSettings()):
+    def __init__(self, target, datastore: Path | str, settings: RestSettings = RestSettings(),
+                 num_draft: int | None = None, sizing: dict | None = None):
+        """`num_draft`: the draft's nodes (`method.num_draft` resolved; upstream's 64 when it says `auto`)."""
         import draftretriever  # lazy: draftretriever, only where a datastore is read
 
-        super().__init__(target)
+        super().__init__(target, sizing)
         self.settings, self.datastore = settings, Path(datastore)
+        self.num_draft = num_draft if num_draft is not None else \
+            (settings.num_draft if isinstance(settings.num_draft, int) else UPSTREAM_DRAFT)
         self.reader = draftretriever.Reader(str(self.datastore))
         self.retrievals = self.hits = 0
 
     def describe(self):
-        return {**super().describe(), **self.settings.to_dict(), "datastore_file": str(self.datastore),
+        return {**super().describe(), **self.settings.to_dict(), "draft_nodes": self.num_draft,
+                "datastore_file": str(self.datastore),
                 "datastore_bytes": self.datastore.stat().st_size}
 
     def generate(self, prompt, stop, sampling=None, generator=None):
@@ -226,16 +242,19 @@ class RestDecoder(DraftVerifyDecoder):
     def propose(self, state, root: int, budget: int) -> Tree:
         if budget <= 0:
             return Tree(torch.tensor([root]), [-1])
-        paths = retrieve(self.reader, state.sequence, self.settings)
+        paths = retrieve(self.reader, state.sequence, self.settings, self.num_draft)
         self.retrievals += 1
         self.hits += bool(paths)
-        return trie(root, [path[:budget] for path in paths])
+        return trie(root, [path[:budget] for path in paths], nodes=self.num_draft)
 
 
 @register("rest", settings=RestSettings)
 def build(target, settings: RestSettings, context) -> RestDecoder:
     path = datastore_path(settings, context.model_name if context else "", context.model_config if context else {})
-    return RestDecoder(target, path, settings)
+    num_draft, sizing = settings.num_draft, None
+    if num_draft == "auto":
+        num_draft, sizing = draft_budget(context, target, "num_draft", UPSTREAM_DRAFT)
+    return RestDecoder(target, path, settings, num_draft, sizing)
 
 
 # ------------------------------------------------------------------------------------------

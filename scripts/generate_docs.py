@@ -18,6 +18,7 @@ import contextlib
 import json
 import re
 import sys
+from dataclasses import fields
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -57,6 +58,18 @@ def environment(run_folder: str) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def variant_name(row, rows) -> str:
+    """A row's method, and where the table runs it more than once (the headline's `sam` and
+    `sam@eagle2`), the first of its settings (in the method's order) whose value tells the runs apart."""
+    others = [r.config for r in rows if r.method == row.method]
+    if len(others) == 1:
+        return row.method
+    for key in (f.name for f in fields(method_settings(row.method))):
+        if len({str(config.get(key)) for config in others}) > 1:
+            return f"{row.method} {key}={row.config.get(key)}"
+    return row.method
+
+
 def run_sets(paths=(REFERENCE,)) -> list[dict]:
     """Every table of the committed results with what the docs say of it, newest first."""
     sets = []
@@ -68,7 +81,7 @@ def run_sets(paths=(REFERENCE,)) -> list[dict]:
         envs = [environment(run) for run in runs]
         rows = breakdown_rows(table.rows, table.settings)
         for row, (_, table_row) in zip(rows, sorted(table.rows.items())):
-            row["name"] = table_row.method
+            row["name"] = variant_name(table_row, table.rows.values())
             ttft, base = (
                 decoder_stats(list(side.values()))["mean_ttft"] for side in (table_row.records, table_row.baseline)
             )

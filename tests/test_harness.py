@@ -639,9 +639,13 @@ def test_committed_headline_configs_compose_for_every_method():
     assert files
     for file in files:
         runs = run_overrides(OmegaConf.load(file))
-        assert set(runs) <= set(available_methods()) and len(runs) >= 7
-        for method, overrides in runs.items():
-            assert compose(overrides).method.name == method
+        # a run is a method, or `<method>@<variant>` for a second run of one method with other settings
+        assert {name.split("@")[0] for name in runs} <= set(available_methods()) and len(runs) >= 7
+        for name, overrides in runs.items():
+            assert compose(overrides).method.name == name.split("@")[0]
+    variants = run_overrides(OmegaConf.load(REPO / "conf" / "headline" / "smollm2-135m.yaml"))
+    assert compose(variants["sam"]).method.auxiliary == "none"
+    assert compose(variants["sam@eagle2"]).method.auxiliary == "eagle2"
 
 
 def test_headline_rejects_an_unknown_method(tmp_path):
@@ -652,6 +656,9 @@ def test_headline_rejects_an_unknown_method(tmp_path):
     config = OmegaConf.create({"model": "m", "dataset": "spec_bench", "limit": 1, "max_new_tokens": 8,
                                "results_dir": str(tmp_path), "methods": {"sps": [], "eagle9": []}})
     with pytest.raises(ValueError, match=r"unknown methods \['eagle9'\]; valid: .*eagle2"):
+        run_overrides(config)
+    config.methods = {"sps": [], "eagle9@big": []}
+    with pytest.raises(ValueError, match=r"unknown methods \['eagle9'\]"):
         run_overrides(config)
     config.methods = {}
     with pytest.raises(ValueError, match="names no methods; give `methods:` with some of .*sps"):

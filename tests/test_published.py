@@ -72,8 +72,10 @@ def specbench_runs():
 
 def test_specbench_config_is_spec_bench_setting(specbench_runs):
     a100 = next(t for t in published.load() if t.id == "spec-bench-a100-vicuna-7b")
-    assert set(specbench_runs) <= set(a100.methods)  # every method has a published number to compare with
-    for method, cfg in specbench_runs.items():
+    # every run has a published number to compare with (a second run of a method: `<method>@<variant>`)
+    assert {run.split("@")[0] for run in specbench_runs} <= set(a100.methods)
+    for run, cfg in specbench_runs.items():
+        method = run.split("@")[0]
         assert (cfg.model.name, cfg.model.path, cfg.dataset.name) == ("vicuna-7b", "lmsys/vicuna-7b-v1.3", "spec_bench")
         assert (cfg.dtype, cfg.temperature, cfg.max_new_tokens, cfg.limit,
                 cfg.device) == ("float16", 0, 1024, None, "cuda")
@@ -87,6 +89,12 @@ def test_specbench_config_is_spec_bench_setting(specbench_runs):
             m["lookahead"].pool_from_prompt) == (5, 7, 7, False)
     assert (m["recycling"].tree, m["recycling"].top_k, m["recycling"].persist) == ("2.2.2", 8, True)
     assert (m["pld"].max_ngram, m["pld"].num_draft) == (3, 10)
+    sam = m["sam@eagle2"]
+    assert (sam.auxiliary, sam.n_predicts, sam.len_threshold, sam.len_bias, sam.total_tokens, sam.depth,
+            sam.top_k) == ("eagle2", 40, 5, 5, 60, 5, 10)
+    # Spec-Bench's samd is SAM-Decoding[EAGLE2]: published beside that variant of ours only
+    assert a100.numbers("sam", sam)["speedup"]["overall"] == 2.73
+    assert a100.numbers("sam", {**sam, "auxiliary": "none"}) is None
     drafts = specbench_runs["eagle"].model.drafts
     assert (
         drafts.eagle.path == "yuhuili/EAGLE-Vicuna-7B-v1.3"

@@ -1,7 +1,8 @@
-"""The retrieval drafters: Suffix Decoding (arctic-inference's SuffixDecodingCache, as vLLM drives it)
-and REST (draftretriever's datastore). Upstream's behaviour on token streams, the draft trees,
-greedy equality with AR (tiny models and the embedded one), χ² sampling tests at T = 1, the
-datastore of the embedded model, and the checks before anything loads."""
+"""The retrieval drafters: Suffix Decoding (arctic-inference's SuffixDecodingCache, as vLLM drives
+it), REST (draftretriever's datastore) and SAM-Decoding (suffix automata, alone and with EAGLE-2).
+Upstream's behaviour on token streams, the draft trees, greedy equality with AR (tiny models and the
+embedded one), χ² sampling tests at T = 1, the datastore of the embedded model, and the checks before
+anything loads."""
 
 from __future__ import annotations
 
@@ -12,16 +13,21 @@ import torch
 
 from methods.ar import AutoregressiveDecoder
 from methods.base import check_method_params
+from methods.eagle.dynamic import Eagle2Decoder
 from methods.engine.params import ConfigError
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
+from methods.models.heads.eagle import load_eagle_head
+from methods.models.specs import ModelSpec
 from methods.pld import trie
 from methods.rest import RestDecoder, RestSettings, retrieve, write_datastore
+from methods.sam import SamDecoder, SamSettings, SuffixAutomaton, build_static, chain, count_tree, transfer
 from methods.suffix import SuffixDecoder, SuffixSettings, draft_tree
 from tests.conftest import decode_state, tiny_model
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 from tests.test_training_free import assert_stops_on_eos_like_ar, random_prompts
+from tests.test_tree_methods import write_eagle
 
 
 def suffix(target, **settings):
@@ -167,17 +173,109 @@ def test_rest_greedy_equals_ar(arch, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# SAM-Decoding: upstream's suffix automata and its two drafting rules
+
+
+def occurrences(text, pattern):
+    return [i + len(pattern) for i in range(len(text) - len(pattern) + 1) if text[i:i + len(pattern)] == pattern]
+
+
+def test_sam_automaton_states_counts_and_longest_match_against_brute_force():
+    rng = random.Random(3)
+    for _ in range(150):
+        text = [rng.randrange(3) for _ in range(rng.randrange(1, 50))]
+        automaton = SuffixAutomaton()
+        automaton.add(text)
+        counts, frozen = automaton.counts(), automaton.freeze()
+        for state in range(1, len(automaton.next)):
+            length, end = automaton.length[state], automaton.endpos[state]
+            ends = occurrences(text, text[end - length:end])
+            # upstream's min_endpos is the first occurrence's end; cnt_endpos the number of occurrences
+            assert ends[0] == end and len(ends) == counts[state] == frozen.count[state]
+            for token, child in automaton.next[state].items():
+                assert frozen.child(state, token) == child
+            assert frozen.child(state, 7) == -1
+        root = rng.randrange(3)
+        index, match = automaton.lookup(root)
+        # the lookup is the longest suffix of text + root that occurs in the text
+        longest = max(n for n in range(len(text) + 2) if n == 0 or occurrences(text, (text + [root])[-n:]))
+        assert match == longest and transfer(frozen, *automaton.cursor, root) == (index, match)
+
+
+def test_sam_drafts_are_upstreams_chain_and_count_tree():
+    automaton = SuffixAutomaton()
+    text = [1, 2, 3, 4, 5, 6, 9, 1, 2, 7, 1, 2, 3, 8]
+    automaton.add(text)
+    # "2 3" first ends at position 3: the chain is what follows it there
+    index, match = transfer(automaton, *transfer(automaton, 0, 0, 2), 3)
+    assert match == 2 and chain(automaton, index, 4) == [4, 5, 6]
+    # with too few tokens after the first occurrence, the dynamic automaton climbs to a shorter match
+    index, match = transfer(automaton, *transfer(automaton, 0, 0, 3), 8)
+    assert match == 2 and chain(automaton, index, 3) == [] and chain(automaton, index, 3, climb=True) == []
+    index, _ = transfer(automaton, 0, 0, 9)
+    assert chain(automaton, index, 3, climb=True) == [1, 2]
+    # the static count tree: best-first by count share, at most k per node and per depth
+    frozen = automaton.freeze()
+    index, _ = transfer(frozen, 0, 0, 1)  # "1": followed by "2" three times
+    tree = count_tree(frozen, index, 1, n=5, k=2, max_depth=10)
+    assert tree.tokens.tolist()[:3] == [1, 2, 3] and tree.parents[:3] == [-1, 0, 1]
+    assert sorted(tree.tokens.tolist()[3:]) == [4, 7]  # "1 2" -> 3 (2/3) beats 7 (1/3); then 3's children
+    assert max(count_tree(frozen, index, 1, n=5, k=2, max_depth=1).depths) == 1
+
+
+def sam(target, static=None, head=None, **settings):
+    settings = SamSettings(auxiliary="eagle2" if head is not None else "none", **settings)
+    auxiliary = None
+    if head is not None:
+        auxiliary = Eagle2Decoder(ModelRunner(target), head, total_tokens=8, depth=3, top_k=3)
+        runner = auxiliary.target
+    else:
+        runner = ModelRunner(target)
+    return SamDecoder(runner, static, settings, predicts=10, auxiliary=auxiliary)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_sam_greedy_equals_ar_alone_and_with_eagle2(arch, tmp_path):
+    target = tiny_model(arch, seed=74, vocab_size=16, layers=3)
+    ar = AutoregressiveDecoder(ModelRunner(target))
+    prompts = random_prompts(16, 4, seed=9)
+    answers = [ar.generate(p, StopCondition(40)).tokens for p in prompts]
+    # the static corpus: random text and the model's answer to the first prompt
+    rng = random.Random(1)
+    static = build_static([[rng.randrange(16) for _ in range(30)] for _ in range(20)] + [prompts[0] + answers[0]],
+                          eos=15, vocab_size=16, log=lambda line: None)
+    write_eagle(tmp_path / "eagle", target)
+    head = load_eagle_head(ModelSpec(path=str(tmp_path / "eagle")), target)
+    decoders = {"alone": sam(target, static), "no static": sam(target), "eagle2": sam(target, static, head),
+                "eagle2, threshold 2": sam(target, None, head, len_threshold=2)}
+    drafts = {name: {} for name in decoders}
+    for prompt, expected in zip(prompts, answers):
+        for name, decoder in decoders.items():
+            out = decoder.generate(prompt, StopCondition(40))
+            assert out.tokens == expected, name
+            for kind, count in out.stats.extra["drafts_by"].items():
+                drafts[name][kind] = drafts[name].get(kind, 0) + count
+    assert drafts["alone"]["dynamic"] and drafts["alone"]["static"], drafts
+    assert not drafts["no static"]["static"] and not drafts["alone"]["auxiliary"]
+    assert drafts["eagle2, threshold 2"]["dynamic"] and drafts["eagle2, threshold 2"]["auxiliary"], drafts
+
+
+# ---------------------------------------------------------------------------------------------
 # Sampling at T = 1: the engine's rejection sampling with the drafts as point masses
 
 
 def sampling_decoder(method, target, tmp_path):
+    if method == "sam":
+        static = build_static([[random.Random(i).randrange(4) for _ in range(30)] for i in range(50)], eos=3,
+                              vocab_size=4, log=lambda line: None)
+        return sam(target, static, len_bias=0, alpha=2.0)
     if method == "suffix":
         return suffix(target, tree=True, min_token_prob=0.0, max_spec_factor=4.0)
     path = random_datastore(tmp_path / "d.idx", 4, entries=100, length=30)
     return RestDecoder(ModelRunner(target), path, RestSettings(num_draft=6, max_token_span=3))
 
 
-@pytest.mark.parametrize("method", ["suffix", "rest"])
+@pytest.mark.parametrize("method", ["suffix", "rest", "sam"])
 def test_sampling_preserves_target_distribution(tiny_vocab_pair, method, tmp_path):
     target = tiny_vocab_pair[0]
     expected = exact_joint(target, PROMPT, 3, SamplingConfig(temperature=1.0))
@@ -195,14 +293,16 @@ def test_sampling_preserves_target_distribution(tiny_vocab_pair, method, tmp_pat
 def test_embedded_retrieval_methods_equal_generate(embedded, embedded_decoder, embedded_prompts, embedded_reference):
     _, tokenizer = embedded
     eos = frozenset({tokenizer.eos_token_id})
-    runs = [embedded_decoder("suffix"), embedded_decoder("rest")]
+    runs = [embedded_decoder("suffix"), embedded_decoder("rest"), embedded_decoder("sam"),
+            embedded_decoder("sam", auxiliary="eagle2", depth=3, top_k=4)]
     assert runs[1].datastore.is_file() and runs[1].datastore.stat().st_size < 5 * 2**20
-    accepted = {decoder.name: 0 for decoder in runs}
+    assert runs[2].static is not None and len(runs[2].static) > 100_000  # the corpus's automaton
+    accepted = {i: 0 for i in range(len(runs))}
     for prompt, reference in zip(embedded_prompts, embedded_reference):
-        for decoder in runs:
+        for i, decoder in enumerate(runs):
             out = decoder.generate(prompt, StopCondition(48, eos))
-            assert out.tokens == reference[:48], decoder.name
-            accepted[decoder.name] += out.stats.accepted_drafts
+            assert out.tokens == reference[:48], decoder.describe()
+            accepted[i] += out.stats.accepted_drafts
     assert all(accepted.values()), accepted
 
 
@@ -215,6 +315,7 @@ def test_embedded_retrieval_methods_equal_generate(embedded, embedded_decoder, e
     ("suffix", {"max_cached_requests": -2}), ("suffix", {"depth": 3}),
     ("rest", {"num_draft": 0}), ("rest", {"max_token_span": 1}), ("rest", {"datastore": ""}),
     ("rest", {"continuation": 0}),
+    ("sam", {"auxiliary": "eagle"}), ("sam", {"n_predicts": 0}), ("sam", {"static": ""}), ("sam", {"alpha": -1}),
 ])
 def test_bad_parameters_are_rejected_before_loading(method, params):
     with pytest.raises(ConfigError, match=f"method.{next(iter(params))}"):
@@ -232,3 +333,12 @@ def test_a_model_without_a_datastore_is_refused_naming_the_recipe(tmp_path):
     check_model({"name": "rest"}, {"name": "smollm2-135m"})  # the embedded model builds its own
     check_model({"name": "rest"}, {"name": "x", "datastores": {"rest": "file.idx"}})
     check_model({"name": "suffix"}, {"name": "vicuna-7b"})
+    # SAM: a static corpus (or static=none), and an EAGLE head for its EAGLE-2 auxiliary
+    with pytest.raises(ConfigError, match="vicuna-7b has none; pass method.static=none"):
+        check_model({"name": "sam"}, {"name": "vicuna-7b"})
+    check_model({"name": "sam", "static": "none"}, {"name": "vicuna-7b"})
+    with pytest.raises(ConfigError, match="method.static=.*an existing file"):
+        check_model({"name": "sam", "static": str(tmp_path / "missing.npz")}, {"name": "smollm2-135m"})
+    with pytest.raises(ConfigError, match="drafts.eagle for method.auxiliary=eagle2"):
+        check_model({"name": "sam", "auxiliary": "eagle2", "static": "none"}, {"name": "x"})
+    check_model({"name": "sam", "auxiliary": "eagle2"}, {"name": "smollm2-135m", "drafts": {"eagle": {"path": "h"}}})

@@ -43,7 +43,7 @@ def test_static_tree_prefix_keeps_the_published_order():
 
 @pytest.mark.parametrize("method, params, key", [
     ("sps", {"draft": {"target_layers": 1}}, "gamma"), ("mcsd", {"draft": {"target_layers": 1}}, "k_config"),
-    ("jacobi", {}, "block_size"),
+    ("jacobi", {}, "block_size"), ("pld", {}, "num_draft"), ("sam", {"static": "none"}, "n_predicts"),
 ])
 def test_auto_sizes_come_from_the_cached_profile_and_explicit_values_win(tmp_path, monkeypatch, method, params, key):
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
@@ -57,7 +57,8 @@ def test_auto_sizes_come_from_the_cached_profile_and_explicit_values_win(tmp_pat
     before = curves[0].stat().st_mtime_ns
     get_method(method)(ModelRunner(target), {"name": method, **params}, context)
     assert curves[0].stat().st_mtime_ns == before  # ... and reused
-    explicit = {"sps": {"gamma": 2}, "mcsd": {"k_config": [2, 1]}, "jacobi": {"block_size": 3}}[method]
+    explicit = {"sps": {"gamma": 2}, "mcsd": {"k_config": [2, 1]}, "jacobi": {"block_size": 3}, "pld": {"num_draft": 3},
+                "sam": {"n_predicts": 5}}[method]
     decoder = get_method(method)(ModelRunner(target), {"name": method, **params, **explicit}, context)
     assert "sizing" not in decoder.describe()
 
@@ -67,6 +68,7 @@ def test_auto_sizes_come_from_the_cached_profile_and_explicit_values_win(tmp_pat
     ("mcsd", {"draft": {"target_layers": 1}}, "k_config", [4, 2, 1]),
     ("jacobi", {}, "block_size", 16), ("lookahead", {"window": "auto", "guess": "auto"}, "window", 15),
     ("recycling", {"tree": "auto"}, "tree", None), ("medusa", {"head": {"random_init": 0}}, "tree", None),
+    ("pld", {}, "draft_tokens", 10), ("sam", {"static": "none"}, "predicts", 60),
 ])
 def test_without_a_profile_nothing_is_measured_and_auto_takes_upstreams_size(tmp_path, monkeypatch, method, params,
                                                                               key, fixed):

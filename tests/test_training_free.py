@@ -324,7 +324,8 @@ def test_sampling_with_broken_acceptor_is_caught(tiny_vocab_pair, method):
 
 
 @pytest.mark.parametrize("method, params", [
-    ("pld", {"max_ngram": 0}), ("pld", {"num_draft": "auto"}), ("pld", {"branches": 1.5}), ("pld", {"ngram": 3}),
+    ("pld", {"max_ngram": 0}), ("pld", {"num_draft": "big"}), ("pld", {"num_draft": 0}),
+    ("pld", {"branches": 1.5}), ("pld", {"ngram": 3}),
     ("lookahead", {"level": 2}), ("lookahead", {"window": 0}), ("lookahead", {"guess": -1}),
     ("lookahead", {"pool_from_prompt": "yes"}),
     ("recycling", {"tree": "2.2.3"}), ("recycling", {"top_k": 0}), ("recycling", {"persist": 1}),

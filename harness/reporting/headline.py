@@ -34,7 +34,8 @@ from harness import REPO
 
 
 def run_overrides(config, extra: list[str] = (), limit: int | None = None) -> dict[str, list[str]]:
-    """Per method, the Hydra overrides of its run."""
+    """Per run, its Hydra overrides. A run is named by its method, or `<method>@<variant>` for a second
+    run of one method with other settings (`sam@eagle2: [method.auxiliary=eagle2]`)."""
     from methods.base import available_methods  # lazy: torch (via methods) after the GPU check
 
     methods = OmegaConf.to_container(config.methods, resolve=True) if config.get("methods") else {}
@@ -42,7 +43,7 @@ def run_overrides(config, extra: list[str] = (), limit: int | None = None) -> di
         raise ValueError(
             f"headline config names no methods; give `methods:` with some of {', '.join(available_methods())}"
         )
-    unknown = sorted(set(methods) - set(available_methods()))
+    unknown = sorted({run.split("@", 1)[0] for run in methods} - set(available_methods()))
     if unknown:
         raise ValueError(f"headline config names unknown methods {unknown}; valid: {', '.join(available_methods())}")
     value = lambda v: "null" if v is None else v  # noqa: E731  (limit: null = all questions)
@@ -52,7 +53,7 @@ def run_overrides(config, extra: list[str] = (), limit: int | None = None) -> di
               f"results_dir={config.results_dir}", *config.get("overrides", [])]
     given = {o.split("=", 1)[0] for o in extra}
     shared = [o for o in shared if o.split("=", 1)[0] not in given] + list(extra)  # the command line wins
-    return {method: [f"method={method}", *shared, *(overrides or [])] for method, overrides in methods.items()}
+    return {run: [f"method={run.split('@', 1)[0]}", *shared, *(overrides or [])] for run, overrides in methods.items()}
 
 
 def gpu_memory_gib() -> float | None:

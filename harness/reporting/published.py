@@ -37,7 +37,16 @@ class Published:
     model: str
     setting: dict      # questions: {dataset: n}, max_new_tokens, sampling, dtype (None = not stated)
     columns: dict      # column -> {dataset, categories (absent = all)}
-    methods: dict      # method -> {"speedup": {column: x}, "tau": {column: x}}
+    # method -> {"speedup": {column: x}, "tau": {column: x}}, and "settings" where the published row is
+    # one variant of our method (Spec-Bench's samd: our sam with auxiliary=eagle2)
+    methods: dict
+
+    def numbers(self, method: str, config: dict) -> dict | None:
+        """The published metrics of a run of `method` with `config` (its recorded settings), if any."""
+        numbers = self.methods.get(method)
+        if not numbers or any(config.get(k) != v for k, v in (numbers.get("settings") or {}).items()):
+            return None
+        return numbers
 
 
 def load(folder: Path = PUBLISHED) -> list[Published]:
@@ -73,7 +82,7 @@ def comparisons(table, published: list[Published] | None = None) -> list[tuple[P
             continue
         lines = []
         for label, row in table.rows.items():
-            numbers = pub.methods.get(row.method)
+            numbers = pub.numbers(row.method, row.config)
             if not numbers:
                 continue
             for column, spec in pub.columns.items():
