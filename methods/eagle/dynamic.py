@@ -173,9 +173,6 @@ class Eagle2Decoder(EagleBase):
         return verify_cost(self.verify_seconds, tokens) * self.verify_seconds[min(self.verify_seconds)]
 
 
-ADAPTIVE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # the latency curve `adaptive` reads
-
-
 def auto_total_tokens(profile, target, sizes=(40, 48, 50, 56, 60), weights=(1, 1.05, 1.07, 1.1, 1.13),
                       prefix: int = 128, repeats: int = 3) -> tuple[int, dict]:
     """EAGLE-2's `total_token=-1`: target forwards of each size timed (by the machine profile), and the
@@ -196,8 +193,9 @@ def build_dynamic(decoder_class, target, head, settings: DynamicTreeSettings, co
     elif total == "auto":
         total, sizing = auto_total_tokens(profile, target)
     elif total == "adaptive":
-        verify_seconds = profile.latency_curve(target, context.model_name, ADAPTIVE_SIZES)
-        total, sizing = max(ADAPTIVE_SIZES), {"total_tokens": "adaptive", "seconds_by_size": verify_seconds}
+        # the whole curve: every size a CPU verifies (the step in it at 9 rows is not between 8 and 16)
+        verify_seconds = profile.latency_curve(target, context.model_name)
+        total, sizing = max(verify_seconds), {"total_tokens": "adaptive", "seconds_by_size": verify_seconds}
     return decoder_class(target, head, total_tokens=int(total), depth=settings.depth, top_k=settings.top_k,
                          verify_seconds=verify_seconds, sizing=sizing, **extra)
 

@@ -6,10 +6,12 @@
     runner = ModelRunner(model, profile=profile)         # the measured linear plan
     curve = profile.latency_curve(runner, "smollm2-135m")
 
-Measurements that decide how the engine runs (the dtype on a CPU with native bf16, the linear plan,
-the target's forward-latency curve) are made once per (machine, torch version, threads, dtype) and
-kept in `profile_dir(device)`, so every later run reuses them; each measurement says so in the log
-("profiling this machine once: ...") and how long it took. Each keeps the machine's load while it
+Measurements that decide how the engine runs (the dtype on a CPU with native bf16, the linear plan)
+are made once per (machine, torch version, threads, dtype) and kept in `profile_dir(device)`, so
+every later run reuses them; each measurement says so in the log ("profiling this machine once:
+...") and how long it took. The target's forward-latency curve is measured by every run ("profiling
+this machine for this run: ..."; a few seconds): it moves from hour to hour on a shared machine, and
+the sizes of `auto` drafts follow it. Its history is kept beside the others. Each keeps the machine's load while it
 was measured (`load.py`, the busy check of the answers): one measured beside other work serves this
 profile (with a warning) and is measured again by the next process. `used()` names the files a run
 used, when and how quietly they were measured (every results folder records it,
@@ -35,13 +37,14 @@ from ..engine import native
 from ..engine.linear import KERNELS, LinearPath, LinearPlan, linear_shapes
 from ..engine.runner import STOCK, ModelRunner
 from . import load
-from .curves import forward_latency
+from .curves import CURVE_METHOD, forward_latency
 from .identity import config_key, machine, profile_dir
 from .plan import measure_plan
 
-# How a curve is measured (`curves.forward_latency`); a cached curve of another method is measured again.
-CURVE_METHOD = "masked-verify, warm-up, interleaved rounds"
-CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# The sizes a curve is measured at: every size a verification on a CPU holds (its budget: 4 to 12
+# rows on the AVX512 EPYC), then coarser up to EAGLE-2's adaptive 64
+CURVE_SIZES = (*range(1, 13), 16, 24, 32, 64)
+CURVE_HISTORY = 20  # the runs' curves a profile folder keeps per model
 log = logging.getLogger(__name__)
 
 
@@ -60,14 +63,18 @@ class MachineProfile:
         self._used: dict[str, dict] = {}  # file -> when and how quietly it was measured (`used`)
         self._paths: dict[tuple, LinearPath] = {}  # one linear path per dtype, shared by every runner
         self._plan_loads: dict[tuple, list[dict]] = {}  # the load while each part of a plan was measured
+        self._curves: dict[Path, dict] = {}  # file -> this run's curve ({seconds, load})
 
     # --------------------------------------------------------------------------------------------
     # Measured on a quiet machine, or measured again
 
-    def measure(self, file: Path, what: str, measure):
+    def measure(self, file: Path, what: str, measure, later_runs: bool = True):
         """`measure()`, logged before and after, and the machine's load while it ran; a busy
-        measurement gets one warning line."""
-        log.info("profiling this machine once: %s (kept in %s for later runs)", what, file.parent)
+        measurement gets one warning line. `later_runs`: whether later runs reuse it (else this run only)."""
+        if later_runs:
+            log.info("profiling this machine once: %s (kept in %s for later runs)", what, file.parent)
+        else:
+            log.info("profiling this machine for this run: %s (kept with earlier runs' in %s)", what, file.parent)
         before = load.snapshot()
         result = measure()
         record = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **load.state(before, load.snapshot())}
@@ -75,8 +82,8 @@ class MachineProfile:
         self._measured_here.add(file)
         if record["busy"]:
             log.warning("%s was measured beside other work (other processes %.2f cores, steal %.0f%%): this run uses "
-                        "it, the next one measures it again (%s)", what, record["other_cores"] or 0,
-                        100 * (record["steal"] or 0), file)
+                        "it%s (%s)", what, record["other_cores"] or 0, 100 * (record["steal"] or 0),
+                        ", the next one measures it again" if later_runs else "", file)
         return result, record
 
     @staticmethod
@@ -160,30 +167,46 @@ class MachineProfile:
         return LinearPlan(), []
 
     # --------------------------------------------------------------------------------------------
-    # The target's forward-latency curve, cached
+    # The target's forward-latency curve, measured by every run
 
     def latency_curve(self, runner, model_name: str, sizes: Sequence[int] = CURVE_SIZES, prefix: int = 256,
-                      repeats: int = 5, refresh: bool = False) -> dict[int, float]:
+                      repeats: int = 5) -> dict[int, float]:
         """Median seconds of one forward of n tokens after a `prefix`-token prefix, for each n: measured
-        once per (machine, model, dtype, linear path) and kept in the profile folder. It decides how
-        large a draft tree can be before verifying it stops paying (`auto` sizes, `make perf`)."""
+        once per run (this profile), at every size a verification on a CPU holds. It decides how large a
+        draft can be before verifying it stops paying (`auto` sizes, EAGLE-2's adaptive size, `make perf`).
+        Not reused by later runs: this machine's speed moves with its neighbours' memory traffic, and a
+        one-token forward moves most (AVX512 EPYC, 2026-11-27/28: t(1) 14.5 ms and v(8) 1.24 in one hour,
+        8.9 ms and 1.55 in another), so a stored curve sized the next runs' drafts for another machine.
+        Each run's curve joins the profile folder's history of this model's curves (the last
+        `CURVE_HISTORY`), and the log states this run's v(n) beside the spread of the runs before it."""
         mode = ("auto" if runner.linear.plan is not None else "off") + ("-fused" if runner.fused else "")
         dtype = str(runner.dtype).replace("torch.", "")
         file = self.folder / f"curve-{model_name}-{config_key(runner.config)}-{dtype}-{mode}.json"
-        if file.is_file() and not refresh:
-            stored = json.loads(file.read_text())
-            if (stored.get("prefix") == prefix and stored.get("method") == CURVE_METHOD
-                    and stored.get("kernels") == candidates() and set(map(int, stored["seconds"])) >= set(sizes)
-                    and self.usable(file, [stored.get("load")])):
-                self.use(file, [stored["load"]])
-                return {int(n): s for n, s in stored["seconds"].items() if int(n) in sizes}
+        known = self._curves.get(file)
+        if known is not None and set(sizes) <= set(known["seconds"]):
+            self.use(file, [known["load"]])
+            return {n: known["seconds"][n] for n in sizes}
         seconds, record = self.measure(
             file, f"{model_name}'s forward latency at {', '.join(map(str, sizes))} tokens",
-            lambda: forward_latency(runner, sizes, prefix, repeats))
+            lambda: forward_latency(runner, sizes, prefix, repeats), later_runs=False)
+        history = self._curve_history(file, prefix)
+        log.info("%s", curve_line(model_name, seconds, history))
+        history.append({**record, "seconds": {str(n): s for n, s in seconds.items()}})
         self.write(file, {"model": model_name, "method": CURVE_METHOD, "kernels": candidates(), "prefix": prefix,
-                          "repeats": repeats, "load": record, "seconds": {str(n): s for n, s in seconds.items()}})
+                          "repeats": repeats, "runs": history[-CURVE_HISTORY:]})
+        self._curves[file] = {"seconds": dict(seconds), "load": record}
         self.use(file, [record])
-        return seconds
+        return dict(seconds)
+
+    @staticmethod
+    def _curve_history(file: Path, prefix: int) -> list[dict]:
+        """The curves earlier runs measured the same way (none when the file holds another method's)."""
+        try:
+            stored = json.loads(file.read_text())
+        except (OSError, ValueError):
+            return []
+        same = stored.get("method") == CURVE_METHOD and stored.get("prefix") == prefix
+        return list(stored.get("runs") or []) if same else []
 
     def forward_latency(self, runner, sizes: Sequence[int], what: str, prefix: int = 256,
                         repeats: int = 5) -> dict[int, float]:
@@ -191,3 +214,22 @@ class MachineProfile:
         logged as profiling like every other measurement."""
         log.info("profiling: %s at %s tokens (not kept)", what, ", ".join(map(str, sizes)))
         return forward_latency(runner, sizes, prefix, repeats)
+
+
+def curve_line(model_name: str, seconds: dict[int, float], history: list[dict]) -> str:
+    """One log line: this run's t(1) and v(n) = t(n) / t(1) at a few sizes, and their range over the runs
+    before it on this machine (`history`)."""
+    shown = [n for n in (2, 4, 8, 12, 16) if n in seconds]
+    one = seconds[min(seconds)]
+    line = (f"{model_name}'s latency curve this run: t(1) {one * 1e3:.1f} ms, v(n) = t(n)/t(1) "
+            + ", ".join(f"v({n}) {seconds[n] / one:.2f}" for n in shown))
+    earlier = [{int(n): s for n, s in run["seconds"].items()} for run in history if run.get("seconds")]
+    if not earlier:
+        return line + " (the first run measured here)"
+    ones = [run[min(run)] * 1e3 for run in earlier]
+    spread = [f"t(1) {min(ones):.1f}-{max(ones):.1f} ms"]
+    for n in shown:
+        ratios = [run[n] / run[min(run)] for run in earlier if n in run]
+        if ratios:
+            spread.append(f"v({n}) {min(ratios):.2f}-{max(ratios):.2f}")
+    return line + f"; the {len(earlier)} run(s) before it here: " + ", ".join(spread)
