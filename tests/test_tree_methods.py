@@ -505,13 +505,13 @@ def test_eagle2_adaptive_size_maximizes_expected_tokens_per_second(tmp_path):
 
 def test_eagle2_adaptive_builds_with_a_measured_curve_and_rejects_unknown_sizes(tmp_path):
     from methods.base import get_method
-    from methods.machine.profile import MachineProfile
+    from methods.machine.profile import CURVE_SIZES, MachineProfile
 
     target = tiny_model("llama", seed=46, vocab_size=64)
     write_eagle(tmp_path, target)
     context = BuildContext(target, "tiny", {"drafts": {"eagle": {"path": str(tmp_path)}}}, MachineProfile("cpu"))
     decoder = get_method("eagle2")(ModelRunner(target), {"name": "eagle2", "total_tokens": "adaptive"}, context)
-    assert set(decoder.verify_seconds) == {1, 2, 4, 8, 16, 32, 64} and decoder.target.length == 0
+    assert set(decoder.verify_seconds) == set(CURVE_SIZES) and decoder.target.length == 0
     assert decoder.describe()["total_tokens"] == "adaptive"
     prompt, stop = [1, 2, 3, 4], StopCondition(20)
     assert decoder.generate(prompt,
