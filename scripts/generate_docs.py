@@ -60,13 +60,13 @@ def environment(run_folder: str) -> dict:
 
 def variant_name(row, rows) -> str:
     """A row's method, and where the table runs it more than once (the headline's `sam` and
-    `sam@eagle2`), the first of its settings (in the method's order) whose value tells the runs apart."""
+    `sam@eagle2`), the first of its settings (in the method's order) whose value tells the runs apart,
+    unless this run has it at its default (`sam`, `sam auxiliary=eagle2`)."""
     others = [r.config for r in rows if r.method == row.method]
-    if len(others) == 1:
-        return row.method
-    for key in (f.name for f in fields(method_settings(row.method))):
-        if len({str(config.get(key)) for config in others}) > 1:
-            return f"{row.method} {key}={row.config.get(key)}"
+    for field in fields(method_settings(row.method)) if len(others) > 1 else ():
+        if len({str(config.get(field.name)) for config in others}) > 1:
+            value = row.config.get(field.name)
+            return row.method if value == field.default else f"{row.method} {field.name}={value}"
     return row.method
 
 

@@ -70,9 +70,9 @@ COLUMN_WIDTH = 3.4  # inches: one column of a two-column paper
 # Tableau 20b's dark tones: a pale colour is hard to see as a line); a method not listed here gets
 # one of the dark tones from its name's hash.
 METHOD_ORDER = ("ar", "sps", "mcsd", "medusa", "hydra", "eagle", "eagle2", "eagle3", "jacobi", "lookahead",
-                "pld", "recycling", "lazyllm", "suffix", "rest")
+                "pld", "recycling", "lazyllm", "suffix", "rest", "sam")
 PALETTE = ([plt.get_cmap("tab10")(i) for i in range(10)] + ["black", plt.get_cmap("tab20b")(0), "#e6ab02"]
-           + [plt.get_cmap("tab20b")(4), "#1b9e77"] + [plt.get_cmap("tab20b")(4 * i) for i in (3, 4)])
+           + [plt.get_cmap("tab20b")(4), "#1b9e77"] + [plt.get_cmap("tab20b")(4 * i) for i in (4, 3)])
 BUSY_COLOUR = "red"
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 LINES = ("-", "--", ":", "-.")
