@@ -352,7 +352,7 @@ def test_a_bad_value_exits_2_with_one_line_and_no_traceback():
 
 @pytest.mark.parametrize("override, valid", [
     ("method=eagel", "ar, eagle, eagle2, eagle3, hydra, jacobi, lazyllm, lookahead, mcsd, medusa, pld, recycling, "
-                     "rest, sps, suffix"),
+                     "rest, sam, sps, suffix"),
     ("model=smollm2", "cllm-7b-codesearchnet, "), ("dataset=specbench", "alpaca, cnn_dm, gsm8k, ")])
 def test_a_misspelt_config_group_choice_exits_2_with_one_line(override, valid):
     """`make bench METHOD=eagel` (MODEL=, DATASET= alike): one line naming the valid choices, not

@@ -9,7 +9,7 @@ from methods.base import available_methods, get_method
 from methods.engine.runner import ModelRunner
 from methods.engine.stopping import StopCondition
 from tests.conftest import tiny_model
-from tests.test_static_step import PROMPTS, method_context
+from tests.test_static_step import PROMPTS, method_context, method_params
 
 
 def test_every_kind_of_host_read_is_counted_once():
@@ -92,7 +92,8 @@ def test_every_method_keeps_its_host_read_budget(method, tmp_path, monkeypatch):
 
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
     target = tiny_model("llama", seed=3, layers=8)
-    decoder = get_method(method)(ModelRunner(target), {"name": method}, method_context(target, tmp_path))
+    decoder = get_method(method)(ModelRunner(target), method_params(method, tmp_path),
+                                 method_context(target, tmp_path))
     decoder.generate(PROMPTS[0], StopCondition(8))  # first-use work (a latency curve, a random head) is not a step's
     with counting_host_reads() as reads:
         out = decoder.generate(PROMPTS[1], StopCondition(40))
@@ -111,7 +112,8 @@ def test_a_sampled_step_reads_at_most_twice(method, tmp_path, monkeypatch):
 
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
     target = tiny_model("llama", seed=3, layers=8)
-    decoder = get_method(method)(ModelRunner(target), {"name": method}, method_context(target, tmp_path))
+    decoder = get_method(method)(ModelRunner(target), method_params(method, tmp_path),
+                                 method_context(target, tmp_path))
     generator = torch.Generator().manual_seed(0)
     sampling = SamplingConfig(temperature=0.8)
     decoder.generate(PROMPTS[0], StopCondition(8), sampling, generator)  # first-use work is not a step's

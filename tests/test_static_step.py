@@ -13,6 +13,7 @@ from methods.engine.runner import ModelRunner
 from methods.engine.stopping import StopCondition
 from methods.engine.tree import Tree
 from methods.rest import write_datastore
+from methods.sam import build_static
 from tests.conftest import tiny_model
 from tests.test_hydra import write_hydra
 
@@ -24,11 +25,19 @@ def method_context(target, tmp_path) -> BuildContext:
     write_hydra(tmp_path / "hydra", target, seed=2)
     drafts = {kind: {"random_init": 0} for kind in ("eagle", "eagle3", "medusa")}
     rng = random.Random(0)  # REST's datastore: random text over the vocabulary
-    write_datastore(tmp_path / "rest.idx", [[rng.randrange(target.config.vocab_size) for _ in range(40)]
-                                            for _ in range(100)])
+    text = [[rng.randrange(target.config.vocab_size) for _ in range(40)] for _ in range(100)]
+    write_datastore(tmp_path / "rest.idx", text)
+    # SAM's static automaton over the same text (`method_params` names its file)
+    build_static(text, eos=0, vocab_size=target.config.vocab_size, log=lambda line: None).save(tmp_path / "sam.npz")
     return BuildContext(target, "tiny", {"drafts": {**drafts, "hydra": {"path": str(tmp_path / "hydra")},
                                                     "sps": {"target_layers": 1}},
                                          "datastores": {"rest": str(tmp_path / "rest.idx")}})
+
+
+def method_params(method: str, tmp_path) -> dict:
+    """A method's `method.*` keys on `method_context`'s model: its defaults, SAM's static automaton the
+    file written there (the tiny model has no corpus of its own)."""
+    return {"name": method, **({"static": str(tmp_path / "sam.npz")} if method == "sam" else {})}
 
 
 def test_the_mode_is_checked_and_resolved_per_device():
@@ -50,7 +59,7 @@ def test_every_method_decodes_the_same_tokens_through_the_static_step(method, tm
     original, mode = StaticStep.run, None
     monkeypatch.setattr(StaticStep, "run", lambda self, *a: used[mode].append(self.rows) or original(self, *a))
     for mode in ("off", "on"):
-        decoder = get_method(method)(ModelRunner(target, cuda_graphs=mode), {"name": method}, context)
+        decoder = get_method(method)(ModelRunner(target, cuda_graphs=mode), method_params(method, tmp_path), context)
         outputs[mode] = [decoder.generate(prompt, StopCondition(40)).tokens for prompt in PROMPTS]
     assert outputs["on"] == outputs["off"]
     assert not used["off"] and used["on"], "the static step ran only in the static mode"

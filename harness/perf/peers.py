@@ -38,7 +38,7 @@ from methods.engine.runner import ModelRunner
 from methods.engine.storage import cache_root
 from methods.models.loading import _gguf_source, load_draft_lm
 from methods.models.specs import ModelSpec
-from methods.pld import PLDSettings, PromptLookupDecoder
+from methods.pld import UPSTREAM_DRAFT, PLDSettings, PromptLookupDecoder
 from methods.sps import SpeculativeSamplingDecoder
 
 INSTALL_HINT = "pip install -e '.[peers]'"
@@ -212,9 +212,13 @@ def llama_curve(llama, sizes=CURVE_SIZES, prefix: int = 256, rounds: int = 7) ->
 # ------------------------------------------------------------------------------------------------ run
 
 def pld_params() -> dict:
-    """PLD's settings as `make bench METHOD=pld` runs it (conf/method/pld.yaml, checked)."""
+    """PLD's settings as `make bench METHOD=pld` runs it (conf/method/pld.yaml, checked), its draft length
+    upstream's (the one `generate(prompt_lookup_num_tokens=...)` is given too): `auto` is this machine's."""
     cfg = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "method" / "pld.yaml"), resolve=True)
-    return PLDSettings.from_params(cfg).to_dict()
+    settings = PLDSettings.from_params(cfg).to_dict()
+    if settings["num_draft"] == "auto":
+        settings["num_draft"] = UPSTREAM_DRAFT
+    return settings
 
 
 def say(line: str) -> None:
