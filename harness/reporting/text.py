@@ -151,6 +151,26 @@ def batch_line(summary: dict) -> str:
     return line
 
 
+def curve_line(summary: dict) -> str | None:
+    """What sized the method's `auto` draft: this run's latency curve v(n) = t(n) / t(1) (the machine
+    profile measures it at the run's start) at the sizes up to the one chosen (EAGLE-2's adaptive size:
+    up to 16), and the size `auto` chose; None for a method sized otherwise."""
+    sizing = (summary.get("method_config") or {}).get("sizing") or {}
+    if sizing.get("curve_t1"):
+        curve = {int(n): float(v) for n, v in sizing["curve_t1"].items()}
+    elif sizing.get("seconds_by_size"):
+        seconds = {int(n): float(v) for n, v in sizing["seconds_by_size"].items()}
+        curve = {n: v / seconds[min(seconds)] for n, v in seconds.items()}
+    else:
+        return None
+    chosen = sizing.get("verify_tokens")
+    shown = [n for n in sorted(curve) if 1 < n <= (chosen or 16)]
+    line = "sized by this run's latency curve, v(n) = t(n)/t(1): " + ", ".join(f"v({n}) {curve[n]:.2f}" for n in shown)
+    if chosen:
+        line += f"; auto chose {chosen} tokens per verification (the most at v(n) <= {sizing.get('verify_budget_t1')})"
+    return line
+
+
 def format_summary(summary: dict) -> str:
     """The printout at the end of a run: the headline speedup and its caveats (`headline_lines`),
     the decoders' table, then what explains the speedup and the rest of the numbers."""
@@ -188,6 +208,9 @@ def format_summary(summary: dict) -> str:
                 "decoding; "
                 f"measured {speedup['specbench']:.2f}x with the prefill ({100 * explained['prefill_fraction']:.0f}% of "
                 "its time)")
+        curve = curve_line(summary)
+        if curve:
+            lines.append(curve)
         low, high = speedup["median_ratio_ci95"]
         lines.append(f"median per-question speedup: {speedup['median_ratio']:.2f}x [{low:.2f}, {high:.2f}] "
                      "(less moved by one question timed during a slowdown)")
