@@ -22,10 +22,13 @@ cache row is dropped, the forward shrinks to the sequences still running); no qu
 in its place. The caller decodes its prompts B at a time, each group to the end (the harness:
 `batch_size`, docs/batching.md), so the last steps of a group run below B.
 
-Which methods: those whose settings say `batchable` (AR, PLD with one branch, SpS, the EAGLE
-family): a drafter whose per-sequence state is in the sequence's `DecodeState` (SpS's draft LM and
-the EAGLE head get one cache per sequence, `DraftVerifyDecoder.draft_state`, and draft one sequence
-at a time).
+Which methods: those whose settings say `batchable` (AR, PLD with one branch, SpS, MCSD, the EAGLE
+family, SAM-Decoding): a drafter whose per-sequence state is in the sequence's `DecodeState` (SpS's
+draft LM and the EAGLE head get one cache per sequence, `DraftVerifyDecoder.draft_state`, and draft
+one sequence at a time; SAM's dynamic automaton is the sequence's). Not Suffix Decoding: its global
+tree takes every running answer, so a sequence's drafts would depend on the others in its batch. Not
+REST: draftretriever breaks ties by a hash order that differs between readers, so its drafts, and
+with them a seeded sampled answer, already differ from run to run at batch size 1.
 """
 
 from __future__ import annotations

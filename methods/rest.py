@@ -43,7 +43,6 @@ import torch
 
 from .base import DraftVerifyDecoder, register
 from .engine.params import Check, ConfigError, Settings, integer, one_of, setting
-from .engine.sampling import SamplingConfig
 from .engine.storage import cache_root
 from .engine.tree import Tree
 from .models.specs import PROJECT_ROOT
@@ -226,26 +225,24 @@ class RestDecoder(DraftVerifyDecoder):
         self.num_draft = num_draft if num_draft is not None else \
             (settings.num_draft if isinstance(settings.num_draft, int) else UPSTREAM_DRAFT)
         self.reader = draftretriever.Reader(str(self.datastore))
-        self.retrievals = self.hits = 0
 
     def describe(self):
         return {**super().describe(), **self.settings.to_dict(), "draft_nodes": self.num_draft,
                 "datastore_file": str(self.datastore),
                 "datastore_bytes": self.datastore.stat().st_size}
 
-    def generate(self, prompt, stop, sampling=None, generator=None):
-        self.retrievals = self.hits = 0
-        out = super().generate(prompt, stop, sampling or SamplingConfig(), generator)
-        out.stats.extra["match_rate"] = self.hits / self.retrievals if self.retrievals else 0.0
-        return out
-
     def propose(self, state, root: int, budget: int) -> Tree:
         if budget <= 0:
             return Tree(torch.tensor([root]), [-1])
         paths = retrieve(self.reader, state.sequence, self.settings, self.num_draft)
-        self.retrievals += 1
-        self.hits += bool(paths)
+        counts = state.values.setdefault("retrievals", [0, 0])  # this sequence's retrievals, and those that matched
+        counts[0] += 1
+        counts[1] += bool(paths)
         return trie(root, [path[:budget] for path in paths], nodes=self.num_draft)
+
+    def finish(self, state) -> None:
+        retrievals, hits = state.values.get("retrievals", (0, 0))
+        state.stats.extra["match_rate"] = hits / retrievals if retrievals else 0.0
 
 
 @register("rest", settings=RestSettings)

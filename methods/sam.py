@@ -70,6 +70,7 @@ class SamSettings(Settings):
     draft_vocab and head are the auxiliary EAGLE-2's (method=eagle2's keys)."""
 
     paper = "Hu et al. 2024 (hyx1999/SAM-Decoding)"
+    batchable = True  # the dynamic automaton and the static cursor are in each sequence's DecodeState
     size_setting, size_recorded, size_label = "n_predicts", "predicts", "draft length with the root"
 
     auxiliary: str = setting("none", one_of(*AUXILIARIES),

@@ -8,6 +8,7 @@ target's distribution (chi-square), and a broken acceptor is caught.
 from __future__ import annotations
 
 import functools
+import random
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from methods.engine.stopping import StopCondition
 from methods.engine.tree import Tree
 from methods.models.loading import truncated_copy
 from methods.pld import PromptLookupDecoder
+from methods.sam import SamDecoder, SamSettings, build_static
 from methods.sps import SpeculativeSamplingDecoder
 from tests.conftest import tiny_model
 from tests.stats_util import PROMPT, TEMPERATURE_1, chi_square_pvalue, exact_joint
@@ -96,6 +98,54 @@ def test_tree_methods_batch_equals_each_prompt_alone(method, tmp_path):
     assert [out.tokens for out in outs] == alone
 
 
+def retrieval_corpus(model, folder, vocab: int = 32):
+    """SAM's static automaton over random token sequences and the model's own answers to the batch
+    tests' prompts (so that drafts are accepted)."""
+    prompts, _ = prompts_and_stops(3, vocab)
+    ar = AutoregressiveDecoder(ModelRunner(model))
+    rng = random.Random(0)
+    text = [[rng.randrange(vocab) for _ in range(30)] for _ in range(40)]
+    text += [p + ar.generate(p, StopCondition(40)).tokens for p in prompts]
+    return build_static(text, eos=0, vocab_size=vocab, log=lambda line: None)
+
+
+@pytest.mark.parametrize("method", ["sam", "sam-eagle2"])
+def test_sam_batch_equals_each_prompt_alone(method, tmp_path):
+    """SAM's chains and static trees, and its EAGLE-2 trees, at B = 3: greedy tokens and accepted lengths
+    as alone, drafts accepted; sampled, the same tokens from the same generators."""
+    from methods.eagle.dynamic import Eagle2Decoder
+    from methods.models.heads.eagle import load_eagle_head
+    from methods.models.specs import ModelSpec
+    from tests.test_tree_methods import write_eagle
+
+    model = tiny_model("llama", seed=45, vocab_size=16)
+    static = retrieval_corpus(model, tmp_path, vocab=16)
+    write_eagle(tmp_path / "eagle", model)
+    head = load_eagle_head(ModelSpec(path=str(tmp_path / "eagle")), model)
+
+    def make():
+        if method == "sam":
+            return SamDecoder(ModelRunner(model), static, SamSettings(len_bias=0), predicts=8)
+        auxiliary = Eagle2Decoder(ModelRunner(model), head, total_tokens=8, depth=3, top_k=3)
+        return SamDecoder(auxiliary.target, static, SamSettings(auxiliary="eagle2", len_threshold=2), predicts=8,
+                          auxiliary=auxiliary)
+
+    prompts, stops = prompts_and_stops(3, vocab=16)
+    alone = [make().generate(p, s) for p, s in zip(prompts, stops)]
+    outs = BatchedDecoder(make()).generate(prompts, stops)
+    for out, reference in zip(outs, alone):
+        assert out.tokens == reference.tokens
+        assert out.stats.accepted_lengths == reference.stats.accepted_lengths
+        assert out.stats.extra == reference.stats.extra  # the sequence's own drafts, by drafter
+    assert sum(out.stats.accepted_drafts for out in outs) > 0
+    sampling = SamplingConfig(temperature=0.8)
+    alone = [make().generate(p, s, sampling, torch.Generator().manual_seed(b)).tokens
+             for b, (p, s) in enumerate(zip(prompts, stops))]
+    outs = BatchedDecoder(make()).generate(prompts, stops, sampling,
+                                           [torch.Generator().manual_seed(b) for b in range(3)])
+    assert [out.tokens for out in outs] == alone
+
+
 @pytest.mark.parametrize("decoder", ["auto", "transformers"])
 def test_qwen2_batch_on_the_fused_and_the_stock_forward(decoder):
     """Another architecture (q/k/v biases), and the stock `transformers` decoder stack over the same cache."""
@@ -142,7 +192,7 @@ def test_batch_cache_rows_hold_each_sequence_alone(target):
 def test_batch_rejects_a_method_that_decodes_one_sequence(target):
     from methods.jacobi import JacobiDecoder
 
-    with pytest.raises(ValueError, match="methods that do: ar, eagle, eagle2, eagle3, mcsd, pld, sps"):
+    with pytest.raises(ValueError, match="methods that do: ar, eagle, eagle2, eagle3, mcsd, pld, sam, sps"):
         BatchedDecoder(JacobiDecoder(ModelRunner(target)))
 
 
@@ -184,8 +234,10 @@ def every_batchable(tmp_path_factory):
     head = load_eagle_head(ModelSpec(path=str(folder / "eagle")), model)
     head3 = load_eagle3_head(ModelSpec(path=str(folder / "eagle3")), model)
     draft = truncated_copy(model, 2)
+    static = retrieval_corpus(model, folder)
     return {
         **{name: functools.partial(make, model) for name, make in DECODERS.items()},
+        "sam": lambda: SamDecoder(ModelRunner(model), static, SamSettings(len_bias=0), predicts=6),
         "eagle": lambda: EagleDecoder(ModelRunner(model), head, StaticTree.build("eagle_mc_sim_7b_63")),
         "eagle2": lambda: adaptive(ModelRunner(model), head, CPU_CURVE, depth=5, top_k=10),
         "eagle3": lambda: adaptive(ModelRunner(model), head3, CPU_CURVE, Eagle3Decoder, depth=7, top_k=10),
