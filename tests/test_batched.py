@@ -21,10 +21,11 @@ from methods.engine.stopping import StopCondition
 from methods.engine.tree import Tree
 from methods.models.loading import truncated_copy
 from methods.pld import PromptLookupDecoder
-from methods.sam import SamDecoder, SamSettings, build_static
+from methods.sam import build_static
 from methods.sps import SpeculativeSamplingDecoder
 from tests.conftest import tiny_model
 from tests.stats_util import PROMPT, TEMPERATURE_1, chi_square_pvalue, exact_joint
+from tests.test_retrieval import sam
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,26 @@ def test_greedy_batch_equals_each_prompt_alone(target, method, batch):
         assert sum(out.stats.accepted_drafts for out in outs) > 0  # chains longer than one row were verified
 
 
+def assert_batch_of_three_as_alone(make, statistic: str) -> None:
+    """Three prompts (vocabulary 16) decoded together by a fresh `make()` decoder as each alone: greedy
+    tokens, accepted lengths and `stats.<statistic>` equal, with drafts accepted; sampled at
+    temperature 0.8, the same tokens from generators seeded alike."""
+    prompts, stops = prompts_and_stops(3, vocab=16)
+    alone = [make().generate(p, s) for p, s in zip(prompts, stops)]
+    outs = BatchedDecoder(make()).generate(prompts, stops)
+    for out, reference in zip(outs, alone):
+        assert out.tokens == reference.tokens
+        assert out.stats.accepted_lengths == reference.stats.accepted_lengths
+        assert getattr(out.stats, statistic) == getattr(reference.stats, statistic)
+    assert sum(out.stats.accepted_drafts for out in outs) > 0
+    sampling = SamplingConfig(temperature=0.8)
+    alone = [make().generate(p, s, sampling, torch.Generator().manual_seed(b)).tokens
+             for b, (p, s) in enumerate(zip(prompts, stops))]
+    outs = BatchedDecoder(make()).generate(prompts, stops, sampling,
+                                           [torch.Generator().manual_seed(b) for b in range(3)])
+    assert [out.tokens for out in outs] == alone
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle2", "eagle2-small", "mcsd"])
 def test_tree_methods_batch_equals_each_prompt_alone(method, tmp_path):
     """Trees at B = 3 (EAGLE's static tree, EAGLE-2's dynamic one at 60 and 8 tokens, MCSD's
@@ -82,20 +103,7 @@ def test_tree_methods_batch_equals_each_prompt_alone(method, tmp_path):
     model = tiny_model("llama", seed=45, vocab_size=16)  # a small vocabulary: trees hold the target's choices
     make = (lambda: MultiCandidateDecoder(ModelRunner(model), truncated_copy(model, 2), k_config=(3, 2, 1))) \
         if method == "mcsd" else (lambda: decoders(model, tmp_path)[method])
-    prompts, stops = prompts_and_stops(3, vocab=16)
-    alone = [make().generate(p, s) for p, s in zip(prompts, stops)]
-    outs = BatchedDecoder(make()).generate(prompts, stops)
-    for out, reference in zip(outs, alone):
-        assert out.tokens == reference.tokens
-        assert out.stats.accepted_lengths == reference.stats.accepted_lengths
-        assert out.stats.position_accepted == reference.stats.position_accepted
-    assert sum(out.stats.accepted_drafts for out in outs) > 0
-    sampling = SamplingConfig(temperature=0.8)
-    alone = [make().generate(p, s, sampling, torch.Generator().manual_seed(b)).tokens
-             for b, (p, s) in enumerate(zip(prompts, stops))]
-    outs = BatchedDecoder(make()).generate(prompts, stops, sampling,
-                                           [torch.Generator().manual_seed(b) for b in range(3)])
-    assert [out.tokens for out in outs] == alone
+    assert_batch_of_three_as_alone(make, "position_accepted")
 
 
 def retrieval_corpus(model, folder, vocab: int = 32):
@@ -113,7 +121,6 @@ def retrieval_corpus(model, folder, vocab: int = 32):
 def test_sam_batch_equals_each_prompt_alone(method, tmp_path):
     """SAM's chains and static trees, and its EAGLE-2 trees, at B = 3: greedy tokens and accepted lengths
     as alone, drafts accepted; sampled, the same tokens from the same generators."""
-    from methods.eagle.dynamic import Eagle2Decoder
     from methods.models.heads.eagle import load_eagle_head
     from methods.models.specs import ModelSpec
     from tests.test_tree_methods import write_eagle
@@ -125,25 +132,10 @@ def test_sam_batch_equals_each_prompt_alone(method, tmp_path):
 
     def make():
         if method == "sam":
-            return SamDecoder(ModelRunner(model), static, SamSettings(len_bias=0), predicts=8)
-        auxiliary = Eagle2Decoder(ModelRunner(model), head, total_tokens=8, depth=3, top_k=3)
-        return SamDecoder(auxiliary.target, static, SamSettings(auxiliary="eagle2", len_threshold=2), predicts=8,
-                          auxiliary=auxiliary)
+            return sam(model, static, predicts=8, len_bias=0)
+        return sam(model, static, head, predicts=8, len_threshold=2)
 
-    prompts, stops = prompts_and_stops(3, vocab=16)
-    alone = [make().generate(p, s) for p, s in zip(prompts, stops)]
-    outs = BatchedDecoder(make()).generate(prompts, stops)
-    for out, reference in zip(outs, alone):
-        assert out.tokens == reference.tokens
-        assert out.stats.accepted_lengths == reference.stats.accepted_lengths
-        assert out.stats.extra == reference.stats.extra  # the sequence's own drafts, by drafter
-    assert sum(out.stats.accepted_drafts for out in outs) > 0
-    sampling = SamplingConfig(temperature=0.8)
-    alone = [make().generate(p, s, sampling, torch.Generator().manual_seed(b)).tokens
-             for b, (p, s) in enumerate(zip(prompts, stops))]
-    outs = BatchedDecoder(make()).generate(prompts, stops, sampling,
-                                           [torch.Generator().manual_seed(b) for b in range(3)])
-    assert [out.tokens for out in outs] == alone
+    assert_batch_of_three_as_alone(make, "extra")  # extra: the sequence's own drafts, by drafter
 
 
 @pytest.mark.parametrize("decoder", ["auto", "transformers"])
@@ -237,7 +229,7 @@ def every_batchable(tmp_path_factory):
     static = retrieval_corpus(model, folder)
     return {
         **{name: functools.partial(make, model) for name, make in DECODERS.items()},
-        "sam": lambda: SamDecoder(ModelRunner(model), static, SamSettings(len_bias=0), predicts=6),
+        "sam": lambda: sam(model, static, predicts=6, len_bias=0),
         "eagle": lambda: EagleDecoder(ModelRunner(model), head, StaticTree.build("eagle_mc_sim_7b_63")),
         "eagle2": lambda: adaptive(ModelRunner(model), head, CPU_CURVE, depth=5, top_k=10),
         "eagle3": lambda: adaptive(ModelRunner(model), head3, CPU_CURVE, Eagle3Decoder, depth=7, top_k=10),

@@ -223,7 +223,8 @@ def test_sam_drafts_are_upstreams_chain_and_count_tree():
     assert max(count_tree(frozen, index, 1, n=5, k=2, max_depth=1).depths) == 1
 
 
-def sam(target, static=None, head=None, **settings):
+def sam(target, static=None, head=None, predicts=10, **settings):
+    """A SAM decoder on `target`: alone, or with EAGLE-2 (8 tokens, depth 3, top-3) from `head`."""
     settings = SamSettings(auxiliary="eagle2" if head is not None else "none", **settings)
     auxiliary = None
     if head is not None:
@@ -231,7 +232,7 @@ def sam(target, static=None, head=None, **settings):
         runner = auxiliary.target
     else:
         runner = ModelRunner(target)
-    return SamDecoder(runner, static, settings, predicts=10, auxiliary=auxiliary)
+    return SamDecoder(runner, static, settings, predicts=predicts, auxiliary=auxiliary)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
