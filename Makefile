@@ -11,7 +11,7 @@ MAX_NEW_TOKENS ?= 256
 TEMPERATURE ?= 0
 ARGS ?=
 
-.PHONY: setup bench sweep batch-sweep report figures headline docs perf perf-gpu perf-contention perf-lazyllm train-drafts test
+.PHONY: setup bench sweep batch-sweep report figures headline docs perf perf-batch perf-gpu perf-contention perf-lazyllm train-drafts test
 
 setup: $(VENV)/.installed
 
@@ -110,6 +110,11 @@ docs: setup
 
 perf: setup
 	$(PY) -m harness.perf $(ARGS)
+
+# A batch of prompts of mixed lengths (Spec-Bench: writing, extraction, rag, summarization) against the same
+# prompts one at a time, AR, PLD and EAGLE-2 (harness/perf/batch_lengths.py; docs/batching.md). Run it alone.
+perf-batch: setup
+	$(PY) -m harness.perf.batch_lengths $(ARGS)
 
 # On a GPU: bandwidth, roofline, the t(n) curve with CUDA graphs on and off, AR vs generate, an oracle
 # draft; the embedded model's shape and Vicuna-7B's with random weights (no Hub; engine efficiency only)

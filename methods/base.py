@@ -43,7 +43,7 @@ from .engine.acceptance import (
 from .engine.params import ConfigError, Settings
 from .engine.runner import ForwardOutput, ModelRunner
 from .engine.sampling import SamplingConfig, logits_to_probs, sample
-from .engine.sizing import VERIFY_BUDGET, relative, tree_budget
+from .engine.sizing import VERIFY_BUDGET, batch_draft_tokens, relative, tree_budget
 from .engine.static_trees import NAMED_TREES, StaticTree
 from .engine.stopping import StopCondition
 from .engine.tree import Tree
@@ -132,6 +132,7 @@ class DecodeState:
     tokens: list[int] = field(default_factory=list)  # the output so far
     sequence: list[int] = field(default_factory=list)  # prompt and output; the last token is not in the target KV
     draft: Any = None  # the method's drafter for this sequence (`DraftVerifyDecoder.draft_state`): a draft LM, a head
+    batch: int = 1  # the sequences verified together this step (`methods/batched.py` sets it)
     values: dict[str, Any] = field(default_factory=dict)  # the method's own per-sequence values (SpS's heuristic γ)
 
     def emit(self, emitted: Sequence[int], margins: Sequence[float]) -> tuple[int, str] | None:
@@ -371,6 +372,17 @@ class DraftVerifyDecoder(Decoder):
 
     # whether the prefill counts as a decoding step in the records (`DecodeStats.prefill_step`)
     prefill_step: ClassVar[bool] = False
+    # the latency curve an `auto` draft length was read from (None: an explicit size, or no profile): at
+    # batch size B > 1 the batched loop cuts each greedy sequence's draft to `batch_budget(B)`
+    batch_curve: dict[int, float] | None = None
+
+    def batch_budget(self, batch: int) -> int | None:
+        """The most draft tokens per path a sequence drafts when `batch` sequences verify together: the
+        machine's verify budget at B rows per draft token (`sizing.batch_draft_tokens`); None: no cut
+        (batch size 1, or a size that is not `auto`)."""
+        if batch <= 1 or self.batch_curve is None:
+            return None
+        return batch_draft_tokens(self.batch_curve, batch)
 
     def draft_state(self, index: int) -> Any:
         """The drafter sequence `index` of a batch drafts with (`DecodeState.draft`): a method whose

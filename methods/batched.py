@@ -1,9 +1,10 @@
 """Decoding B prompts together: the shared loop of `base.DraftVerifyDecoder` at batch size B.
 
-    prefill(prompts)                         -> ONE forward over the prompts, padded to the longest;
-                                                every sequence's first token (TTFT ends here)
+    prefill(prompts)                         -> each prompt's own prefill into its cache row (no padding:
+                                                `ModelRunner.prefill_rows`); every first token (TTFT ends here)
     repeat until every sequence stopped:
-        trees  = [decoder.propose(state, ...) ...]  # each sequence's `DecodeState` (its own drafter in it)
+        trees  = [decoder.propose(state, ...) ...]  # each sequence's `DecodeState` (its own drafter in it), an
+                                                    # `auto` draft cut to the verify budget at B rows per token
         out    = target.forward_batch(rows)          # ONE forward over [B, R] rows, R the largest tree
         accept = decoder.accept_batch(...)           # each sequence's rule on the device, ONE read for the batch
         target.cache.commit_batch(paths)             # each sequence keeps its own accepted rows
@@ -49,12 +50,6 @@ def batchable_methods() -> list[str]:
     return [name for name in available_methods() if method_settings(name).batchable]
 
 
-def causal_rows(tokens: Sequence[int]) -> tuple:
-    """A prompt's rows for `ModelRunner.forward_batch`: positions in order, each seeing those before it."""
-    n = len(tokens)
-    return tokens, range(n), torch.ones(n, n, dtype=torch.bool).tril_()
-
-
 def row_output(out: ForwardOutput, row: int, n: int, logits: torch.Tensor | None = None) -> ForwardOutput:
     """Sequence `row`'s first `n` rows of a batched forward, as its own forward's output."""
     return ForwardOutput(out.logits[row, :n] if logits is None else logits, out.hidden[row, :n],
@@ -98,17 +93,16 @@ class BatchedDecoder:
         begin = clock.last
         outputs: list[DecodeOutput | None] = [None] * len(states)
 
-        first = target.forward_batch([causal_rows(s.prompt) for s in states], last_logits=True)  # logits [B, V]
-        target.cache.commit_batch(0, [range(len(s.prompt)) for s in states])
+        firsts = target.prefill_rows([s.prompt for s in states])
         roots = [Tree(torch.tensor([s.prompt[-1]]), [-1]) for s in states]  # the first token: a root's choice
-        chosen = decoder.accept_batch(states, roots, first.logits[:, None])
+        chosen = decoder.accept_batch(states, roots, torch.stack([first.logits for first in firsts]))  # [B, 1, V]
         ttft = clock.now() - begin
         clock.lap("prefill")
         done = {}
         for b, state in enumerate(states):
             state.stats.ttft = ttft
             done[b] = state.emit([chosen[b].next_token], chosen[b].margins)
-            decoder.start(state, row_output(first, b, len(state.prompt), logits=first.logits[b:b + 1]))
+            decoder.start(state, firsts[b])
         clock.lap("draft")
 
         def finish(b: int) -> None:
@@ -130,8 +124,17 @@ class BatchedDecoder:
                 target.cache.keep_sequences([rows.index(b) for b in running])
                 rows = running
                 clock.lap("commit")
-            trees = [decoder.propose(states[b], states[b].tokens[-1],
-                                     states[b].stop.max_new_tokens - len(states[b].tokens) - 1) for b in rows]
+            # an `auto` draft at this batch size: each greedy sequence's cut to the verify budget at B rows per token
+            # (sampled drafts keep their batch-1 size: a seeded answer draws the same at any batch size)
+            cut = decoder.batch_budget(len(rows))
+            trees = []
+            for b in rows:
+                state = states[b]
+                state.batch = len(rows)
+                budget = state.stop.max_new_tokens - len(state.tokens) - 1
+                if cut is not None and state.sampling.greedy:
+                    budget = min(budget, cut)
+                trees.append(decoder.propose(state, state.tokens[-1], budget))
             clock.lap("draft")
             start = target.length
             verified = target.forward_batch([tree.forward_rows() for tree in trees])

@@ -147,7 +147,10 @@ def build(target, settings: PLDSettings, context) -> PromptLookupDecoder:
     num_draft, sizing = settings.num_draft, None
     if num_draft == "auto":
         num_draft, sizing = draft_budget(context, target, "num_draft", UPSTREAM_DRAFT)
-    return PromptLookupDecoder(target, settings.max_ngram, num_draft, settings.branches, sizing, settings.num_draft)
+    decoder = PromptLookupDecoder(target, settings.max_ngram, num_draft, settings.branches, sizing, settings.num_draft)
+    if settings.num_draft == "auto" and context is not None:
+        decoder.batch_curve = context.latency_curve(target)
+    return decoder
 
 
 def draft_budget(context, target, what: str, upstream: int) -> tuple[int, dict]:

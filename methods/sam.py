@@ -483,7 +483,10 @@ def build(target, settings: SamSettings, context: BuildContext | None) -> SamDec
         head = load_eagle_head(head_spec(params, context, "eagle"), context.target_model)
         auxiliary = build_dynamic(Eagle2Decoder, target, head, settings, context,
                                   vocabulary=context.draft_vocabulary(params))
-    return SamDecoder(target, static, settings, predicts, auxiliary, sizing)
+    decoder = SamDecoder(target, static, settings, predicts, auxiliary, sizing)
+    if settings.n_predicts == "auto" and context is not None:
+        decoder.batch_curve = context.latency_curve(target)
+    return decoder
 
 
 # ------------------------------------------------------------------------------------------

@@ -137,4 +137,5 @@ def build(target, settings: SpSSettings, context: BuildContext) -> SpeculativeSa
         token = context.profile.forward_latency(decoder.draft.runner, (1,), "the draft LM's token")[1]
         decoder.size_automatically(curve, token / curve[min(curve)],
                                    held_out_acceptance(ModelSpec.from_mapping(spec).path if spec.get("path") else None))
+        decoder.batch_curve = curve
     return decoder

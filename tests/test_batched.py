@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from methods.ar import AutoregressiveDecoder
-from methods.batched import BatchedDecoder, batchable_methods, causal_rows
+from methods.batched import BatchedDecoder, batchable_methods
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
@@ -69,6 +69,32 @@ def test_greedy_batch_equals_each_prompt_alone(target, method, batch):
     assert len({out.stats.steps for out in outs}) > 1  # sequences left the batch at different steps
     if method != "ar":
         assert sum(out.stats.accepted_drafts for out in outs) > 0  # chains longer than one row were verified
+
+
+def test_an_auto_draft_is_cut_to_the_verify_budget_at_the_batch_size(target):
+    """A draft sized `auto` (its curve kept, `batch_curve`) verifies at most `batch_budget(B)` tokens per
+    sequence at B > 1, greedy, and decodes the same tokens; sampled, it drafts as alone (seeded: the
+    same tokens as alone)."""
+    curve = {1: 1.0, 4: 1.0, 8: 1.1, 16: 2.0, 64: 8.0}
+    prompts, stops = prompts_and_stops(4)
+    alone = [DECODERS["pld"](target).generate(p, s) for p, s in zip(prompts, stops)]
+    decoder = DECODERS["pld"](target)
+    decoder.batch_curve = curve
+    cut = decoder.batch_budget(4)
+    assert cut == 1 and decoder.batch_budget(2) == 3 and max(max(out.stats.accepted_lengths) for out in alone) > 2
+    drafted = []
+    propose = decoder.propose
+    decoder.propose = lambda state, root, budget: drafted.append((state.batch, budget)) or propose(state, root, budget)
+    outs = BatchedDecoder(decoder).generate(prompts, stops)
+    assert [out.tokens for out in outs] == [out.tokens for out in alone]
+    assert all(budget <= decoder.batch_budget(batch) for batch, budget in drafted if batch > 1)
+    assert {batch for batch, _ in drafted} >= {4, 2}  # the cut follows the batch as sequences leave
+    sampling = SamplingConfig(temperature=0.8)
+    alone = [DECODERS["pld"](target).generate(p, s, sampling, torch.Generator().manual_seed(b)).tokens
+             for b, (p, s) in enumerate(zip(prompts, stops))]
+    generators = [torch.Generator().manual_seed(b) for b in range(4)]
+    outs = BatchedDecoder(decoder).generate(prompts, stops, sampling, generators)
+    assert [out.tokens for out in outs] == alone
 
 
 def assert_batch_of_three_as_alone(make, statistic: str) -> None:
@@ -150,8 +176,9 @@ def test_qwen2_batch_on_the_fused_and_the_stock_forward(decoder):
 
 
 def test_batch_cache_rows_hold_each_sequence_alone(target):
-    """After a prefill and two verifications of chains of different lengths, each accepting its
-    own path, row b of every layer's cache holds sequence b's KV as the B = 1 cache holds it."""
+    """After a prefill (each prompt alone into its row, no padding) and two verifications of chains of
+    different lengths, each accepting its own path, row b of every layer's cache holds sequence b's KV
+    as the B = 1 cache holds it; the prefill's last logits are the B = 1 prefill's, bit for bit."""
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
     steps = [  # per step: each sequence's chain (root first) and the rows it keeps
         [([3, 4, 5], [0, 1]), ([10], [0]), ([15, 1, 2, 3, 4], [0, 1, 2, 3])],
@@ -159,8 +186,7 @@ def test_batch_cache_rows_hold_each_sequence_alone(target):
     ]
     batched = ModelRunner(target)
     batched.reserve_batch(len(prompts), 64)
-    batched.forward_batch([causal_rows(p) for p in prompts], last_logits=True)
-    batched.cache.commit_batch(0, [range(len(p)) for p in prompts])
+    firsts = batched.prefill_rows(prompts)
     for step in steps:
         start = batched.length
         batched.forward_batch([Tree.chain(torch.tensor(chain)).forward_rows() for chain, _ in step])
@@ -168,7 +194,7 @@ def test_batch_cache_rows_hold_each_sequence_alone(target):
     for b, prompt in enumerate(prompts):
         alone = ModelRunner(target)
         alone.reserve(64)
-        alone.prefill(prompt)
+        assert torch.equal(firsts[b].logits, alone.prefill(prompt).logits)
         for step in steps:
             chain, kept = step[b]
             start = alone.length

@@ -11,7 +11,7 @@ import torch
 
 from methods.base import BuildContext, get_method
 from methods.engine.runner import ModelRunner
-from methods.engine.sizing import chain_length, tree_budget, verify_cost
+from methods.engine.sizing import batch_draft_tokens, chain_length, tree_budget, verify_cost
 from methods.engine.static_trees import MEDUSA_MC_SIM_7B_63, StaticTree
 from methods.machine.curves import forward_latency
 from methods.machine.profile import MachineProfile
@@ -26,6 +26,15 @@ def test_tree_budget_follows_the_curve():
     assert tree_budget(CPU) == 9  # v(9) = 1.25 + 0.35 / 8 < 1.3 < v(10)
     assert tree_budget({1: 1.0, 2: 2.0, 4: 4.0}) == 2
     assert verify_cost(CPU, 12) == pytest.approx(1.425) and verify_cost(CPU, 128) == pytest.approx(9.2)
+
+
+def test_batch_draft_tokens_shrink_as_the_batch_grows():
+    """B sequences verify B x (n + 1) rows: the draft is the most n within the budget of AR's forward at B."""
+    assert batch_draft_tokens(CPU, 1) == tree_budget(CPU) - 1 == 8
+    assert batch_draft_tokens(CPU, 4) == 2  # v(12) = 1.425 <= 1.3 v(4) = 1.495 < v(16) = 1.6
+    assert batch_draft_tokens(CPU, 8) == 1  # v(16) = 1.6 <= 1.625 < v(24)
+    assert batch_draft_tokens(FLAT, 8) == 64  # a flat curve: the batch changes nothing
+    assert batch_draft_tokens({1: 1.0, 2: 2.0, 4: 4.0}, 4) == 1  # at least one draft token
 
 
 def test_chain_length_trades_acceptance_against_draft_and_verify_cost():
@@ -57,10 +66,14 @@ def test_auto_sizes_come_from_the_cached_profile_and_explicit_values_win(tmp_pat
     before = curves[0].stat().st_mtime_ns
     get_method(method)(ModelRunner(target), {"name": method, **params}, context)
     assert curves[0].stat().st_mtime_ns == before  # ... and reused
+    # the chains' `auto` sizes also cut each draft at batch size B > 1 (methods/batched.py)
+    assert (decoder.batch_curve is not None) == (method in ("sps", "pld", "sam"))
+    assert decoder.batch_budget(1) is None
+    assert (decoder.batch_budget(4) is not None) == (method in ("sps", "pld", "sam"))
     explicit = {"sps": {"gamma": 2}, "mcsd": {"k_config": [2, 1]}, "jacobi": {"block_size": 3}, "pld": {"num_draft": 3},
                 "sam": {"n_predicts": 5}}[method]
     decoder = get_method(method)(ModelRunner(target), {"name": method, **params, **explicit}, context)
-    assert "sizing" not in decoder.describe()
+    assert "sizing" not in decoder.describe() and decoder.batch_budget(4) is None
 
 
 @pytest.mark.parametrize("method, params, key, fixed", [

@@ -15,6 +15,7 @@ from methods.eagle.dynamic import Eagle2Decoder
 from methods.eagle.template import EagleDecoder
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
+from methods.engine.sizing import verify_cost
 from methods.engine.static_trees import StaticTree
 from methods.engine.stopping import StopCondition
 from methods.engine.tree import Tree
@@ -389,7 +390,8 @@ def test_eagle2_tree_built_on_the_device_is_the_tree_the_host_builds(tmp_path):
             tree = decoder.propose(state, 7, budget=50)
             tree.ancestors, tree.earlier_siblings, tree.has_children  # what verifying and accepting it build
         assert isinstance(tree, DeviceTree) and reads.total == 0, reads.counts
-        decoder.verify_seconds, decoder.adaptive_size = {1: 1.0}, lambda probabilities, greedy: len(probabilities)
+        decoder.verify_seconds = {1: 1.0}
+        decoder.adaptive_size = lambda probabilities, greedy, batch=1: len(probabilities)
         host = rerank(*candidates[0])
         assert not isinstance(host, DeviceTree)
         assert torch.equal(tree.tokens, host.tokens) and tree.parents == host.parents
@@ -501,6 +503,13 @@ def test_eagle2_adaptive_size_maximizes_expected_tokens_per_second(tmp_path):
     assert steep.adaptive_size(probabilities) == 6
     dear = adaptive(ModelRunner(target), head, {1: 1.0, 2: 3.0, 64: 200.0})
     assert dear.adaptive_size(probabilities) == 0  # the root alone: an AR step
+    # at batch size B each sequence pays t(B n) / B: a curve flat to 8 rows keeps every candidate alone,
+    # and at B = 4 (a forward of 4 x its rows) stops where 4 (n + 1) passes 8
+    bent = adaptive(ModelRunner(target), head, {1: 1.0, 8: 1.0, 16: 3.0, 64: 15.0})
+    assert bent.adaptive_size(probabilities) == 6
+    shares = [(1 + sum(probabilities[:n])) / (verify_cost(bent.verify_seconds, 4 * (n + 1)) / 4) for n in range(7)]
+    assert bent.adaptive_size(probabilities, batch=4) == max(range(7), key=shares.__getitem__) == 1
+    assert bent.adaptive_size(probabilities, greedy=False, batch=1) == 6
 
 
 def test_eagle2_adaptive_builds_with_a_measured_curve_and_rejects_unknown_sizes(tmp_path):

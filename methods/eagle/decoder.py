@@ -21,7 +21,7 @@ class EagleBase(DraftVerifyDecoder):
 
     # the draft loop a `StaticDraft` runs: its levels from the root's state, fed by `feed`; the head
     # entries a loop of depth `key` feeds; the depth a graph is captured at
-    def draft_levels(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, key: int,
+    def draft_levels(self, root_hidden: torch.Tensor, root_draft: torch.Tensor, key: int,
                      feed) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 

@@ -1,5 +1,10 @@
 """The EAGLE head as a drafter: its KV cache of (token, feature) pairs along the accepted sequence,
-the tree levels fed over it, and its logits over the (draft) vocabulary."""
+the tree levels fed over it, and its logits over the (draft) vocabulary.
+
+A draft level works in the draft vocabulary's space: its logits are the K draft tokens' (the
+reduced LM head's rows), its log-probabilities a log_softmax over those K (the -inf of every other
+target token adds nothing to it), its top-k mapped to target ids through `ids`. Only EAGLE-1's
+sampled children, whose q verification reads, scatter logits onto the full vocabulary (`logits`)."""
 
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ class EagleDrafter:
         self.head, self.lm_head, self.vocabulary = head, lm_head, vocabulary
         self.device = head.fc.weight.device
         self.dtype = head.fc.weight.dtype
+        # the target id of each draft token (None: the draft vocabulary is the target's, in order)
+        self.ids = None if vocabulary is None else vocabulary.ids.to(self.device)
         # the head's layer on the engine's fused forward where it runs (EAGLE's and EAGLE-3's)
         self.fused = head.fused()
         self.linears = [self.fused.layer.qkv, self.fused.layer.gate_up] if self.fused else []
@@ -51,15 +58,40 @@ class EagleDrafter:
         cos, sin = rope.lookup(positions.view(1, -1), x, bound)
         return layer.forward(x[None], cos, sin, mask, self.cache, None if attn_in is None else attn_in[None])[0]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., K] fp32 logits over the draft vocabulary (draft index i is target id `ids[i]`)."""
         with torch.inference_mode():
             if self.vocabulary is not None:
-                return self.vocabulary.project(hidden, self.lm_head.weight)
+                return self.vocabulary.head(self.lm_head.weight)(hidden).float()
             return self.lm_head(hidden).float()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V] fp32 logits over the target's vocabulary, -inf outside the draft vocabulary."""
+        return self.full(self.draft_logits(hidden))
+
+    def full(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., K] onto the target's vocabulary [..., V], -inf elsewhere."""
+        return draft_logits if self.vocabulary is None else self.vocabulary.scatter(draft_logits)
+
+    def top(self, draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely draft tokens of each row: (log-probabilities [..., k], target ids [..., k]),
+        on the device."""
+        top = torch.topk(torch.log_softmax(draft_logits, -1), k)
+        return top.values, self.target_ids(top.indices)
+
+    def target_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        """Draft indices -> target token ids."""
+        return indices if self.ids is None else self.ids[indices]
+
+    @property
+    def root_logits(self) -> torch.Tensor:
+        """The head's logits for the root's children over the target's vocabulary (`full` of `root_draft`)."""
+        return self.full(self.root_draft)
 
     def follow(self, tokens: Sequence[int], features: torch.Tensor) -> None:
         """Drop the tree entries; append pairs (tokens[i], features[i]) of the accepted sequence.
-        Sets `root_hidden` / `root_logits`: the head's prediction for the new root's children."""
+        Sets `root_hidden` / `root_draft` (draft-vocabulary logits): the head's prediction for the new
+        root's children."""
         self.cache.rollback(self.committed)
         n = len(tokens)
         positions = torch.arange(self.committed, self.committed + n, device=self.device)
@@ -68,7 +100,7 @@ class EagleDrafter:
         hidden = self._feed(tokens, features, positions, mask, self.committed + n)
         self.committed += n
         self.root_hidden = hidden[-1]
-        self.root_logits = self.logits(hidden[-1])
+        self.root_draft = self.draft_logits(hidden[-1])
 
     def feed_level(self, tokens: Sequence[int] | torch.Tensor, parent_hidden: torch.Tensor, depth: int,
                    visible: list[list[int]] | torch.Tensor) -> torch.Tensor:

@@ -54,8 +54,8 @@ class Eagle2Decoder(EagleBase):
         super().advance(state, tree, acceptance, verified)
         self._follow_seconds = time.perf_counter() - started
 
-    def draft_levels(self, root_hidden, root_logits, key, feed):
-        return self._expand(root_hidden, root_logits, key, feed, self.drafter.logits)
+    def draft_levels(self, root_hidden, root_draft, key, feed):
+        return self._expand(root_hidden, root_draft, key, feed, self.drafter)
 
     def drafted_entries(self, key: int) -> int:
         return (key - 1) * self.branching()
@@ -65,7 +65,7 @@ class Eagle2Decoder(EagleBase):
 
     def branching(self) -> int:
         """Children per expanded node: top_k, or the whole draft vocabulary when it is smaller."""
-        return min(self.top_k, self.drafter.root_logits.shape[-1])
+        return min(self.top_k, self.drafter.root_draft.shape[-1])
 
     def _propose(self, state, root: int, budget: int) -> Tree:
         levels = min(self.depth + 1, budget)  # draft tokens along a path
@@ -76,47 +76,51 @@ class Eagle2Decoder(EagleBase):
             tokens, parents, values = static.run(levels)
         else:
             drafter = state.draft
-            tokens, parents, values = self._expand(drafter.root_hidden, drafter.root_logits, levels,
-                                                   drafter.feed_level, drafter.logits)
-        return self._rerank(root, tokens, parents, values, levels, state.sampling.greedy)
+            tokens, parents, values = self._expand(drafter.root_hidden, drafter.root_draft, levels,
+                                                   drafter.feed_level, drafter)
+        greedy = state.sampling.greedy
+        return self._rerank(root, tokens, parents, values, levels, greedy, state.batch if greedy else 1)
 
-    def _expand(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, levels: int,
-                feed, head_logits) -> tuple[torch.Tensor, ...]:
+    def _expand(self, root_hidden: torch.Tensor, root_draft: torch.Tensor, levels: int, feed,
+                drafter) -> tuple[torch.Tensor, ...]:
         """EAGLE-2's expansion: the top-k children of the root, then per level the top-k children of
         the k best frontier nodes, of which the k best by path value form the next frontier. Returns
         every candidate's token, parent (-1: the root) and path value (cumulative log-probability),
         in creation order (ancestors before descendants). All on the device, nothing read back:
         `feed(tokens, parent_hidden, depth, seen)` feeds a level into the head (`feed_level`, or
-        `feed_static` at device positions) with the frontier's level mask `seen`."""
+        `feed_static` at device positions) with the frontier's level mask `seen`; `root_draft` and
+        each level's logits are over the draft vocabulary, ranked there (`EagleDrafter.top`)."""
         k = self.branching()
-        device = root_logits.device
-        top = torch.topk(torch.log_softmax(root_logits, -1), k)
-        tokens, parents, values = [top.indices], [torch.full((k,), -1, device=device)], [top.values]
-        frontier_ids = torch.arange(k, device=device)  # candidate ids of the nodes fed next
-        frontier_values, frontier_hidden = top.values, root_hidden.expand(k, -1)
+        device = root_draft.device
+        top_values, top_tokens = drafter.top(root_draft, k)
+        tokens, parents, values = [top_tokens], [torch.full((k,), -1, device=device)], [top_values]
+        ranks = torch.arange(k, device=device)
+        frontier_ids, frontier_tokens = ranks, top_tokens  # candidate ids and tokens of the nodes fed next
+        frontier_values, frontier_hidden = top_values, root_hidden.expand(k, -1)
         # frontier node -> the drafted slots it sees (its ancestors'): level l's frontier sits in slots
         # (l - 1) k .. l k - 1, so a child of frontier node j sees its parent's row and slot j of that level
         seen = torch.zeros(k, 0, dtype=torch.bool, device=device)
         count = k
         for level in range(1, levels):
-            hidden = feed(torch.cat(tokens)[frontier_ids], frontier_hidden, level, seen)
-            child = torch.topk(torch.log_softmax(head_logits(hidden), -1), k)  # [k, k]
-            cumulative = (frontier_values[:, None] + child.values).flatten()
-            tokens.append(child.indices.flatten())
+            hidden = feed(frontier_tokens, frontier_hidden, level, seen)
+            child_values, child_tokens = drafter.top(drafter.draft_logits(hidden), k)  # [k, k]
+            cumulative = (frontier_values[:, None] + child_values).flatten()
+            child_tokens = child_tokens.flatten()
+            tokens.append(child_tokens)
             parents.append(frontier_ids.repeat_interleave(k))
             values.append(cumulative)
-            best = torch.topk(cumulative, k).indices
+            frontier_values, best = torch.topk(cumulative, k)
             parent = best // k  # each new frontier node's parent, a row of this level
             # (one_hot reads its bounds)
-            seen = torch.cat([seen[parent], parent[:, None] == torch.arange(k, device=device)], 1)
+            seen = torch.cat([seen[parent], parent[:, None] == ranks], 1)
             frontier_ids = best + count
+            frontier_tokens = child_tokens[best]
             count += k * k
-            frontier_values = cumulative[best]
             frontier_hidden = hidden[parent]
         return torch.cat(tokens), torch.cat(parents), torch.cat(values)
 
     def _rerank(self, root: int, tokens: torch.Tensor, parents: torch.Tensor, values: torch.Tensor,
-                levels: int, greedy: bool) -> Tree:
+                levels: int, greedy: bool, batch: int = 1) -> Tree:
         """Keep the best `total_tokens - 1` candidates; ties go to the earlier candidate (a stable
         sort), so a kept node's ancestors (never worth less) are kept too; the kept candidates in
         creation order (ancestors before descendants) are the tree's nodes.
@@ -129,7 +133,7 @@ class Eagle2Decoder(EagleBase):
             return self._device_tree(root, tokens, parents, order.sort().values, levels)
         ids, ups, probabilities = torch.stack([order.double(), parents[order].double(),
                                                values[order].exp().double()]).tolist()
-        ids = ids[:self.adaptive_size(probabilities, greedy)]
+        ids = ids[:self.adaptive_size(probabilities, greedy, batch)]
         kept = sorted(int(c) for c in ids)
         # candidate -> its node (the root's children: parent 0)
         node_of = {c: node for node, c in enumerate(kept, start=1)}
@@ -151,26 +155,30 @@ class Eagle2Decoder(EagleBase):
         return DeviceTree(torch.cat([tokens.new_tensor([root]), tokens.index_select(0, kept)]),
                           torch.cat([zero, node_parents]), torch.cat([zero, depths]), height=levels)
 
-    def adaptive_size(self, probabilities: list[float], greedy: bool = True) -> int:
+    def adaptive_size(self, probabilities: list[float], greedy: bool = True, batch: int = 1) -> int:
         """How many of the best candidates (path probabilities, best first) to verify: the n with
         the most expected tokens, 1 + sum of the first n, per second of drafting + verifying.
         Sampled (temperature > 0), drafting is not charged: its time is the wall clock's (a running
         mean), and the size decides how many uniforms a step draws and which child each tests, so a
         seeded answer would depend on timing (on the run, and on the batch size: `batched.py`
         promises B = 1's tokens). The verify curve is measured once and kept: the size depends on
-        the head's path probabilities and the curve only. Greedy output does not depend on the size."""
+        the head's path probabilities and the curve only. Greedy output does not depend on the size.
+        `batch`: the sequences verified together (greedy at B > 1, `methods/batched.py`): each pays its
+        share of a forward over B times its rows, t(B n) / B, as if every sequence drafted as many."""
         draft = self.draft_seconds if greedy else 0.0
-        expected, best, best_rate = 1.0, 0, 1.0 / (draft + self.verify_time(1))
+        expected, best, best_rate = 1.0, 0, 1.0 / (draft + self.verify_time(1, batch))
         for n, p in enumerate(probabilities, start=1):
             expected += p
-            rate = expected / (draft + self.verify_time(n + 1))
+            rate = expected / (draft + self.verify_time(n + 1, batch))
             if rate > best_rate:
                 best, best_rate = n, rate
         return best
 
-    def verify_time(self, tokens: int) -> float:
-        """Seconds of a target forward of `tokens` tokens, interpolated from the measured sizes."""
-        return verify_cost(self.verify_seconds, tokens) * self.verify_seconds[min(self.verify_seconds)]
+    def verify_time(self, tokens: int, batch: int = 1) -> float:
+        """Seconds of a target forward of `tokens` tokens, interpolated from the measured sizes; with
+        `batch`, one sequence's share of a forward of `batch` x `tokens` rows."""
+        one = self.verify_seconds[min(self.verify_seconds)]
+        return verify_cost(self.verify_seconds, batch * tokens) * one / batch
 
 
 def auto_total_tokens(profile, target, sizes=(40, 48, 50, 56, 60), weights=(1, 1.05, 1.07, 1.1, 1.13),

@@ -29,9 +29,9 @@ class Eagle3Drafter(EagleDrafter):
     def __init__(self, head: Eagle3Head):
         super().__init__(head, None, head.vocabulary)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
-            return self.head.target_logits(hidden)
+            return self.head.draft_logits(hidden)
 
     def follow(self, tokens, features: torch.Tensor) -> None:
         """`features` [n, 3·H_t]: the target's three layers' inputs along the accepted tokens."""

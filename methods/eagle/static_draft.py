@@ -33,13 +33,13 @@ class StaticDraft:
         if (
             self.hidden is None
             or self.hidden.shape != drafter.root_hidden.shape
-            or self.logits.shape != drafter.root_logits.shape
+            or self.logits.shape != drafter.root_draft.shape
         ):
-            self.hidden, self.logits = torch.empty_like(drafter.root_hidden), torch.empty_like(drafter.root_logits)
+            self.hidden, self.logits = torch.empty_like(drafter.root_hidden), torch.empty_like(drafter.root_draft)
             self.start = torch.zeros(1, dtype=torch.long, device=drafter.device)
             self.graph = None
         self.hidden.copy_(drafter.root_hidden)
-        self.logits.copy_(drafter.root_logits)
+        self.logits.copy_(drafter.root_draft)
         self.start.fill_(drafter.committed)
         if not self.graphed or key != self.decoder.full_depth():
             return self.compute(key)

@@ -62,8 +62,8 @@ class EagleDecoder(EagleBase):
             draft_probs = None
         else:
             with torch.inference_mode():
-                tokens, draft_probs = self._fill(drafter.root_hidden, drafter.root_logits, depth_limit,
-                                                 drafter.feed_level, drafter.logits, state if sampled else None)
+                tokens, draft_probs = self._fill(drafter.root_hidden, drafter.root_draft, depth_limit,
+                                                 drafter.feed_level, drafter, state if sampled else None)
         _, parents, _ = self.plan(depth_limit)
         tokens = torch.cat([tokens.new_tensor([root]), tokens[1:]])
         return Tree(tokens, parents, draft_probs, without_replacement=sampled)
@@ -104,7 +104,7 @@ class EagleDecoder(EagleBase):
         plans[depth_limit] = count, parents, levels
         return plans[depth_limit]
 
-    def _fill(self, root_hidden: torch.Tensor, root_logits: torch.Tensor, depth_limit: int, feed, head_logits,
+    def _fill(self, root_hidden: torch.Tensor, root_draft: torch.Tensor, depth_limit: int, feed, drafter,
               sampled_for=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The template filled level by level on the head's device (`plan`'s index tensors: nothing
         read, nothing sent), the tokens never coming back to the host (the verification's read
@@ -114,34 +114,36 @@ class EagleDecoder(EagleBase):
         hold tokens of probability 0 and are never accepted), q kept for verification. Rows are in
         node order: node n's token, hidden state and logits are row n (row 0's token: the root's,
         set by the caller). `sampled_for`: the sequence's `DecodeState` when its children are sampled (its
-        sampling and generator), else None. `head_logits`: the drafter's logits over fed rows. Returns the
-        tokens and, sampled, each node's q."""
+        sampling and generator), else None. Logits are kept over the draft vocabulary (`root_draft`,
+        `drafter.draft_logits`): greedy ranks there, sampling draws from q over the target's vocabulary
+        (`drafter.full`). Returns the tokens and, sampled, each node's q."""
         sampled = sampled_for is not None
         count, _, levels = self.plan(depth_limit)
-        tokens = torch.zeros(count, dtype=torch.long, device=root_logits.device)
+        tokens = torch.zeros(count, dtype=torch.long, device=root_draft.device)
         hidden = torch.cat([root_hidden[None], root_hidden.new_empty(count - 1, root_hidden.shape[-1])])
-        logits = torch.cat([root_logits[None], root_logits.new_empty(count - 1, root_logits.shape[-1])])
-        draft_probs = torch.zeros(count, logits.shape[-1], device=logits.device) if sampled else None
+        logits = torch.cat([root_draft[None], root_draft.new_empty(count - 1, root_draft.shape[-1])])
+        vocab = root_draft.shape[-1] if drafter.vocabulary is None else drafter.vocabulary.full_size
+        draft_probs = torch.zeros(count, vocab, device=root_draft.device) if sampled else None
         for level in levels:
             parent_logits = logits.index_select(0, level.rows)
             if sampled:  # a child's place among its parent's children is its draw
-                q = logits_to_probs(parent_logits, sampled_for.sampling)
+                q = logits_to_probs(drafter.full(parent_logits), sampled_for.sampling)
                 draft_probs.index_copy_(0, level.rows, q)
                 drawn = draw_children(q, level.width, True, sampled_for.generator)
                 tokens.index_copy_(0, level.nodes, drawn[level.row_of, level.draw])
             else:
-                ranked = torch.topk(parent_logits, level.top_k).indices  # [parents, k]
+                ranked = drafter.target_ids(torch.topk(parent_logits, level.top_k).indices)  # [parents, k]
                 tokens.index_copy_(0, level.nodes, ranked[level.row_of, level.rank])
             if level.expand is None:
                 break
             out = feed(tokens.index_select(0, level.expand), hidden.index_select(0, level.expand_parents), level.depth,
                        level.visible)
             hidden.index_copy_(0, level.expand, out)
-            logits.index_copy_(0, level.expand, head_logits(out))
+            logits.index_copy_(0, level.expand, drafter.draft_logits(out))
         return tokens, draft_probs
 
-    def draft_levels(self, root_hidden, root_logits, key, feed):
-        return self._fill(root_hidden, root_logits, key, feed, self.drafter.logits)
+    def draft_levels(self, root_hidden, root_draft, key, feed):
+        return self._fill(root_hidden, root_draft, key, feed, self.drafter)
 
     def drafted_entries(self, key: int) -> int:
         return sum(len(level.expand) for level in self.plan(key)[2] if level.expand is not None)

@@ -245,6 +245,24 @@ class BatchKVCache(TreeKVCache):
             if layer.is_initialized:
                 layer.length = max(self.lengths)
 
+    @torch.inference_mode()
+    def load_row(self, row: int, cache: TreeKVCache) -> None:
+        """Sequence `row` takes the positions a batch-1 cache holds (its prompt, prefilled alone):
+        copied into slots 0 .. n - 1 of its row, the buffers made at this cache's capacity first."""
+        n = cache.get_seq_length()
+        for index, source in enumerate(cache.layers):
+            if not source.is_initialized:
+                continue
+            keys = source.key_buffer
+            self.reserve(index, n, len(self.lengths), keys.shape[1], keys.shape[-1], keys.dtype, keys.device)
+            layer = self.layers[index]
+            layer._keys[row, :, :n] = keys[0, :, :n]
+            layer._values[row, :, :n] = source.value_buffer[0, :, :n]
+        self.lengths[row] = n
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.length = max(self.lengths)
+
     def keep_sequences(self, kept: Sequence[int]) -> None:
         """Only sequences `kept` (in this order) stay: the batch shrinks (new buffers, one copy)."""
         kept = list(kept)

@@ -177,6 +177,26 @@ class ModelRunner:
             self.fused.rope.reserve(needed, self.dtype, self.device)  # (a table already that long is kept)
         return needed
 
+    def prefill_rows(self, prompts: Sequence[Sequence[int]]) -> list[ForwardOutput]:
+        """Prefill a batch (`reserve_batch` first) one prompt at a time: each prompt runs the batch-1
+        prefill (the same forward, the same bits as alone, no padding to the longest prompt) into a
+        scratch cache whose KV is then copied into its row of the batch cache
+        (`BatchKVCache.load_row`). Each output has its prompt's last logits and every position's hidden
+        state (and captured layers)."""
+        batch = self.cache
+        if not isinstance(batch, BatchKVCache) or len(prompts) != len(batch.lengths) or batch.get_seq_length():
+            raise RuntimeError("prefill_rows needs an empty BatchKVCache with one row per prompt; call reserve_batch()")
+        scratch, outputs = TreeKVCache(max(len(p) for p in prompts)), []
+        try:
+            for row, prompt in enumerate(prompts):
+                scratch.clear()
+                self.cache = scratch
+                outputs.append(self.forward(prompt, logits_for=slice(-1, None)))
+                batch.load_row(row, scratch)
+        finally:
+            self.cache = batch
+        return outputs
+
     def reserve_batch(self, batch: int, positions: int) -> None:
         """Before decoding `batch` sequences together (`methods/batched.py`), each committing at most
         `positions` positions: a `BatchKVCache` allocated once at positions + ROOM, the RoPE table
@@ -250,17 +270,18 @@ class ModelRunner:
         return ForwardOutput(logits=logits, hidden=hidden, layers=layers)
 
     @torch.inference_mode()
-    def forward_batch(self, rows: Sequence[tuple], last_logits: bool = False) -> ForwardOutput:
+    def forward_batch(self, rows: Sequence[tuple]) -> ForwardOutput:
         """One forward over B sequences' new rows, sequence b's continuing row b of the
-        `BatchKVCache` (`reserve_batch`). `rows[b]` = (tokens, depths, visibility among them) as a
-        tree's `forward_rows()` gives them (on the host or, for a `DeviceTree`, the device); a prompt
-        or a chain is the causal case. Sequence b's rows sit at positions lengths[b] + depth and see
-        its own prefix and the rows their visibility names; the batch's rows are padded to the
-        longest, padding rows see only themselves and every sequence's padding slots in the cache are
-        masked out, so each row sees exactly what it sees alone. Logits [B, R, V], hidden [B, R, H]
-        (and the captured layers' inputs [B, R, .]); `last_logits`: logits of each sequence's last
-        row only, [B, V] (a prefill). Nothing is committed (`BatchKVCache.commit_batch`). It runs the
-        fused forward (the native layer where it applies) or the stock decoder; never a static step."""
+        `BatchKVCache` (`reserve_batch`; the prompts are prefilled one at a time, `prefill_rows`).
+        `rows[b]` = (tokens, depths, visibility among them) as a tree's `forward_rows()` gives them (on
+        the host or, for a `DeviceTree`, the device); a chain is the causal case. Sequence b's rows sit
+        at positions lengths[b] + depth and see its own prefix and the rows their visibility names;
+        the batch's rows are padded to the longest, padding rows see only themselves and every
+        sequence's padding slots in the cache are masked out, so each row sees exactly what it sees
+        alone (the native layer's attention walks only the keys a row sees: a short sequence does
+        not read a long one's length). Logits [B, R, V], hidden [B, R, H] (and the captured layers'
+        inputs [B, R, .]). Nothing is committed (`BatchKVCache.commit_batch`). It runs the fused
+        forward (the native layer where it applies) or the stock decoder; never a static step."""
         cache, device = self.cache, self.device
         if not isinstance(cache, BatchKVCache) or len(rows) != len(cache.lengths):
             raise RuntimeError("forward_batch needs a BatchKVCache with one sequence per row set; call reserve_batch()")
@@ -292,11 +313,7 @@ class ModelRunner:
             else:
                 hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=mask,
                                       past_key_values=cache, use_cache=True).last_hidden_state
-            if last_logits:
-                last = hidden[torch.arange(batch, device=device), torch.tensor(sizes, device=device) - 1]  # [B, H]
-                logits = self._logits(last, slice(None))
-            else:
-                logits = self._logits(hidden.flatten(0, 1), slice(None)).view(batch, width, -1)
+            logits = self._logits(hidden.flatten(0, 1), slice(None)).view(batch, width, -1)
             layers = torch.cat([captured[i] for i in self.feature_layers], -1) if self.feature_layers else None
         self.forward_passes += 1
         return ForwardOutput(logits=logits, hidden=hidden, layers=layers)

@@ -62,6 +62,19 @@ def tree_budget(curve: dict[int, float], budget: float = VERIFY_BUDGET, largest:
     return best
 
 
+def batch_draft_tokens(curve: dict[int, float], batch: int, budget: float = VERIFY_BUDGET, largest: int = 64) -> int:
+    """Draft tokens per sequence (besides its root) when `batch` sequences verify together, each with a
+    draft of n: the largest n (at least 1) whose forward over batch x (n + 1) rows costs at most `budget`
+    times AR's at the same batch size, v(B (n + 1)) <= budget v(B). At B = 1 it is `tree_budget` less the
+    root. A batch's forward holds B times the rows, so on a CPU, where v bends past ~8 rows, the draft
+    shrinks as B grows (docs/batching.md)."""
+    best, ar = 1, verify_cost(curve, batch)
+    for n in range(1, largest + 1):
+        if verify_cost(curve, batch * (n + 1)) <= budget * ar:
+            best = n
+    return best
+
+
 def held_out_acceptance(draft_folder: str | None, default: float = DEFAULT_ALPHA) -> float:
     """A draft's first-position acceptance estimate: its model card's held-out teacher-forced
     agreement (`training.json`, the suite's recipes write it), else `default`."""

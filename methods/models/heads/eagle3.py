@@ -124,12 +124,7 @@ class Eagle3Head(nn.Module):
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., draft_vocab_size] fp32 logits over the draft vocabulary (draft ids)."""
-        return self.lm_head(self.norm(hidden)).float()
-
-    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., vocab_size] fp32 logits at target ids, -inf outside the draft vocabulary."""
-        logits = self.draft_logits(hidden)
-        return logits if self.vocabulary is None else self.vocabulary.scatter(logits)
+        return self.lm_head(rms_norm(hidden, self.norm, native_active(hidden))).float()
 
 
 def eagle3_head_config(config: dict):
