@@ -55,7 +55,8 @@ SHAREGPT_COMMAND = ("python -m methods.rest --tokenizer <the model's Hub id or f
                     "ShareGPT_V4.3_unfiltered_cleaned_split.json --out <file>.idx")
 
 
-def _datastore_value(value) -> bool:
+def file_value(value) -> bool:
+    """A file setting's value (REST's datastore, SAM's static automaton): a non-empty string."""
     return isinstance(value, str) and bool(value)
 
 
@@ -70,7 +71,7 @@ class RestSettings(Settings):
     paper = "He et al. 2024 (FasterDecoding/REST)"
     size_setting, size_recorded, size_label = "num_draft", "draft_nodes", "draft tree nodes"
 
-    datastore: str = setting("auto", Check(_datastore_value, "auto or a draftretriever datastore file"),
+    datastore: str = setting("auto", Check(file_value, "auto or a draftretriever datastore file"),
                              "auto = the model config's datastores.rest, or the embedded model's own (built once, "
                              "cached); or a file")
     num_draft: int | str = setting("auto", one_of("auto") | integer(1),
@@ -162,40 +163,52 @@ def corpus_entries(model_name: str, tokenizer, joined: bool = False) -> tuple[st
     return f"prompts {digest[:12]}", [tokenizer.encode(p["text"]) for p in prompts]
 
 
-def embedded_datastore(model_name: str, model_config: dict, log=print) -> Path:
-    """The model's own datastore, built from its draft-training corpus on first use and cached."""
-    from .models.loading import load_tokenizer  # lazy: the tokenizer, only when the datastore is first built
-    from .models.specs import ModelSpec  # lazy: the tokenizer, only when the datastore is first built
+def corpus_file(kind: str, suffix: str, model_name: str, model_config: dict, build, log=print,
+                version: tuple = ()) -> Path:
+    """The model's own `kind` file (REST's datastore, SAM's static automaton) from its draft-training corpus
+    (the manifest `drafts/<model>/corpus.json`): its answers where they are on this machine, else its
+    prompts. Built once by `build(tokenizer, path, log)` and cached under the suite's cache folder, named
+    by the manifest, the source and `version`."""
+    from .models.loading import load_tokenizer  # lazy: the tokenizer, only when the file is first built
+    from .models.specs import ModelSpec  # lazy: the tokenizer, only when the file is first built
 
     manifest = _manifest(model_name)
-    answers = PROJECT_ROOT / manifest["file"] if manifest else None
+    answers = _resolve(manifest["file"]) if manifest else None
     source = "answers" if answers is not None and answers.is_file() else "prompts"
-    key = hashlib.sha256(json.dumps([manifest, source], sort_keys=True).encode()).hexdigest()[:12]
-    path = cache_root() / "rest" / f"{model_name}-{source}-{key}.idx"
+    key = hashlib.sha256(json.dumps([manifest, source, *version], sort_keys=True).encode()).hexdigest()[:12]
+    path = cache_root() / kind / f"{model_name}-{source}-{key}{suffix}"
     if path.is_file():
         return path
-    tokenizer = load_tokenizer(ModelSpec.from_mapping(model_config))
-    log(f"REST: building the {model_name} datastore from its draft-training corpus ({source}), once; "
+    log(f"{kind}: building the {model_name} {kind} file from its draft-training corpus ({source}), once; "
         f"cached at {path}")
-    what, entries = corpus_entries(model_name, tokenizer)
-    counts = write_datastore(path, entries)
-    log(f"REST: datastore from {what}: {counts['entries']:,} sequences, {counts['tokens']:,} tokens, "
-        f"{counts['bytes'] / 2**20:.1f} MiB")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    build(load_tokenizer(ModelSpec.from_mapping(model_config)), path, log)
     return path
+
+
+def configured_file(kind: str, setting: str, model_name: str, model_config: dict, embedded) -> Path:
+    """A file setting's path: an explicit file; `auto`: the model config's `datastores.<kind>`, else
+    `embedded(model_name, model_config)` (the model's own, `corpus_file`)."""
+    if setting != "auto":
+        return _resolve(setting)
+    configured = (model_config.get("datastores") or {}).get(kind)
+    return _resolve(configured) if configured else embedded(model_name, model_config)
+
+
+def embedded_datastore(model_name: str, model_config: dict, log=print) -> Path:
+    """The model's own datastore, built from its draft-training corpus on first use and cached."""
+    def build(tokenizer, path, log):
+        what, entries = corpus_entries(model_name, tokenizer)
+        counts = write_datastore(path, entries)
+        log(f"REST: datastore from {what}: {counts['entries']:,} sequences, {counts['tokens']:,} tokens, "
+            f"{counts['bytes'] / 2**20:.1f} MiB")
+
+    return corpus_file("rest", ".idx", model_name, model_config, build, log)
 
 
 def datastore_path(settings: RestSettings, model_name: str, model_config: dict) -> Path:
     settings.check_model({**model_config, "name": model_name})
-    if settings.datastore != "auto":
-        return _resolve(settings.datastore)
-    configured = (model_config.get("datastores") or {}).get("rest")
-    if configured:
-        return _resolve(configured)
-    return embedded_datastore(model_name, model_config)
-
-
-# ------------------------------------------------------------------------------------------
-# The decoder
+    return configured_file("rest", settings.datastore, model_name, model_config, embedded_datastore)
 
 
 def retrieve(reader, sequence, settings: RestSettings, num_draft: int | None = None) -> list[list[int]]:

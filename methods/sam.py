@@ -22,7 +22,8 @@ match length is lowered by `len_bias` (5), so a corpus match must be that much l
 `n_predicts: auto` is this machine's verify budget (the machine profile's latency curve, as the trees'
 `auto`); upstream's 40 (with an auxiliary) or 60 (without) when there is no profile.
 
-The static corpus (`method.static`): `auto` is the one REST uses, the suite's draft-training corpus,
+The static corpus (`method.static`): `auto` is the model config's `datastores.sam` file where it names
+one (as REST's `datastores.rest`), else the corpus REST uses, the suite's draft-training corpus,
 each record's prompt and answer one text as upstream's `tools/gen_sam_alpaca.py` joins them, every
 text ended by EOS, then every token of the vocabulary on its own (upstream appends them so that every
 token has a state); built once (a minute on a CPU, logged) and cached as arrays. `none` is upstream's
@@ -33,9 +34,7 @@ one built by `python -m methods.sam --tokenizer <model> --sharegpt <json> --out 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import heapq
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,20 +45,15 @@ import torch
 
 from .base import BuildContext, DraftVerifyDecoder, register
 from .engine.params import Check, ConfigError, Settings, integer, number, one_of, setting
-from .engine.storage import cache_root
 from .engine.tree import Tree
 from .engine.vocab import draft_vocab_setting
 from .models.heads.source import head_setting
 from .pld import trie
-from .rest import _manifest, _resolve, corpus_entries, sharegpt_entries
+from .rest import _manifest, _resolve, configured_file, corpus_entries, corpus_file, file_value, sharegpt_entries
 
 UPSTREAM_PREDICTS = {"none": 60, "eagle2": 40}  # samd_sam_only's max_predicts; samd's n_predicts
 AUXILIARIES = ("none", "eagle2")
 AUXILIARY_KEYS = ("total_tokens", "depth", "top_k", "draft_vocab", "head")  # SAM's settings that are EAGLE-2's
-
-
-def _static_value(value) -> bool:
-    return isinstance(value, str) and bool(value)
 
 
 @dataclass(frozen=True)
@@ -76,7 +70,7 @@ class SamSettings(Settings):
     auxiliary: str = setting("none", one_of(*AUXILIARIES),
                              "none = upstream's samd_sam_only; eagle2 = samd with tree_method=eagle2 (the EAGLE head "
                              "drafts when the match is short)")
-    static: str = setting("auto", Check(_static_value, "auto, none or a file written by python -m methods.sam"),
+    static: str = setting("auto", Check(file_value, "auto, none or a file written by python -m methods.sam"),
                           "auto = the suite's draft-training corpus (REST's), built once and cached; none = no static "
                           "automaton (upstream's NullStaticSAM); or a file")
     n_predicts: int | str = setting("auto", one_of("auto") | integer(1),
@@ -102,10 +96,12 @@ class SamSettings(Settings):
             if not _resolve(self.static).is_file():
                 raise ConfigError("method.static", self.static, "auto, none or an existing file (build one: "
                                   "python -m methods.sam --help)")
-        elif self.static == "auto" and _manifest(model.get("name")) is None:
+        elif self.static == "auto" and not (model.get("datastores") or {}).get("sam") \
+                and _manifest(model.get("name")) is None:
             raise ConfigError("model", model.get("name"), f"a model with a static corpus for SAM: model "
-                              f"{model.get('name')} has none; pass method.static=none or build one with "
-                              "python -m methods.sam --tokenizer <model> --sharegpt <json> --out <file>.npz")
+                              f"{model.get('name')} has none; pass method.static=none, or build one with "
+                              "python -m methods.sam --tokenizer <model> --sharegpt <json> --out <file>.npz and "
+                              "pass method.static=<file> or set the model config's datastores.sam")
 
 
 # ------------------------------------------------------------------------------------------
@@ -364,8 +360,8 @@ class SamDecoder(DraftVerifyDecoder):
 
     def propose(self, state, root: int, budget: int) -> Tree:
         sam: SamState = state.values["sam"]
-        text = state.sequence[:-1]  # the automata hold everything but the root (upstream's `update`)
-        new = text[len(sam.dynamic):]
+        # the automata hold everything but the root (upstream's `update`): what joined the text since
+        new = state.sequence[len(sam.dynamic):-1]
         sam.dynamic.add(new)
         index, match = sam.dynamic.lookup(root)
         static_index, static_match = 0, 0
@@ -434,24 +430,12 @@ def build_static(entries, eos: int, vocab_size: int, log=print) -> FrozenAutomat
 
 def embedded_static(model_name: str, model_config: dict, log=print) -> Path:
     """The embedded model's static automaton over its draft-training corpus, built on first use and cached."""
-    from .models.loading import load_tokenizer  # lazy: the tokenizer, only when the automaton is first built
-    from .models.specs import ModelSpec  # lazy: the tokenizer, only when the automaton is first built
+    def build(tokenizer, path, log):
+        what, entries = corpus_entries(model_name, tokenizer, joined=True)
+        build_static(entries, tokenizer.eos_token_id, len(tokenizer), log).save(path)
+        log(f"SAM: static automaton from {what}: {path.stat().st_size / 2**20:.1f} MiB")
 
-    manifest = _manifest(model_name)
-    answers = Path(_resolve(manifest["file"])) if manifest else None
-    source = "answers" if answers is not None and answers.is_file() else "prompts"
-    key = hashlib.sha256(json.dumps([manifest, source, "sam-1"], sort_keys=True).encode()).hexdigest()[:12]
-    path = cache_root() / "sam" / f"{model_name}-{source}-{key}.npz"
-    if path.is_file():
-        return path
-    tokenizer = load_tokenizer(ModelSpec.from_mapping(model_config))
-    log(f"SAM: building the {model_name} static automaton from its draft-training corpus ({source}), once; "
-        f"cached at {path}")
-    what, entries = corpus_entries(model_name, tokenizer, joined=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    build_static(entries, tokenizer.eos_token_id, len(tokenizer), log).save(path)
-    log(f"SAM: static automaton from {what}: {path.stat().st_size / 2**20:.1f} MiB")
-    return path
+    return corpus_file("sam", ".npz", model_name, model_config, build, log, version=("sam-1",))
 
 
 def static_automaton(settings: SamSettings, context: BuildContext | None) -> FrozenAutomaton | None:
@@ -459,8 +443,7 @@ def static_automaton(settings: SamSettings, context: BuildContext | None) -> Fro
         return None
     name, config = (context.model_name, context.model_config) if context else ("", {})
     settings.check_model({**config, "name": name})
-    path = _resolve(settings.static) if settings.static != "auto" else embedded_static(name, config)
-    return FrozenAutomaton.load(path)
+    return FrozenAutomaton.load(configured_file("sam", settings.static, name, config, embedded_static))
 
 
 @register("sam", settings=SamSettings)

@@ -40,7 +40,10 @@ HEADLINE = REPO / "conf" / "headline" / "smollm2-135m.yaml"
 QUICKSTART = REFERENCE / "quickstart"  # `make bench` as the README runs it, committed for its sample output
 BLOCK = re.compile(r"(?P<open><!-- generated: (?P<name>[\w-]+)[^>]*-->\n)(?P<body>.*?)(?P<close><!-- end generated: "
                    r"(?P=name) -->)", re.S)
-DOCUMENTS = (REPO / "README.md", REPO / "docs" / "headline.md")
+PERF = REFERENCE / "perf"  # `make perf`'s draft split and `make perf-batch`'s files, committed from a quiet run
+BATCH = REFERENCE / "batch"  # a `make sweep` of batch sizes (docs/batching.md), not a headline run set
+DOCUMENTS = (REPO / "README.md", REPO / "docs" / "headline.md", REPO / "docs" / "performance.md",
+             REPO / "docs" / "batching.md")
 
 
 # ------------------------------------------------------------------------------------------
@@ -74,7 +77,7 @@ def run_sets(paths=(REFERENCE,)) -> list[dict]:
     """Every table of the committed results with what the docs say of it, newest first."""
     sets = []
     with contextlib.chdir(REPO):  # a run's summary names its AR answers relative to the repository
-        tables = build_tables(find_runs(list(paths)))
+        tables = build_tables([run for run in find_runs(list(paths)) if BATCH not in run.path.resolve().parents])
     for table in tables:
         records = [r for row in table.rows.values() for r in row.records.values()]
         runs = sorted({REPO / run for row in table.rows.values() for run in row.runs})
@@ -286,8 +289,106 @@ def block_methods(_sets) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------------------------------
+# Performance files (results/reference/perf/) and the batch sweep (results/reference/batch/)
+
+
+def perf_files(prefix: str) -> list[dict]:
+    """The committed `<prefix>-<hardware>-float32.json` files, one per machine class."""
+    files = sorted(PERF.glob(f"{prefix}-*.json"))
+    if not files:
+        raise SystemExit(f"{PERF}: no {prefix}-*.json (write one with the command its block names)")
+    return [json.loads(f.read_text()) for f in files]
+
+
+def perf_machine(result: dict) -> str:
+    env = result["environment"]
+    commit = env.get("git", {}).get("commit", "")[:7] or "unrecorded"
+    return f"{result['hardware']}, {env.get('cpu_count', '?')} cores, {result['dtype']}, commit {commit}"
+
+
+def block_draft_split(_sets) -> str:
+    """docs/performance.md: `python -m harness.perf.draft_split`, per machine class."""
+    parts = []
+    for result in perf_files("draft-split"):
+        one = result["t1_seconds"]
+        split = result["draft_split"]
+        lines = [f"**{perf_machine(result)}**; t(1) {1000 * one:.2f} ms this run; every part in t(1):", "",
+                 "| draft | follow | one level: inputs / layer / lm head / top-k | expansion | rerank | step | floor |",
+                 "|---|---|---|---|---|---|---|"]
+        for method in ("eagle2", "eagle3"):
+            if method not in split:
+                continue
+            part, sec = split[method], split[method]["seconds"]
+            level = " / ".join(f"{sec[p] / one:.3f}" for p in ("inputs", "layer", "lm head", "top-k"))
+            heads, share = part["head_forwards"], part["forward_weight_share"]
+            lines.append(f"| {method}, depth {part['depth']}, top-{part['top_k']} | {sec['follow'] / one:.3f} | "
+                         f"{level} | {sec['expansion'] / one:.3f} | {sec['rerank'] / one:.3f} | "
+                         f"**{part['step_seconds'] / one:.3f}** | {heads} × {share:.3f} = {heads * share:.3f} |")
+        lm = split.get("draft LM")
+        if lm:
+            sec = lm["seconds"]
+            lines += ["", f"Draft-LM token ({lm['draft_vocab'] or 'full'} vocabulary): "
+                      f"**{lm['token_seconds'] / one:.3f}** t(1) = forward {sec['forward'] / one:.3f} + lm head "
+                      f"{sec['lm head'] / one:.3f} + top-1 {sec['top-1'] / one:.3f}; its weights "
+                      f"{lm['weight_share']:.3f} of the target's ({lm['whole_model_weight_share']:.3f} with its whole "
+                      "LM head)."]
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts)
+
+
+def block_mixed_lengths(_sets) -> str:
+    """docs/batching.md: `make perf-batch`, per machine class."""
+    parts = []
+    for result in perf_files("batch-lengths"):
+        lines = [f"**{perf_machine(result)}**; prompts of {', '.join(map(str, result['prompt_lengths']))} tokens, "
+                 f"{result['max_new_tokens']} new tokens at most, greedy, median of {result['repeats']} rounds "
+                 "(tokens/s):", "",
+                 f"| method | B = {len(result['prompt_lengths'])} | one at a time | ratio | decoding only: B | "
+                 "one at a time | ratio | same tokens |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for method, r in result["methods"].items():
+            m = r["median_tokens_per_second"]
+            lines.append(f"| {method} | {m['batch']:.1f} | {m['alone']:.1f} | **{r['batch_over_alone']:.2f}×** | "
+                         f"{m['batch decoding']:.1f} | {m['alone decoding']:.1f} | "
+                         f"{r['decoding_batch_over_alone']:.2f}× | {'yes' if r['same_tokens'] else 'NO'} |")
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts)
+
+
+def block_batch_curve(_sets) -> str:
+    """docs/batching.md: the committed batch sweep (results/reference/batch/), throughput per batch size."""
+    with contextlib.chdir(REPO):
+        runs = find_runs([BATCH])
+    if not runs:
+        raise SystemExit(f"{BATCH}: no runs")
+    cells: dict[str, dict[int, str]] = {}
+    sizes, envs = set(), []
+    for run in runs:
+        summary = run.summary
+        batch = summary.get("batch_size", 1)
+        sizes.add(batch)
+        envs.append(environment(str(run.path)))
+        d, b = summary["decoder"], summary["baseline"]
+        cells.setdefault(summary["method"], {})[batch] = (
+            f"{d['throughput_tokens_per_second']:.1f} vs AR {b['throughput_tokens_per_second']:.1f}: "
+            f"**{summary['throughput_speedup']:.2f}×** (τ {d['tau']:.2f})")
+    first = runs[0].summary
+    commits = ", ".join(sorted({e.get("git", {}).get("commit", "")[:7] for e in envs} - {""})) or "unrecorded"
+    lines = [f"**{first['hardware']}, {envs[0].get('cpu_count', '?')} cores, {first['dtype']}**, commit {commits}; "
+             f"{first['questions']} Spec-Bench questions (ids {', '.join(map(str, first['question_ids']))}), "
+             f"{first['max_new_tokens']} new tokens, greedy; throughput (tokens over the batches' wall time) of the "
+             "method against the AR run beside it:", "",
+             "| method | " + " | ".join(f"B = {n}" for n in sorted(sizes)) + " |",
+             "|---|" + "---|" * len(sizes)]
+    for method, row in sorted(cells.items()):
+        lines.append(f"| {method} | " + " | ".join(row.get(n, "") for n in sorted(sizes)) + " |")
+    return "\n".join(lines) + "\n"
+
+
 BLOCKS = {"figure": block_figure, "reference": block_reference, "latest": block_latest, "run-sets": block_run_sets,
-          "quickstart": block_quickstart, "models": block_models, "methods": block_methods}
+          "quickstart": block_quickstart, "models": block_models, "methods": block_methods,
+          "draft-split": block_draft_split, "mixed-lengths": block_mixed_lengths, "batch-curve": block_batch_curve}
 
 
 def fill(text: str, blocks: dict[str, str], where: Path) -> str:

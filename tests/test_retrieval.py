@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -324,6 +325,20 @@ def test_bad_parameters_are_rejected_before_loading(method, params):
     check_method_params(method, {"name": method})  # the defaults pass
 
 
+def test_the_model_configs_datastores_name_the_files_auto_loads(tmp_path):
+    """`auto` takes the model config's `datastores.rest` / `datastores.sam` where it names one."""
+    from methods.base import BuildContext
+    from methods.rest import RestSettings, datastore_path
+    from methods.sam import static_automaton
+
+    built = build_static([[1, 2, 3, 1, 2, 4], [2, 3, 1]], eos=0, vocab_size=8)
+    built.save(tmp_path / "corpus.npz")
+    config = {"datastores": {"sam": str(tmp_path / "corpus.npz"), "rest": str(tmp_path / "store.idx")}}
+    loaded = static_automaton(SamSettings(), BuildContext(None, "x", config))
+    assert all(np.array_equal(getattr(loaded, name), getattr(built, name)) for name in ("link", "length"))
+    assert datastore_path(RestSettings(), "x", config) == tmp_path / "store.idx"
+
+
 def test_a_model_without_a_datastore_is_refused_naming_the_recipe(tmp_path):
     from harness.running.validate import check_model
 
@@ -338,6 +353,7 @@ def test_a_model_without_a_datastore_is_refused_naming_the_recipe(tmp_path):
     with pytest.raises(ConfigError, match="vicuna-7b has none; pass method.static=none"):
         check_model({"name": "sam"}, {"name": "vicuna-7b"})
     check_model({"name": "sam", "static": "none"}, {"name": "vicuna-7b"})
+    check_model({"name": "sam"}, {"name": "vicuna-7b", "datastores": {"sam": "file.npz"}})  # the config names one
     with pytest.raises(ConfigError, match="method.static=.*an existing file"):
         check_model({"name": "sam", "static": str(tmp_path / "missing.npz")}, {"name": "smollm2-135m"})
     with pytest.raises(ConfigError, match="drafts.eagle for method.auxiliary=eagle2"):

@@ -268,14 +268,14 @@ def test_every_runner_a_method_builds_takes_the_runs_profile(method, params):
 
 def test_the_summary_states_the_curve_that_sized_the_draft():
     """A run's printout says which v(n) of its own curve sized its `auto` draft, up to the size chosen."""
-    from harness.reporting.text import curve_line
+    from harness.reporting.text import sizing_curve_line
 
     sizing = {"num_draft": "auto", "verify_tokens": 4, "verify_budget_t1": 1.3,
               "curve_t1": {"1": 1.0, "2": 1.02, "4": 1.2, "8": 1.5}}
-    assert curve_line({"method_config": {"sizing": sizing}}) == (
+    assert sizing_curve_line({"method_config": {"sizing": sizing}}) == (
         "sized by this run's latency curve, v(n) = t(n)/t(1): v(2) 1.02, v(4) 1.20; auto chose 4 tokens per "
         "verification (the most at v(n) <= 1.3)")
     adaptive = {"total_tokens": "adaptive", "seconds_by_size": {"1": 0.01, "2": 0.011, "16": 0.02, "32": 0.03}}
-    assert curve_line({"method_config": {"sizing": adaptive}}) == (
+    assert sizing_curve_line({"method_config": {"sizing": adaptive}}) == (
         "sized by this run's latency curve, v(n) = t(n)/t(1): v(2) 1.10, v(16) 2.00")
-    assert curve_line({"method_config": {"gamma": 4}}) is None and curve_line({}) is None
+    assert sizing_curve_line({"method_config": {"gamma": 4}}) is None and sizing_curve_line({}) is None

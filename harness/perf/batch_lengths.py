@@ -26,7 +26,7 @@ import torch
 from omegaconf import OmegaConf
 
 from harness import REPO
-from harness.perf.engine import EMBEDDED, HEADLINE_TREES
+from harness.perf.draft_split import EMBEDDED, HEADLINE_TREES
 from harness.running.datasets import load_questions
 from harness.running.environment import environment, hardware_name, hardware_slug
 from harness.running.prompts import ChatTemplate, Message

@@ -151,7 +151,7 @@ def batch_line(summary: dict) -> str:
     return line
 
 
-def curve_line(summary: dict) -> str | None:
+def sizing_curve_line(summary: dict) -> str | None:
     """What sized the method's `auto` draft: this run's latency curve v(n) = t(n) / t(1) (the machine
     profile measures it at the run's start) at the sizes up to the one chosen (EAGLE-2's adaptive size:
     up to 16), and the size `auto` chose; None for a method sized otherwise."""
@@ -208,7 +208,7 @@ def format_summary(summary: dict) -> str:
                 "decoding; "
                 f"measured {speedup['specbench']:.2f}x with the prefill ({100 * explained['prefill_fraction']:.0f}% of "
                 "its time)")
-        curve = curve_line(summary)
+        curve = sizing_curve_line(summary)
         if curve:
             lines.append(curve)
         low, high = speedup["median_ratio_ci95"]

@@ -190,7 +190,7 @@ class MachineProfile:
             file, f"{model_name}'s forward latency at {', '.join(map(str, sizes))} tokens",
             lambda: forward_latency(runner, sizes, prefix, repeats), later_runs=False)
         history = self._curve_history(file, prefix)
-        log.info("%s", curve_line(model_name, seconds, history))
+        log.info("%s", curve_log_line(model_name, seconds, history))
         history.append({**record, "seconds": {str(n): s for n, s in seconds.items()}})
         self.write(file, {"model": model_name, "method": CURVE_METHOD, "kernels": candidates(), "prefix": prefix,
                           "repeats": repeats, "runs": history[-CURVE_HISTORY:]})
@@ -216,12 +216,12 @@ class MachineProfile:
         return forward_latency(runner, sizes, prefix, repeats)
 
 
-def curve_line(model_name: str, seconds: dict[int, float], history: list[dict]) -> str:
+def curve_log_line(model_name: str, seconds: dict[int, float], history: list[dict]) -> str:
     """One log line: this run's t(1) and v(n) = t(n) / t(1) at a few sizes, and their range over the runs
     before it on this machine (`history`)."""
     shown = [n for n in (2, 4, 8, 12, 16) if n in seconds]
     one = seconds[min(seconds)]
-    line = (f"{model_name}'s latency curve this run: t(1) {one * 1e3:.1f} ms, v(n) = t(n)/t(1) "
+    line = (f"{model_name}'s latency curve this run: t(1) {one * 1e3:.1f} ms, v(n) = t(n)/t(1): "
             + ", ".join(f"v({n}) {seconds[n] / one:.2f}" for n in shown))
     earlier = [{int(n): s for n, s in run["seconds"].items()} for run in history if run.get("seconds")]
     if not earlier:
