@@ -196,12 +196,12 @@ def print_split(split: dict, one: float) -> None:
         s = part["seconds"]
         level = sum(s[p] for p in ("inputs", "layer", "lm head", "top-k"))
         print(f"  {method}, depth {part['depth']}, top-{part['top_k']}:")
-        print(f"    follow ({part['accepted']} accepted tokens)   {units(s['follow'])}")
-        print(f"    one level over {part['top_k']} nodes       {units(level)}: "
+        print(f"    {'follow (' + str(part['accepted']) + ' accepted tokens)':<30}{units(s['follow'])}")
+        print(f"    {'one level over ' + str(part['top_k']) + ' nodes':<30}{units(level)}: "
               + ", ".join(f"{p} {1000 * s[p]:.3f}" for p in ("inputs", "layer", "lm head", "top-k")) + " ms")
-        print(f"    expansion ({part['head_forwards'] - 1} levels + root)  {units(s['expansion'])}")
-        print(f"    rerank (adaptive size)     {units(s['rerank'])}")
-        print(f"    draft step                 {units(part['step_seconds'])}; floor "
+        print(f"    {'expansion (' + str(part['head_forwards'] - 1) + ' levels + root)':<30}{units(s['expansion'])}")
+        print(f"    {'rerank (adaptive size)':<30}{units(s['rerank'])}")
+        print(f"    {'draft step':<30}{units(part['step_seconds'])}; floor "
               f"{part['head_forwards']} x {part['forward_weight_share']:.3f} = "
               f"{part['head_forwards'] * part['forward_weight_share']:.3f} t(1) (the weights a head forward reads "
               "over the target's)")
