@@ -17,7 +17,6 @@ Writes results/perf/batch-lengths-<hardware>-float32.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from omegaconf import OmegaConf
 
 from harness import REPO
 from harness.perf.draft_split import EMBEDDED, HEADLINE_TREES
+from harness.perf.workload import write_result
 from harness.running.datasets import load_questions
 from harness.running.environment import environment, hardware_name, hardware_slug
 from harness.running.prompts import ChatTemplate, Message
@@ -129,10 +129,7 @@ def main(argv=None) -> dict:
               f"{r['same_tokens']}", flush=True)
     result = {"hardware": hardware_name(env), "environment": env, "dtype": "float32", "prompt_lengths": lengths,
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "methods": results}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"batch-lengths-{hardware_slug(env)}-float32.json"
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"wrote {path}")
+    write_result(args.out, f"batch-lengths-{hardware_slug(env)}-float32", result)
     return result
 
 

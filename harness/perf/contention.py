@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from harness.perf.workload import spec_bench_prompts
+from harness.perf.workload import spec_bench_prompts, write_result
 from harness.running.environment import environment, hardware_name, hardware_slug
 from harness.running.prompts import ChatTemplate
 from methods.ar import AutoregressiveDecoder
@@ -130,10 +130,7 @@ def main(argv=None) -> dict:
         print(f"{name:<24}" + "".join(f"{c:>18}" for c in cells))
     result = {"hardware": machine["hardware"], "cores": cores, "tokens": args.tokens, "prompts": args.prompts,
               "tokens_per_second": runs, "median": median}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"contention-{machine['slug']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_result(args.out, f"contention-{machine['slug']}", result)
     return result
 
 

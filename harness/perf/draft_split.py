@@ -21,7 +21,6 @@ target's weights and so evicts the draft's from the caches as a step's verificat
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from harness.perf.workload import write_result
 from harness.running.environment import environment, hardware_name, hardware_slug
 from methods.base import BuildContext, get_method
 from methods.engine.runner import ModelRunner
@@ -235,10 +235,7 @@ def main(argv=None) -> dict:
     print_split(split, curve[1])
     result = {"hardware": hardware_name(env), "environment": env, "dtype": "float32", "t1_seconds": curve[1],
               "rounds": args.rounds, "draft_split": split}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"draft-split-{hardware_slug(env)}-float32.json"
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"wrote {path}")
+    write_result(args.out, f"draft-split-{hardware_slug(env)}-float32", result)
     return result
 
 

@@ -23,7 +23,6 @@ Alternatives are interleaved and repeated; medians are reported. Writes results/
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.perf import peers
 from harness.perf.draft_split import EMBEDDED, draft_split, print_split
-from harness.perf.workload import greedy_generate, spec_bench_prompts, timed_generations
+from harness.perf.workload import greedy_generate, spec_bench_prompts, timed_generations, write_result
 from harness.running.environment import environment, hardware_name, hardware_slug
 from harness.running.prompts import ChatTemplate
 from methods.ar import AutoregressiveDecoder
@@ -167,10 +166,7 @@ def main(argv=None) -> dict:
     if not args.curve_only:
         result.update(compare_with_transformers(args, model, tokenizer, config, device, profile))
     result.update(peers.run_peers(args, model, tokenizer, config, device, result, profile))
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{hardware_slug(env)}-{dtype_name}.json"
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"wrote {path}")
+    write_result(args.out, f"{hardware_slug(env)}-{dtype_name}", result)
     return result
 
 

@@ -23,14 +23,13 @@ Writes results/perf/gpu-<gpu>-<dtype>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from harness.perf.workload import timed_generations
+from harness.perf.workload import timed_generations, write_result
 from methods.ar import AutoregressiveDecoder
 from methods.engine.runner import ModelRunner
 from methods.engine.stopping import StopCondition
@@ -207,10 +206,7 @@ def main(argv=None) -> dict:
           "(τ needs the real target and drafts)")
     result = {"gpu": name, "torch": torch.__version__, "dtype": args.dtype,
               "shapes": {s: measure_shape(s, getattr(torch, args.dtype), device, args.new_tokens) for s in shapes}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"gpu-{name.replace(' ', '-').lower()}-{args.dtype}.json"
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"wrote {path}")
+    write_result(args.out, f"gpu-{name.replace(' ', '-').lower()}-{args.dtype}", result)
     return result
 
 

@@ -1,9 +1,12 @@
 """What `make perf` and its peers time: the Spec-Bench prompts in a model's chat template, `transformers`'
-greedy `generate` as a contender, and contenders timed interleaved on every prompt."""
+greedy `generate` as a contender, and contenders timed interleaved on every prompt; and where each
+benchmark writes its result (`write_result`)."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
@@ -47,3 +50,12 @@ def timed_generations(contenders: dict, prompts: list[list[int]], repeats: int, 
                 tokens_per_second[name].append(len(tokens) / (time.perf_counter() - start))
                 outputs[name][index] = tokens
     return tokens_per_second, outputs
+
+
+def write_result(folder: Path, name: str, result: dict) -> Path:
+    """A benchmark's result as `folder/<name>.json` (the folder made if missing), announced."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
+    return path
