@@ -50,10 +50,9 @@ def batchable_methods() -> list[str]:
     return [name for name in available_methods() if method_settings(name).batchable]
 
 
-def row_output(out: ForwardOutput, row: int, n: int, logits: torch.Tensor | None = None) -> ForwardOutput:
+def row_output(out: ForwardOutput, row: int, n: int) -> ForwardOutput:
     """Sequence `row`'s first `n` rows of a batched forward, as its own forward's output."""
-    return ForwardOutput(out.logits[row, :n] if logits is None else logits, out.hidden[row, :n],
-                         None if out.layers is None else out.layers[row, :n])
+    return ForwardOutput(out.logits[row, :n], out.hidden[row, :n], None if out.layers is None else out.layers[row, :n])
 
 
 class BatchedDecoder:

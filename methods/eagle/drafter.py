@@ -4,7 +4,7 @@ the tree levels fed over it, and its logits over the (draft) vocabulary.
 A draft level works in the draft vocabulary's space: its logits are the K draft tokens' (the
 reduced LM head's rows), its log-probabilities a log_softmax over those K (the -inf of every other
 target token adds nothing to it), its top-k mapped to target ids through `ids`. Only EAGLE-1's
-sampled children, whose q verification reads, scatter logits onto the full vocabulary (`logits`)."""
+sampled children, whose q verification reads, scatter logits onto the full vocabulary (`full`)."""
 
 from __future__ import annotations
 
@@ -64,10 +64,6 @@ class EagleDrafter:
             if self.vocabulary is not None:
                 return self.vocabulary.head(self.lm_head.weight)(hidden).float()
             return self.lm_head(hidden).float()
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., V] fp32 logits over the target's vocabulary, -inf outside the draft vocabulary."""
-        return self.full(self.draft_logits(hidden))
 
     def full(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., K] onto the target's vocabulary [..., V], -inf elsewhere."""

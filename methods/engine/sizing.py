@@ -54,20 +54,17 @@ def chain_length(curve: dict[int, float], draft_cost: float, alpha: float, longe
 
 
 def tree_budget(curve: dict[int, float], budget: float = VERIFY_BUDGET, largest: int = 64) -> int:
-    """The most tokens one verification may hold: the largest n with v(n) <= budget (at least 2)."""
-    best = 2
-    for n in range(2, largest + 1):
-        if verify_cost(curve, n) <= budget:
-            best = n
-    return best
+    """The most tokens one verification may hold: the largest n with v(n) <= budget (at least 2), the root
+    and the draft of one sequence verified alone (`batch_draft_tokens` at B = 1)."""
+    return 1 + batch_draft_tokens(curve, 1, budget, largest - 1)
 
 
 def batch_draft_tokens(curve: dict[int, float], batch: int, budget: float = VERIFY_BUDGET, largest: int = 64) -> int:
     """Draft tokens per sequence (besides its root) when `batch` sequences verify together, each with a
     draft of n: the largest n (at least 1) whose forward over batch x (n + 1) rows costs at most `budget`
-    times AR's at the same batch size, v(B (n + 1)) <= budget v(B). At B = 1 it is `tree_budget` less the
-    root. A batch's forward holds B times the rows, so on a CPU, where v bends past ~8 rows, the draft
-    shrinks as B grows (docs/batching.md)."""
+    times AR's at the same batch size, v(B (n + 1)) <= budget v(B) (at B = 1, v(1) = 1). A batch's
+    forward holds B times the rows, so on a CPU, where v bends past ~8 rows, the draft shrinks as B
+    grows (docs/batching.md)."""
     best, ar = 1, verify_cost(curve, batch)
     for n in range(1, largest + 1):
         if verify_cost(curve, batch * (n + 1)) <= budget * ar:
