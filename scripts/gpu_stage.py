@@ -91,6 +91,8 @@ def receive(part: Path, staged: Path) -> None:
 def unpack(staged: Path, root: Path) -> list[str]:
     """Every received part checked against the manifest, the payload joined and extracted under `root`
     (its tracked folders in place, its packages under staged/site/). Returns the extracted top-level names."""
+    if not (staged / "manifest.json").is_file():
+        raise SystemExit(f"nothing received yet in {staged} (one `receive` call per part first)")
     manifest = json.loads((staged / "manifest.json").read_text())
     missing = [p["name"] for p in manifest["parts"] if not (staged / p["name"]).is_file()]
     if missing:

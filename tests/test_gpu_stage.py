@@ -35,6 +35,8 @@ def test_parts_round_trip_with_checksums(tmp_path, monkeypatch):
 
     there = tmp_path / "there"
     staged = there / ".gpu-staged"
+    with pytest.raises(SystemExit, match="nothing received yet"):
+        gpu_stage.unpack(staged, there)
     for part in parts[:-1]:  # one call each, the part carried
         gpu_stage.receive(stage / part["name"], staged)
     with pytest.raises(SystemExit, match=f"not received yet: {parts[-1]['name']}"):

@@ -32,6 +32,7 @@ from harness.running.environment import environment, hardware_name, hardware_slu
 from harness.running.prompts import ChatTemplate, Message
 from methods.base import BuildContext, check_method_params, get_method
 from methods.batched import BatchedDecoder
+from methods.engine.params import ConfigError
 from methods.engine.runner import ModelRunner
 from methods.machine.profile import MachineProfile
 from methods.models.loading import load_model, load_tokenizer, resolve_device
@@ -70,8 +71,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("results/perf"))
     args = parser.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    for method in methods:  # an unknown method or setting stops here, before the model loads
-        check_method_params(method, HEADLINE_TREES.get(method, {}))
+    for method in methods:  # an unknown method or setting stops here, in one line, before the model loads
+        try:
+            check_method_params(method, HEADLINE_TREES.get(method, {}))
+        except ConfigError as err:
+            raise SystemExit(f"error: {err}") from None
 
     device = resolve_device(args.device)
     config = model_config(EMBEDDED)
