@@ -245,7 +245,9 @@ class BuildContext:
     def draft_vocabulary(self, params: dict, projection_rows: int | None = None):
         """The FR-Spec subset a draft proposes from (`engine/vocab.py`), or None for the full vocabulary.
         `method.draft_vocab`: `auto` (the model config's `draft_vocabulary.size` when it names a
-        token-frequency file, else the full vocabulary), `full`, or a number of tokens."""
+        token-frequency file, else the full vocabulary), `full`, or a number of tokens. The model
+        config's `draft_vocabulary.dtype: bfloat16` rounds the drafts' copy of those lm_head rows to
+        bf16 values in an fp32 run, as the drafts are stored."""
         choice = params.get("draft_vocab", "auto")
         setting = self.model_config.get("draft_vocabulary") or {}
         if choice in (None, "full") or (choice == "auto" and not setting.get("frequencies")):
@@ -261,9 +263,11 @@ class BuildContext:
         config = self.target_model.config
         full = self.target_model.get_output_embeddings().out_features
         eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-        vocabulary = DraftVocabulary.most_frequent(file, size, full, always=tuple(t for t in eos if t is not None))
+        rows_dtype = {None: None, "bfloat16": torch.bfloat16}[setting.get("dtype")]  # checked by the harness
+        vocabulary = DraftVocabulary.most_frequent(file, size, full, always=tuple(t for t in eos if t is not None),
+                                                   rows_dtype=rows_dtype)
         if projection_rows is not None and projection_rows < full:  # a draft LM with a shorter vocabulary
-            vocabulary = DraftVocabulary(vocabulary.ids[vocabulary.ids < projection_rows], full, vocabulary.source)
+            vocabulary = vocabulary.subset(vocabulary.ids[vocabulary.ids < projection_rows])
         return vocabulary
 
 

@@ -54,6 +54,24 @@ def test_token_frequencies_and_the_most_frequent_subset(tmp_path):
         DraftVocabulary.most_frequent(file, 0, 12)
 
 
+def test_the_drafts_rows_rounded_to_bf16_leave_the_targets_weight_as_it_was(tmp_path):
+    """`draft_vocabulary.dtype: bfloat16`: in an fp32 run the draft's copy of the subset's rows holds
+    bf16 values (so the native kernel streams it as bf16), the target's weight keeps its own; the
+    subset of a shorter draft vocabulary keeps the setting; without it the copy is exact."""
+    file = frequency_file(tmp_path, [7, 2, 9, 4])
+    weight = torch.randn(12, 8)
+    before = weight.clone()
+    rounded = DraftVocabulary.most_frequent(file, 3, 12, rows_dtype=torch.bfloat16)
+    rows = rounded.head(weight).weight
+    assert torch.equal(rows, weight[[2, 7, 9]].bfloat16().float()) and not torch.equal(rows, weight[[2, 7, 9]])
+    assert torch.equal(weight, before)
+    assert rounded.subset(torch.tensor([2, 7])).rows_dtype == torch.bfloat16
+    assert rounded.describe()["rows_dtype"] == "bfloat16"
+    assert torch.equal(DraftVocabulary.most_frequent(file, 3, 12).head(weight).weight, weight[[2, 7, 9]])
+    half = weight.bfloat16()  # a bf16 run: the rows as the target's, nothing to round
+    assert torch.equal(rounded.head(half).weight, half[[2, 7, 9]])
+
+
 def test_greedy_with_a_reduced_draft_vocabulary_equals_ar(tmp_path):
     """Half of the target's tokens can never be drafted; every method still emits AR's tokens and
     still gets drafts accepted."""

@@ -313,6 +313,7 @@ def test_bad_values_are_named():
     ("engine.skinny_gemm=fast", "engine.skinny_gemm='fast': valid: auto, off"),
     ("engine.cuda_graphs=yes", "engine.cuda_graphs='yes': valid: auto, on, off"),
     ("engine.decoder=fast", "engine.decoder='fast': valid: auto, transformers"),
+    ("model.draft_vocabulary.dtype=float16", "model.draft_vocabulary.dtype='float16': valid: null or bfloat16"),
     ("batch_size=0", "batch_size=0: valid: an integer >= 1"),
     ("method=medusa batch_size=4", "batch_size=4: valid: 1 for method medusa (it decodes one sequence at a time); "
                                    "batch_size > 1 runs ar, eagle, eagle2, eagle3, mcsd, pld, sam, sps"),

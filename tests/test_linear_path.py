@@ -148,3 +148,12 @@ def test_auto_dtype_follows_the_cpu_and_says_why():
     assert dtype == torch.bfloat16 and "native bf16" in why
     assert "emulated" in identity.auto_dtype(cpu, {"avx2"})[1]
     assert identity.cpu_isa({"avx2", "avx512f"}) == "avx512" and identity.cpu_isa({"amx_bf16"}) == "amx"
+
+
+def test_a_weight_of_bf16_values_is_planned_apart():
+    """The plan keys a weight of bf16 values (a draft as stored) apart from an fp32 weight of the same
+    shape: the native kernel streams it in half the bytes, so its kernels are measured on it."""
+    weight = torch.randn(8, 16)
+    assert shape_key(weight, None) == "8x16"
+    assert shape_key(weight.bfloat16().float(), torch.zeros(8)) == "8x16+b:bf16"
+    assert shape_key(weight.bfloat16(), None) == "8x16"  # a bf16 weight is its own dtype's plan

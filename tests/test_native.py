@@ -338,3 +338,52 @@ def test_a_weight_the_native_kernel_cannot_read_falls_back_to_f_linear():
         view = torch.randn(16, 8, generator=gen).T  # [8, 16], not contiguous
         torch.testing.assert_close(path.route(view, None, 3)(x), torch.nn.functional.linear(x, view), rtol=1e-5,
                                    atol=1e-5)
+
+
+@needs_native
+def test_a_weight_of_bf16_values_streams_bf16_panels_with_the_fp32_bits():
+    """A weight whose every value is a bfloat16 (a draft stored in bf16, loaded in fp32) is packed as
+    bf16 panels, half the bytes, and computes bit for bit what its fp32 panels compute, over padded
+    panels and every row grouping; any other fp32 weight keeps fp32 panels."""
+    gen = torch.Generator().manual_seed(4)
+    for out_features, in_features in ((576, 576), (13, 37), (50, 19)):
+        weight = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).bfloat16().float()
+        bias = torch.randn(out_features, generator=gen)
+        half, full = native.pack(weight), native.pack(weight, bf16=False)
+        assert half.dtype == torch.bfloat16 and full.dtype == torch.float32
+        assert half.nbytes * 2 == full.nbytes
+        x = torch.randn(17, in_features, generator=gen)
+        for rows in (1, 2, 3, 5, 8, 9, 16, 17):
+            assert torch.equal(native.linear(x[:rows], half, out_features, bias),
+                               native.linear(x[:rows], full, out_features, bias))
+        unrounded = weight + torch.randn(out_features, in_features, generator=gen) * 1e-4
+        assert not native.bf16_exact(unrounded) and native.pack(unrounded).dtype == torch.float32
+        with pytest.raises(ValueError, match="bf16 panels need a weight of bf16 values"):
+            native.pack(unrounded, bf16=True)
+
+
+@needs_native
+def test_a_model_of_bf16_values_runs_bf16_layers_with_the_fp32_bits(monkeypatch):
+    """A model whose weights are bf16 values (a draft LM or head as stored) runs its native layers
+    on bf16 panels, and its prefill, tree verify and steps give the logits, hidden states and cache
+    of the same model on fp32 panels, bit for bit."""
+    results, masks = [], []
+    original = native.pack
+    for force_fp32 in (False, True):
+        if force_fp32:
+            monkeypatch.setattr(native, "pack", lambda weight, bf16=None: original(weight, bf16=False))
+        model = tiny_model("llama", seed=9)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.bfloat16().float())
+        runner = ModelRunner(model, skinny_gemm="auto", profile=MachineProfile("cpu"))
+        runner.linear = all_native(runner)
+        assert all(key.endswith(":bf16") for key in runner.linear.plan.kernels)
+        results.append(prefill_verify_steps(runner, prompt_length=9))
+        masks.append({layer.native.bf16 for layer in runner.fused.layers if getattr(layer, "native", None)})
+    assert masks == [{0b1111}, {0}]  # every projection of every layer on bf16 panels; then none
+    (half_out, half_cache), (full_out, full_cache) = results
+    for a, b in zip(half_out, full_out):
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
+    for (ka, va), (kb, vb) in zip(half_cache, full_cache):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)

@@ -122,7 +122,7 @@ def test_a_misspelt_build_is_one_line(monkeypatch):
 @pytest.mark.skipif("avx512f" not in identity.cpu_flags(), reason="this CPU has no AVX-512")
 def test_the_avx512_and_avx2_builds_compute_the_same_bits():
     """Every output is one FMA chain over the inputs in order, whatever the vector width: the two
-    builds' GEMMs agree bit for bit, over padded panels and every row grouping."""
+    builds' GEMMs agree bit for bit, fp32 and bf16 panels, over padded panels and every row grouping."""
     gen = torch.Generator().manual_seed(3)
     builds = {build: native._library(build) for build in ("avx2", "avx512")}
     assert {b: lib.decodebench_panel_width() for b, lib in builds.items()} == {"avx2": 8, "avx512": 16}
@@ -134,10 +134,14 @@ def test_the_avx512_and_avx2_builds_compute_the_same_bits():
             width = lib.decodebench_panel_width()
             packed = weight.new_empty(-(-out_features // width), in_features, width)
             lib.decodebench_pack_f32(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
+            rounded = weight.bfloat16().float()  # and bf16 panels of a weight of bf16 values
+            halves = rounded.new_empty(packed.shape, dtype=torch.bfloat16)
+            lib.decodebench_pack_bf16(rounded.data_ptr(), halves.data_ptr(), out_features, in_features)
             for rows in (1, 3, 8, 12, 17):
-                y = torch.empty(rows, out_features)
-                lib.decodebench_linear_f32(packed.data_ptr(), x.data_ptr(), bias.data_ptr(), y.data_ptr(),
-                                           out_features, in_features, rows)
-                results.append(y)
+                for kernel, panels in ((lib.decodebench_linear_f32, packed), (lib.decodebench_linear_bf16, halves)):
+                    y = torch.empty(rows, out_features)
+                    kernel(packed.data_ptr() if panels is packed else panels.data_ptr(), x.data_ptr(),
+                           bias.data_ptr(), y.data_ptr(), out_features, in_features, rows)
+                    results.append(y)
         half = len(results) // 2
         assert all(torch.equal(a, b) for a, b in zip(results[:half], results[half:]))

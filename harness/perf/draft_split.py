@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 from harness.perf.workload import write_result
 from harness.running.environment import environment, hardware_name, hardware_slug
 from methods.base import BuildContext, get_method
+from methods.engine import native
 from methods.engine.runner import ModelRunner
 from methods.engine.tree import level_mask
 from methods.machine.probes import weight_bytes
@@ -42,9 +43,10 @@ EMBEDDED = "smollm2-135m"
 
 
 def parameter_bytes(*modules) -> int:
-    """Bytes of the modules' parameters, each once."""
+    """Bytes of the modules' parameters as the engine streams them, each once: 2 a value for an fp32
+    parameter of bf16 values (a draft as stored; the native kernel reads it as bf16 panels)."""
     seen = {id(p): p for m in modules for p in m.parameters()}
-    return sum(p.numel() * p.element_size() for p in seen.values())
+    return sum(p.numel() * (2 if native.bf16_exact(p) else p.element_size()) for p in seen.values())
 
 
 class StepClock:

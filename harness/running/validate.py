@@ -54,6 +54,7 @@ SCHEMA: dict[str, Check] = {
     "engine.skinny_gemm": one_of(*SKINNY_GEMM_MODES),
     "engine.decoder": one_of(*DECODER_MODES),
     "engine.cuda_graphs": one_of(*GRAPH_MODES),
+    "model.draft_vocabulary.dtype": null() | one_of("bfloat16"),
 }
 
 

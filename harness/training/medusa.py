@@ -94,7 +94,7 @@ class MedusaRecipe:
         return total, stats
 
     def save(self, out: Path) -> None:
-        state = {k: v.detach().float().cpu().clone() for k, v in self.heads.state_dict().items()
+        state = {k: v.detach().to(torch.bfloat16).cpu().clone() for k, v in self.heads.state_dict().items()
                  if not k.endswith(f".{self.heads.num_layers}.weight")}
         torch.save(state, out / "medusa_lm_head.pt")
         config = {"medusa_num_heads": len(self.heads), "medusa_num_layers": self.heads.num_layers,

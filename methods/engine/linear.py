@@ -10,7 +10,8 @@ machine, the weight's shape and the number of rows, so it is measured, not assum
     w_xt       (W @ x.T).T: MKL's GEMM with the weight as the left operand
     onednn     oneDNN with the weight prepacked once for this machine (batch hint 8)
     native     `native.c`, compiled for this machine (`native.py`), on the weight packed once
-               into panels of 8 outputs: read once per call, 4 rows x 24 outputs a step
+               into panels of 16 (AVX-512) or 8 outputs: read once per call; a weight of bf16 values
+               (a draft stored in bf16) packed as bf16, the same outputs from half the bytes
 
 The machine profile (`methods/machine/plan.py`) times every candidate for each weight shape of a
 model and each row bucket (1, 2, 4, 8, 16, 32; larger forwards, prefills, stay on `f_linear`) with
@@ -102,7 +103,11 @@ def bucket_of(rows: int) -> int | None:
 
 
 def shape_key(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
-    return f"{weight.shape[0]}x{weight.shape[1]}{'+b' if bias is not None else ''}"
+    """The plan's key of a weight: its shape, `+b` with a bias, `:bf16` when every value is a
+    bfloat16 (a draft stored in bf16: the native kernel streams it in half the bytes, so its
+    kernels are measured apart)."""
+    half = ":bf16" if weight.device.type == "cpu" and native.bf16_exact(weight) else ""
+    return f"{weight.shape[0]}x{weight.shape[1]}{'+b' if bias is not None else ''}{half}"
 
 
 @dataclass

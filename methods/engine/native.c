@@ -13,11 +13,16 @@
  *   one chain of fused multiply-adds over `in` in order, then + b, whatever the number of rows
  *   and their grouping: a row's result does not depend on how many rows share the call (not
  *   MKL's order: same fp32 class, not the same bits).
+ * decodebench_pack_bf16, decodebench_linear_bf16: the same panels and the same FMA chains for a
+ *   weight whose every value is a bfloat16 (a draft stored in bf16): each panel holds the top 16
+ *   bits of the fp32 weights, widened back to fp32 exactly as they are loaded, so the outputs are
+ *   bit for bit the fp32 kernel's on the same weight, and the weight streams in half the bytes.
  * decodebench_rms_norm_f32, decodebench_rope_store_f32: bit for bit what torch's eager ops compute
  *   (tests/test_native.py), in one call instead of four to ten.
  * decodebench_layer_f32: a whole decoder layer in one call (below). */
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 
 /* The GEMM's vector: 16 floats where the build targets AVX-512 (`-mavx512f`, chosen by native.py
  * on a CPU that has it), else 8 (AVX2). PW outputs share a panel; each output is still one FMA
@@ -55,6 +60,30 @@ void decodebench_pack_f32(const float *W, float *P, long out, long in) {
             }
 }
 
+/* the top 16 bits of each fp32 weight: exact for a weight of bf16 values (native.py checks it) */
+void decodebench_pack_bf16(const float *W, unsigned short *P, long out, long in) {
+    const long panels = (out + PW - 1) / PW;
+    #pragma omp parallel for schedule(static)
+    for (long p = 0; p < panels; p++)
+        for (long k = 0; k < in; k++)
+            for (long c = 0; c < PW; c++) {
+                const long o = p * PW + c;
+                unsigned int bits = 0;
+                if (o < out) memcpy(&bits, W + o * in + k, 4);
+                P[(p * in + k) * PW + c] = (unsigned short)(bits >> 16);
+            }
+}
+
+/* PW weights at p: fp32 as stored (H = 0), or bf16 widened exactly to fp32 (H = 1) */
+static inline __attribute__((always_inline)) vec wload(const char *p, const int H) {
+#ifdef __AVX512F__
+    if (H) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+#else
+    if (H) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#endif
+    return VLOAD((const float *)p);
+}
+
 /* outputs o0 .. o0+PW-1 of one row: the accumulator + b, the padding left out */
 static inline void store_panel(vec acc, const float *b, float *y, long out, long o0) {
     float t[PW];
@@ -73,24 +102,26 @@ static inline void store_panel(vec acc, const float *b, float *y, long out, long
         if (V > 1) store_panel(a##m##1, b, ym, out, o0 + PW); \
         if (V > 2) store_panel(a##m##2, b, ym, out, o0 + 2 * PW); }
 
-/* rows r0 .. r0+M-1 of x (M <= MAXM) against V (<= 3) consecutive panels from P (outputs from o0);
- * M and V are constants where it is inlined, so only the live accumulators exist. pf (or NULL):
- * memory to prefetch into L2 meanwhile, `stride` (<= 128) bytes a step */
-static inline __attribute__((always_inline)) void panels_rows(const int M, const int V, const float *P, const float *x,
-                                                              long in, const float *b, float *y, long out, long o0, long r0,
-                                                              const char *pf, long stride) {
+/* rows r0 .. r0+M-1 of x (M <= MAXM) against V (<= 3) consecutive panels from P (outputs from o0),
+ * fp32 panels (H = 0) or bf16 ones (H = 1); M, V and H are constants where it is inlined, so only
+ * the live accumulators exist. pf (or NULL): memory to prefetch into L2 meanwhile, `stride` (<= 128)
+ * bytes a step */
+static inline __attribute__((always_inline)) void panels_rows(const int M, const int V, const int H, const char *P,
+                                                              const float *x, long in, const float *b, float *y, long out,
+                                                              long o0, long r0, const char *pf, long stride) {
     ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5) ACC(6) ACC(7)
     const float *x0 = x + r0 * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;
     const float *x4 = x3 + in, *x5 = x4 + in, *x6 = x5 + in, *x7 = x6 + in;
-    const float *p0 = P, *p1 = P + in * PW, *p2 = P + 2 * in * PW;
+    const long step = PW * (H ? 2 : 4);  /* bytes of one input's weights in a panel */
+    const char *p0 = P, *p1 = P + in * step, *p2 = P + 2 * in * step;
     #pragma GCC unroll 2
     for (long k = 0; k < in; k++) {
         if (pf) {
             _mm_prefetch(pf + k * stride, _MM_HINT_T1);
             if (stride > 64) _mm_prefetch(pf + k * stride + 64, _MM_HINT_T1);
         }
-        const vec w0 = VLOAD(p0 + k * PW);
-        const vec w1 = V > 1 ? VLOAD(p1 + k * PW) : w0, w2 = V > 2 ? VLOAD(p2 + k * PW) : w0;
+        const vec w0 = wload(p0 + k * step, H);
+        const vec w1 = V > 1 ? wload(p1 + k * step, H) : w0, w2 = V > 2 ? wload(p2 + k * step, H) : w0;
         FMA(0) FMA(1) FMA(2) FMA(3) FMA(4) FMA(5) FMA(6) FMA(7)
     }
     STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5) STORE(6) STORE(7)
@@ -98,39 +129,48 @@ static inline __attribute__((always_inline)) void panels_rows(const int M, const
 
 #if MAXM == 8
 #define ROWS(V) switch (m) { \
-        case 8: panels_rows(8, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
-        case 7: panels_rows(7, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
-        case 6: panels_rows(6, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
-        case 5: panels_rows(5, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
-        case 4: panels_rows(4, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
-        case 3: panels_rows(3, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
-        case 2: panels_rows(2, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
-        default: panels_rows(1, V, pp, x, in, b, y, out, o0, r, pf, stride); }
+        case 8: panels_rows(8, V, H, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        case 7: panels_rows(7, V, H, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        case 6: panels_rows(6, V, H, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        case 5: panels_rows(5, V, H, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        case 4: panels_rows(4, V, H, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        case 3: panels_rows(3, V, H, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        case 2: panels_rows(2, V, H, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        default: panels_rows(1, V, H, pp, x, in, b, y, out, o0, r, pf, stride); }
 #else
 #define ROWS(V) switch (m) { \
-        case 4: panels_rows(4, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
-        case 3: panels_rows(3, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
-        case 2: panels_rows(2, V, pp, x, in, b, y, out, o0, r, pf, stride); break; \
-        default: panels_rows(1, V, pp, x, in, b, y, out, o0, r, pf, stride); }
+        case 4: panels_rows(4, V, H, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        case 3: panels_rows(3, V, H, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        case 2: panels_rows(2, V, H, pp, x, in, b, y, out, o0, r, pf, stride); break; \
+        default: panels_rows(1, V, H, pp, x, in, b, y, out, o0, r, pf, stride); }
 #endif
 
 /* Rows go MAXM at a time. One group streams the block's 3 panels from memory. From 2 groups on,
  * each group reads the block from L2 and prefetches a share of the next block into L2, so that
  * memory streams during every group's multiply-adds instead of the first group waiting on memory
  * and the later ones computing with memory idle (docs/performance-history.md). */
-void decodebench_linear_f32(const float *P, const float *x, const float *b, float *y, long out, long in, long rows) {
-    const long panels = (out + PW - 1) / PW, blocks = (panels + 2) / 3;
+static inline __attribute__((always_inline)) void linear_panels(const int H, const char *P, const float *x, const float *b,
+                                                                float *y, long out, long in, long rows) {
+    const long panels = (out + PW - 1) / PW, blocks = (panels + 2) / 3, bytes = H ? 2 : 4;
     #pragma omp parallel for schedule(static)
     for (long blk = 0; blk < blocks; blk++) {
         const long p0 = blk * 3, v = panels - p0 < 3 ? panels - p0 : 3, o0 = p0 * PW;
-        const float *pp = P + p0 * in * PW;
-        const long groups = (rows + MAXM - 1) / MAXM, stride = groups >= 2 ? 3 * PW * 4 / groups : 0;
+        const char *pp = P + p0 * in * PW * bytes;
+        const long groups = (rows + MAXM - 1) / MAXM, stride = groups >= 2 ? 3 * PW * bytes / groups : 0;
         for (long r = 0, g = 0; r < rows; r += MAXM, g++) {
-            const char *pf = stride && blk + 1 < blocks ? (const char *)(pp + 3 * in * PW) + g * stride * in : 0;
+            const char *pf = stride && blk + 1 < blocks ? pp + 3 * in * PW * bytes + g * stride * in : 0;
             const long m = rows - r < MAXM ? rows - r : MAXM;
             if (v == 3) { ROWS(3) } else if (v == 2) { ROWS(2) } else { ROWS(1) }
         }
     }
+}
+
+void decodebench_linear_f32(const float *P, const float *x, const float *b, float *y, long out, long in, long rows) {
+    linear_panels(0, (const char *)P, x, b, y, out, in, rows);
+}
+
+void decodebench_linear_bf16(const unsigned short *P, const float *x, const float *b, float *y, long out, long in, long rows) {
+    linear_panels(1, (const char *)P, x, b, y, out, in, rows);
 }
 
 /* The FMA units' peak: every thread runs `steps` x 12 independent vector FMAs on registers (no
@@ -388,11 +428,13 @@ static void attend(const float *q, const float *K, const float *V, const float *
  * values: the layer's cache buffers [batch, kv, capacity, d], positions start .. start + n - 1
  * written; mask [mask_batch, n, start + n] additive (0 visible, the dtype's minimum not) or NULL
  * (causal); norms NULL: identity; biases NULL: none; scratch: decodebench_layer_scratch floats;
- * skip_gemms: profiling only, every projection's output zero (wrong outputs, the rest's time) */
+ * skip_gemms: profiling only, every projection's output zero (wrong outputs, the rest's time);
+ * bf16: which packed projections hold bf16 panels (bits 1 qkv, 2 o, 4 gate_up, 8 down), the others fp32 */
 /* a projection; with skip_gemms (profiling: `make perf`'s forward without its GEMMs) zeros instead */
-#define PROJECT(P, in_, b_, out_, o_, i_, r_) \
+#define PROJECT(P, bit, in_, b_, out_, o_, i_, r_) \
     do { if (skip_gemms) { for (long z = 0; z < (r_) * (o_); z++) (out_)[z] = 0.0f; } \
-         else decodebench_linear_f32(P, in_, b_, out_, o_, i_, r_); } while (0)
+         else if (bf16 & (bit)) decodebench_linear_bf16((const unsigned short *)(P), in_, b_, out_, o_, i_, r_); \
+         else decodebench_linear_f32((const float *)(P), in_, b_, out_, o_, i_, r_); } while (0)
 
 long decodebench_layer_scratch(long rows, long hidden, long heads, long kv, long d, long inter) {
     return rows * (2 * hidden + (heads + 2 * kv) * d + 2 * heads * d + 3 * inter);
@@ -400,19 +442,20 @@ long decodebench_layer_scratch(long rows, long hidden, long heads, long kv, long
 
 void decodebench_layer_f32(const float *x, const float *attn_in, float *y, float *scratch,
                            const float *in_norm, const float *post_norm, float in_eps, float post_eps,
-                           const float *Pqkv, const float *bqkv, const float *Po, const float *bo,
-                           const float *Pgu, const float *bgu, const float *Pdown, const float *bdown,
+                           const void *Pqkv, const float *bqkv, const void *Po, const float *bo,
+                           const void *Pgu, const float *bgu, const void *Pdown, const float *bdown,
                            const float *cos, const float *sin, float *keys, float *values, const float *mask,
                            long batch, long n, long hidden, long heads, long kv, long d, long inter,
-                           long capacity, long start, long mask_batch, float scaling, long skip_gemms, long attn_width) {
+                           long capacity, long start, long mask_batch, float scaling, long skip_gemms, long attn_width,
+                           long bf16) {
     const long rows = batch * n, width = (heads + 2 * kv) * d, total = start + n;
     float *h = scratch, *qkv = h + rows * hidden, *q = qkv + rows * width, *att = q + rows * heads * d;
     float *x2 = att + rows * heads * d, *gu = x2 + rows * hidden, *act = gu + rows * 2 * inter;
     if (attn_in)  /* EAGLE-3's layer: q, k, v read their own input [rows, attn_width], the residual stream is x */
-        PROJECT(Pqkv, attn_in, bqkv, qkv, width, attn_width, rows);
+        PROJECT(Pqkv, 1, attn_in, bqkv, qkv, width, attn_width, rows);
     else {
         for (long r = 0; r < rows; r++) rms_row(x + r * hidden, in_norm, in_eps, h + r * hidden, hidden);
-        PROJECT(Pqkv, h, bqkv, qkv, width, hidden, rows);
+        PROJECT(Pqkv, 1, h, bqkv, qkv, width, hidden, rows);
     }
     decodebench_rope_store_f32(qkv, cos, sin, q, keys, values, batch, n, heads, kv, d, capacity, start);  /* q [B, heads, n, d] */
     const long group = heads / kv, tasks = rows * heads;
@@ -438,10 +481,10 @@ void decodebench_layer_f32(const float *x, const float *attn_in, float *y, float
         free(buf);
     }
     free(idx); free(shifted); free(count);
-    PROJECT(Po, att, bo, x2, hidden, heads * d, rows);
+    PROJECT(Po, 2, att, bo, x2, hidden, heads * d, rows);
     for (long i = 0; i < rows * hidden; i++) x2[i] = x[i] + x2[i];
     for (long r = 0; r < rows; r++) rms_row(x2 + r * hidden, post_norm, post_eps, h + r * hidden, hidden);
-    PROJECT(Pgu, h, bgu, gu, 2 * inter, hidden, rows);
+    PROJECT(Pgu, 4, h, bgu, gu, 2 * inter, hidden, rows);
     for (long r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * inter, *u = g + inter;
         float *a = act + r * inter;
@@ -449,6 +492,6 @@ void decodebench_layer_f32(const float *x, const float *attn_in, float *y, float
         exp_inplace(a, inter);
         for (long i = 0; i < inter; i++) a[i] = g[i] / (1.0f + a[i]) * u[i];
     }
-    PROJECT(Pdown, act, bdown, y, hidden, inter, rows);
+    PROJECT(Pdown, 8, act, bdown, y, hidden, inter, rows);
     for (long i = 0; i < rows * hidden; i++) y[i] = x2[i] + y[i];
 }

@@ -7,6 +7,9 @@ ctypes (no torch headers, so it builds quickly, once per machine class).
   a copy of each weight packed once into panels of 16 outputs (AVX-512) or 8 (AVX2) and computes
   8 rows x 48 outputs (AVX-512) or 4 rows x 24 outputs (AVX2) per step from registers. Whether it wins is measured like
   every other kernel (`machine/plan.measure_plan`), per weight shape and row count.
+* A weight whose every value is a bfloat16 (a draft stored in bf16: `bf16_exact`) is packed into
+  bf16 panels, the top 16 bits of each fp32 value, and widened back exactly as it streams: the same
+  outputs, bit for bit, as its fp32 panels, from half the bytes (a draft's forward is memory-bound).
 * `rms_norm` and `rope_store`: the fused forward's small operations (`fused.py`), bit for bit what
   torch computes, in one call each instead of four to ten.
 * `NativeLayer`: a whole decoder layer in one call (`decodebench_layer_f32`), where every
@@ -103,13 +106,15 @@ def _library(build: str | None = None) -> ctypes.CDLL:
     # torch is imported, so libgomp.so.1 resolves to the OpenMP runtime torch loaded: one thread pool
     lib = ctypes.CDLL(str(target))
     pointer, long = ctypes.c_void_p, ctypes.c_long
-    for name, argtypes in (("pack", [pointer] * 2 + [long] * 2),
-                           ("linear", [pointer] * 4 + [long] * 3),
-                           ("rms_norm", [pointer] * 4 + [long] * 2 + [ctypes.c_float]),
-                           ("rope_store", [pointer] * 6 + [long] * 7),
-                           ("layer", [pointer] * 6 + [ctypes.c_float] * 2 + [pointer] * 13 + [long] * 10
-                            + [ctypes.c_float, long, long])):
-        function = getattr(lib, f"decodebench_{name}_f32")
+    for name, argtypes in (("pack_f32", [pointer] * 2 + [long] * 2),
+                           ("pack_bf16", [pointer] * 2 + [long] * 2),
+                           ("linear_f32", [pointer] * 4 + [long] * 3),
+                           ("linear_bf16", [pointer] * 4 + [long] * 3),
+                           ("rms_norm_f32", [pointer] * 4 + [long] * 2 + [ctypes.c_float]),
+                           ("rope_store_f32", [pointer] * 6 + [long] * 7),
+                           ("layer_f32", [pointer] * 6 + [ctypes.c_float] * 2 + [pointer] * 13 + [long] * 10
+                            + [ctypes.c_float, long, long, long])):
+        function = getattr(lib, f"decodebench_{name}")
         function.restype, function.argtypes = None, argtypes
     for name, argtypes in (("layer_scratch", [long] * 6), ("panel_width", []), ("fma_peak", [long])):
         function = getattr(lib, f"decodebench_{name}")
@@ -160,16 +165,17 @@ def fma_peak(seconds: float = 0.2) -> float:
 # `ValueError` naming the argument; a checked call costs a few microseconds.
 
 def _need(t: torch.Tensor | None, name: str, shape: tuple | None = None, contiguous: bool = True,
-          optional: bool = False) -> None:
-    """t is an fp32 CPU tensor (contiguous unless told), of `shape` where given (None: any size)."""
+          optional: bool = False, dtypes: tuple = (torch.float32,)) -> None:
+    """t is an fp32 CPU tensor (or of `dtypes`; contiguous unless told), of `shape` where given (None: any size)."""
     if t is None:
         if optional:
             return
         raise ValueError(f"native kernels: {name} is required")
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"native kernels: {name} must be a tensor, got {type(t).__name__}")
-    if t.dtype != torch.float32 or t.device.type != "cpu":
-        raise ValueError(f"native kernels: {name} must be float32 on the CPU, got {t.dtype} on {t.device}")
+    if t.dtype not in dtypes or t.device.type != "cpu":
+        want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"native kernels: {name} must be {want} on the CPU, got {t.dtype} on {t.device}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"native kernels: {name} must be contiguous")
     if shape is not None and (len(shape) != t.dim() or any(s is not None and s != d for s, d in zip(shape, t.shape))):
@@ -178,21 +184,36 @@ def _need(t: torch.Tensor | None, name: str, shape: tuple | None = None, contigu
 
 
 def _packed(packed: torch.Tensor, name: str = "packed") -> tuple[int, int]:
-    """A weight `pack` made (this build's panel width): its (panels, in_features)."""
-    _need(packed, name, (None, None, panel_width()))
+    """A weight `pack` made (this build's panel width; fp32 or bf16 panels): its (panels, in_features)."""
+    _need(packed, name, (None, None, panel_width()), dtypes=(torch.float32, torch.bfloat16))
     return packed.shape[0], packed.shape[1]
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """Whether every value of this fp32 tensor is a bfloat16 (its low 16 bits are zero): a draft
+    stored in bf16 and loaded in fp32. A sample is read first, so an ordinary fp32 weight is told in
+    microseconds."""
+    if weight.dtype != torch.float32 or weight.numel() == 0:
+        return False
+    bits = weight.detach().contiguous().view(torch.int32).reshape(-1)
+    return not bool((bits[:4096] & 0xFFFF).any()) and not bool((bits & 0xFFFF).any())
+
+
+def pack(weight: torch.Tensor, bf16: bool | None = None) -> torch.Tensor:
     """fp32 weight [out, in] (any layout) -> the copy `linear` reads: [ceil(out / W), in, W], each
     panel the weights of W = `panel_width()` consecutive outputs for every input (the last zero
-    padded)."""
+    padded). A weight of bf16 values (`bf16_exact`) is packed as bf16 panels: the same outputs from
+    half the bytes. `bf16`: None = as the values allow; False = fp32 panels (to compare the two)."""
     _need(weight, "weight", (None, None), contiguous=False)
     out_features, in_features = weight.shape
     weight = weight.detach().contiguous()
-    width = panel_width()
-    packed = weight.new_empty(-(-out_features // width), in_features, width)
-    _library().decodebench_pack_f32(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
+    width, half = panel_width(), bf16_exact(weight) if bf16 is None else bf16
+    if half and bf16 and not bf16_exact(weight):
+        raise ValueError("native kernels: bf16 panels need a weight of bf16 values (bf16_exact)")
+    packed = weight.new_empty(-(-out_features // width), in_features, width,
+                              dtype=torch.bfloat16 if half else torch.float32)
+    (_library().decodebench_pack_bf16 if half else _library().decodebench_pack_f32)(
+        weight.data_ptr(), packed.data_ptr(), out_features, in_features)
     return packed
 
 
@@ -209,8 +230,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     if not x.is_contiguous():
         x = x.contiguous()
     out = x.new_empty(x.shape[:-1] + (out_features,))
-    _library().decodebench_linear_f32(packed.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None,
-                                      out.data_ptr(), out_features, in_features, x.numel() // in_features)
+    kernel = _library().decodebench_linear_bf16 if packed.dtype == torch.bfloat16 else _library().decodebench_linear_f32
+    kernel(packed.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None,
+           out.data_ptr(), out_features, in_features, x.numel() // in_features)
     return out
 
 
@@ -280,11 +302,14 @@ class NativeLayer:
         for name, p, (outputs, inputs), bias in zip(("qkv", "o", "gate_up", "down"), self.packed,
                                                     ((width, self.attn_width), (hidden, heads * head_dim),
                                                      (2 * intermediate, hidden), (hidden, intermediate)), self.biases):
-            _need(p, f"packed {name}", (-(-outputs // panel_width()), inputs, panel_width()))
+            _need(p, f"packed {name}", (-(-outputs // panel_width()), inputs, panel_width()),
+                  dtypes=(torch.float32, torch.bfloat16))
             _need(bias, f"{name} bias", (outputs,), optional=True)
         for name, norm in zip(("input norm", "post-attention norm"), self.norms):
             _need(norm, name, (hidden,), optional=True)
         self.hidden = hidden
+        # which projections stream bf16 panels (native.c's bits: 1 qkv, 2 o, 4 gate_up, 8 down)
+        self.bf16 = sum(1 << i for i, p in enumerate(self.packed) if p.dtype == torch.bfloat16)
         self.constants = (_pointer(self.norms[0]), _pointer(self.norms[1]), eps[0], eps[1],
                           *(p for pair in zip(self.packed, self.biases)
                             for p in (pair[0].data_ptr(), _pointer(pair[1]))))
@@ -322,5 +347,5 @@ class NativeLayer:
                                   cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), _pointer(mask),
                                   batch, n, hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
                                   keys.shape[2], start, 1 if mask is None else mask.shape[0], self.scaling,
-                                  int(skip_gemms), self.attn_width)
+                                  int(skip_gemms), self.attn_width, self.bf16)
         return y

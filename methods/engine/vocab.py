@@ -35,19 +35,22 @@ def draft_vocab_setting(note: str = ""):
 class DraftVocabulary:
     """The target ids a draft may propose, and its projection onto them."""
 
-    def __init__(self, ids: torch.Tensor, full_size: int, source: str = ""):
+    def __init__(self, ids: torch.Tensor, full_size: int, source: str = "", rows_dtype: torch.dtype | None = None):
+        """`rows_dtype`: bfloat16 = in an fp32 run, the draft's copy of the projection's rows is
+        rounded to bf16 values, as the drafts themselves are stored (the engine's native kernel then
+        streams it in half the bytes; the target's own lm_head is never touched); None = as the target's."""
         ids = torch.as_tensor(ids, dtype=torch.long).unique(sorted=True)
         if ids.numel() == 0 or int(ids[-1]) >= full_size or int(ids[0]) < 0:
             raise ValueError(f"draft vocabulary ids must lie in 0..{full_size - 1}")
-        self.ids, self.full_size, self.source = ids, full_size, source
+        self.ids, self.full_size, self.source, self.rows_dtype = ids, full_size, source, rows_dtype
         self._heads: dict[int, tuple[torch.Tensor, nn.Linear]] = {}  # id(weight) -> (weight, projection on the subset)
 
     def __len__(self) -> int:
         return self.ids.numel()
 
     @classmethod
-    def most_frequent(cls, file: str | Path, size: int, full_size: int,
-                      always: tuple[int, ...] = ()) -> "DraftVocabulary":
+    def most_frequent(cls, file: str | Path, size: int, full_size: int, always: tuple[int, ...] = (),
+                      rows_dtype: torch.dtype | None = None) -> "DraftVocabulary":
         """The `size` most frequent tokens of a frequency file, plus `always` (e.g. EOS ids). When
         the corpus showed fewer than `size` distinct tokens, the unseen ones follow in token-id
         order: for BPE vocabularies that is merge order, a proxy for frequency in the tokenizer's
@@ -64,14 +67,18 @@ class DraftVocabulary:
         chosen = ranked[:size]
         return cls(torch.tensor(chosen + [t for t in always if t not in chosen]), full_size,
                    f"{Path(file).name}: the {min(size, seen)} most frequent of {seen} tokens seen in "
-                   f"{data.get('tokens', '?')}" + (f", then {size - seen} unseen in id order" if seen < size else ""))
+                   f"{data.get('tokens', '?')}" + (f", then {size - seen} unseen in id order" if seen < size else ""),
+                   rows_dtype)
 
     def head(self, weight: torch.Tensor) -> nn.Linear:
         """A Linear H -> K holding the rows of `weight` [V, H] for the subset, copied once
-        (contiguous, so a drafted position streams K rows only); it runs on the engine's linear path."""
+        (contiguous, so a drafted position streams K rows only; rounded to `rows_dtype` values in an
+        fp32 run); it runs on the engine's linear path."""
         entry = self._heads.get(id(weight))
         if entry is None or entry[0] is not weight:
             rows = weight.detach().index_select(0, self.ids.to(weight.device)).contiguous()
+            if self.rows_dtype is not None and rows.dtype == torch.float32:
+                rows = rows.to(self.rows_dtype).float()
             head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
             head.weight = nn.Parameter(rows, requires_grad=False)
             entry = self._heads[id(weight)] = (weight, head)
@@ -88,8 +95,13 @@ class DraftVocabulary:
         out[..., self.ids.to(sub.device)] = sub
         return out
 
+    def subset(self, ids: torch.Tensor) -> "DraftVocabulary":
+        """These of its ids only (a draft LM whose vocabulary is shorter), the same rows' precision."""
+        return DraftVocabulary(ids, self.full_size, self.source, self.rows_dtype)
+
     def describe(self) -> dict:
-        return {"draft_vocab": len(self), "of": self.full_size, "source": self.source}
+        return {"draft_vocab": len(self), "of": self.full_size, "source": self.source,
+                **({"rows_dtype": str(self.rows_dtype).replace("torch.", "")} if self.rows_dtype else {})}
 
 
 def token_frequencies(sequences, vocab_size: int) -> list[list[int]]:
