@@ -28,6 +28,16 @@ def test_tree_budget_follows_the_curve():
     assert verify_cost(CPU, 12) == pytest.approx(1.425) and verify_cost(CPU, 128) == pytest.approx(9.2)
 
 
+def test_a_dip_in_the_measured_curve_does_not_size_a_larger_draft():
+    """One run's curve had t(16) under t(9) (noise: 1.24 against 1.33): sizing on it took 17 tokens,
+    and the run verified at 1.73 AR steps. The envelope keeps each size at least as costly as every
+    smaller one, so the budget stops where the curve first crosses it."""
+    dipped = {1: 1.0, 2: 1.164, 4: 1.052, 8: 1.185, 9: 1.329, 12: 1.512, 16: 1.24, 24: 1.563}
+    assert tree_budget(dipped) == 8  # v(8) = 1.185 <= 1.3 < v(9); not 17 through the dip at 16
+    assert verify_cost(dipped, 16) == pytest.approx(1.512) and verify_cost(dipped, 4) == pytest.approx(1.164)
+    assert verify_cost(CPU, 12) == pytest.approx(1.425)  # a rising curve is its own envelope
+
+
 def test_batch_draft_tokens_shrink_as_the_batch_grows():
     """B sequences verify B x (n + 1) rows: the draft is the most n within the budget of AR's forward at B."""
     assert batch_draft_tokens(CPU, 1) == tree_budget(CPU) - 1 == 8

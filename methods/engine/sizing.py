@@ -1,7 +1,8 @@
 """Method sizes that fit the machine: derived from the machine profile when a method's size is `auto`.
 
 The profile (`methods/machine/profile.py`, `latency_curve`) gives v(n) = t(n) / t(1), the cost of
-verifying n tokens in one target forward in units of a one-token forward; a drafter's cost per drafted token (or level),
+verifying n tokens in one target forward in units of a one-token forward (made non-decreasing in n:
+`envelope`); a drafter's cost per drafted token (or level),
 c, is measured by the profile in the same unit. With a per-position acceptance estimate α:
 
 * a chain of γ drafted tokens (SpS) yields on average E(γ) = (1 - α^(γ+1)) / (1 - α) tokens per step
@@ -28,9 +29,20 @@ def relative(curve: dict[int, float]) -> dict[int, float]:
     return {n: s / one for n, s in sorted(curve.items())}
 
 
+def envelope(curve: dict[int, float]) -> dict[int, float]:
+    """The curve relative to t(1), each size at least as costly as every smaller one: a forward over
+    more tokens does the smaller one's work and more, so a measured dip (t(16) under t(9) in one
+    run's curve) is noise, and sizing on it would take the largest size the dip allows."""
+    out, high = {}, 0.0
+    for n, v in relative(curve).items():
+        high = out[n] = max(high, v)
+    return out
+
+
 def verify_cost(curve: dict[int, float], tokens: int) -> float:
-    """v(tokens), linearly interpolated between the measured sizes (extrapolated past the last)."""
-    rel = relative(curve)
+    """v(tokens) on the curve's `envelope`, linearly interpolated between the measured sizes
+    (extrapolated past the last)."""
+    rel = envelope(curve)
     sizes = sorted(rel)
     if tokens <= sizes[0]:
         return rel[sizes[0]]
