@@ -49,30 +49,28 @@ typedef __m256 vec;
 
 long decodebench_panel_width(void) { return PW; }
 
-void decodebench_pack_f32(const float *W, float *P, long out, long in) {
+/* W [out, in] -> panels [ceil(out / PW)][in][PW], zero padded: fp32 values (H = 0), or the top 16
+ * bits of each, exact for a weight of bf16 values (H = 1; native.py checks it) */
+static inline __attribute__((always_inline)) void pack_panels(const int H, const float *W, void *P, long out, long in) {
     const long panels = (out + PW - 1) / PW;
     #pragma omp parallel for schedule(static)
     for (long p = 0; p < panels; p++)
         for (long k = 0; k < in; k++)
             for (long c = 0; c < PW; c++) {
-                const long o = p * PW + c;
-                P[(p * in + k) * PW + c] = o < out ? W[o * in + k] : 0.0f;
+                const long o = p * PW + c, i = (p * in + k) * PW + c;
+                const float w = o < out ? W[o * in + k] : 0.0f;
+                if (H) {
+                    unsigned int bits;
+                    memcpy(&bits, &w, 4);
+                    ((unsigned short *)P)[i] = (unsigned short)(bits >> 16);
+                } else
+                    ((float *)P)[i] = w;
             }
 }
 
-/* the top 16 bits of each fp32 weight: exact for a weight of bf16 values (native.py checks it) */
-void decodebench_pack_bf16(const float *W, unsigned short *P, long out, long in) {
-    const long panels = (out + PW - 1) / PW;
-    #pragma omp parallel for schedule(static)
-    for (long p = 0; p < panels; p++)
-        for (long k = 0; k < in; k++)
-            for (long c = 0; c < PW; c++) {
-                const long o = p * PW + c;
-                unsigned int bits = 0;
-                if (o < out) memcpy(&bits, W + o * in + k, 4);
-                P[(p * in + k) * PW + c] = (unsigned short)(bits >> 16);
-            }
-}
+void decodebench_pack_f32(const float *W, float *P, long out, long in) { pack_panels(0, W, P, out, in); }
+
+void decodebench_pack_bf16(const float *W, unsigned short *P, long out, long in) { pack_panels(1, W, P, out, in); }
 
 /* PW weights at p: fp32 as stored (H = 0), or bf16 widened exactly to fp32 (H = 1) */
 static inline __attribute__((always_inline)) vec wload(const char *p, const int H) {
