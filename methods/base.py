@@ -386,7 +386,13 @@ class DraftVerifyDecoder(Decoder):
         (batch size 1, or a size that is not `auto`)."""
         if batch <= 1 or self.batch_curve is None:
             return None
-        return batch_draft_tokens(self.batch_curve, batch)
+        # once per curve and batch size (the loop asks every step; the curve is set after construction)
+        budgets = self.__dict__.setdefault("_batch_budgets", {})
+        curve, budget = budgets.get(batch, (None, None))
+        if curve is not self.batch_curve:
+            budget = batch_draft_tokens(self.batch_curve, batch)
+            budgets[batch] = self.batch_curve, budget
+        return budget
 
     def draft_state(self, index: int) -> Any:
         """The drafter sequence `index` of a batch drafts with (`DecodeState.draft`): a method whose

@@ -11,7 +11,7 @@ import torch
 
 from methods.base import BuildContext, get_method
 from methods.engine.runner import ModelRunner
-from methods.engine.sizing import batch_draft_tokens, chain_length, tree_budget, verify_cost
+from methods.engine.sizing import batch_draft_tokens, chain_length, tree_budget, verify_cost, verify_costs
 from methods.engine.static_trees import MEDUSA_MC_SIM_7B_63, StaticTree
 from methods.machine.curves import forward_latency
 from methods.machine.profile import MachineProfile
@@ -45,6 +45,32 @@ def test_batch_draft_tokens_shrink_as_the_batch_grows():
     assert batch_draft_tokens(CPU, 8) == 1  # v(16) = 1.6 <= 1.625 < v(24)
     assert batch_draft_tokens(FLAT, 8) == 64  # a flat curve: the batch changes nothing
     assert batch_draft_tokens({1: 1.0, 2: 2.0, 4: 4.0}, 4) == 1  # at least one draft token
+
+
+def test_eagle2s_adaptive_size_reads_a_verify_table_made_once_per_batch_size(monkeypatch):
+    """The adaptive size weighs every candidate count each step: it reads t(B n) / B from a table made
+    once per curve and batch size (`verify_times`), and chooses what the interpolated curve chooses."""
+    from types import MethodType
+
+    from methods.eagle import dynamic
+
+    made = []
+    monkeypatch.setattr(dynamic, "verify_costs", lambda curve, tokens: made.append(len(tokens)) or verify_costs(
+        curve, tokens))
+    stub = type("Stub", (), {})()
+    stub.verify_seconds, stub.total_tokens, stub.draft_seconds = {n: 0.01 * v for n, v in CPU.items()}, 64, 0.003
+    stub._verify_tables = {}
+    for name in ("adaptive_size", "verify_time", "verify_times"):
+        setattr(stub, name, MethodType(getattr(dynamic.Eagle2Decoder, name), stub))
+    probabilities = [0.9 ** i for i in range(1, 64)]
+    for batch in (1, 2, 4, 1, 2, 4):
+        one = 0.01 / batch
+
+        def rate(n):
+            return (1 + sum(probabilities[:n])) / (0.003 + verify_cost(CPU, batch * (n + 1)) * one)
+        assert stub.adaptive_size(probabilities, True, batch) == max(range(64), key=rate)
+        assert stub.verify_time(9, batch) == pytest.approx(verify_cost(CPU, 9 * batch) * one)
+    assert len(made) == 3  # one table per batch size
 
 
 def test_chain_length_trades_acceptance_against_draft_and_verify_cost():

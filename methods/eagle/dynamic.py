@@ -9,7 +9,7 @@ import time
 import torch
 
 from ..base import BuildContext, register
-from ..engine.sizing import verify_cost
+from ..engine.sizing import verify_costs
 from ..engine.tree import DeviceTree, Tree
 from ..models.heads.eagle import EagleHead, load_eagle_head
 from ..models.heads.source import head_spec
@@ -34,6 +34,7 @@ class Eagle2Decoder(EagleBase):
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
         self.verify_seconds = verify_seconds  # adaptive sizing: target forward seconds by tokens
         self.draft_seconds = 0.0  # adaptive sizing: running mean of one step's drafting time
+        self._verify_tables: dict[int, tuple[dict, list[float]]] = {}  # batch -> (the curve, `verify_times`)
         self._follow_seconds = 0.0
 
     def describe(self):
@@ -166,10 +167,11 @@ class Eagle2Decoder(EagleBase):
         `batch`: the sequences verified together (greedy at B > 1, `methods/batched.py`): each pays its
         share of a forward over B times its rows, t(B n) / B, as if every sequence drafted as many."""
         draft = self.draft_seconds if greedy else 0.0
-        expected, best, best_rate = 1.0, 0, 1.0 / (draft + self.verify_time(1, batch))
+        seconds = self.verify_times(len(probabilities) + 1, batch)
+        expected, best, best_rate = 1.0, 0, 1.0 / (draft + seconds[1])
         for n, p in enumerate(probabilities, start=1):
             expected += p
-            rate = expected / (draft + self.verify_time(n + 1, batch))
+            rate = expected / (draft + seconds[n + 1])
             if rate > best_rate:
                 best, best_rate = n, rate
         return best
@@ -177,8 +179,18 @@ class Eagle2Decoder(EagleBase):
     def verify_time(self, tokens: int, batch: int = 1) -> float:
         """Seconds of a target forward of `tokens` tokens, interpolated from the measured sizes; with
         `batch`, one sequence's share of a forward of `batch` x `tokens` rows."""
-        one = self.verify_seconds[min(self.verify_seconds)]
-        return verify_cost(self.verify_seconds, batch * tokens) * one / batch
+        return self.verify_times(tokens, batch)[tokens]
+
+    def verify_times(self, largest: int, batch: int = 1) -> list[float]:
+        """`verify_time` of 0 .. `largest` tokens at `batch`, made once per curve and batch size (and
+        again only for a longer list): every step's adaptive size reads it."""
+        curve, table = self._verify_tables.get(batch, (None, []))
+        if curve is not self.verify_seconds or len(table) <= largest:
+            curve, one = self.verify_seconds, self.verify_seconds[min(self.verify_seconds)]
+            size = max(largest + 1, self.total_tokens + 1)
+            table = [cost * one / batch for cost in verify_costs(curve, [batch * n for n in range(size)])]
+            self._verify_tables[batch] = curve, table
+        return table
 
 
 def auto_total_tokens(profile, target, sizes=(40, 48, 50, 56, 60), weights=(1, 1.05, 1.07, 1.1, 1.13),

@@ -42,16 +42,27 @@ def envelope(curve: dict[int, float]) -> dict[int, float]:
 def verify_cost(curve: dict[int, float], tokens: int) -> float:
     """v(tokens) on the curve's `envelope`, linearly interpolated between the measured sizes
     (extrapolated past the last)."""
+    return verify_costs(curve, [tokens])[0]
+
+
+def verify_costs(curve: dict[int, float], tokens) -> list[float]:
+    """`verify_cost` at each of `tokens`, the envelope made once (a step's sizing asks for dozens)."""
     rel = envelope(curve)
     sizes = sorted(rel)
-    if tokens <= sizes[0]:
-        return rel[sizes[0]]
-    for low, high in zip(sizes, sizes[1:]):
-        if tokens <= high:
-            w = (tokens - low) / (high - low)
-            return (1 - w) * rel[low] + w * rel[high]
-    low, high = sizes[-2], sizes[-1]
-    return rel[high] + (rel[high] - rel[low]) / (high - low) * (tokens - high)
+    out = []
+    for n in tokens:
+        if n <= sizes[0]:
+            out.append(rel[sizes[0]])
+            continue
+        for low, high in zip(sizes, sizes[1:]):
+            if n <= high:
+                w = (n - low) / (high - low)
+                out.append((1 - w) * rel[low] + w * rel[high])
+                break
+        else:
+            low, high = sizes[-2], sizes[-1]
+            out.append(rel[high] + (rel[high] - rel[low]) / (high - low) * (n - high))
+    return out
 
 
 def chain_length(curve: dict[int, float], draft_cost: float, alpha: float, longest: int = 8) -> tuple[int, dict]:
@@ -77,11 +88,8 @@ def batch_draft_tokens(curve: dict[int, float], batch: int, budget: float = VERI
     times AR's at the same batch size, v(B (n + 1)) <= budget v(B) (at B = 1, v(1) = 1). A batch's
     forward holds B times the rows, so on a CPU, where v bends past ~8 rows, the draft shrinks as B
     grows (docs/batching.md)."""
-    best, ar = 1, verify_cost(curve, batch)
-    for n in range(1, largest + 1):
-        if verify_cost(curve, batch * (n + 1)) <= budget * ar:
-            best = n
-    return best
+    ar, *costs = verify_costs(curve, [batch] + [batch * (n + 1) for n in range(1, largest + 1)])
+    return max([1] + [n for n, cost in enumerate(costs, start=1) if cost <= budget * ar])
 
 
 def held_out_acceptance(draft_folder: str | None, default: float = DEFAULT_ALPHA) -> float:
