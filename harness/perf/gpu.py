@@ -8,14 +8,18 @@ each shape (the embedded SmolLM2-135M's, and Vicuna-7B's), built on the GPU in t
     bandwidth;
   * the target's forward latency by tokens per forward (1..64 after a 256-token prefix): the engine
     with CUDA graphs (`engine.cuda_graphs=on`: one captured static step per size), the engine
-    without (`off`), and the `transformers` decoder stack, interleaved;
-  * AR tokens/s with graphs on and off against `transformers` `generate` (greedy; the share of
-    tokens before the first difference: in fp16 kernels of another order differ at near-ties),
-    and the AR step against the roofline; the one-token graph's kernel count and replay time;
+    without (`off`), and the `transformers` decoder stack, interleaved; then, at 1, 8 and 64 tokens,
+    the graphs with each static step compiled first (`engine.compile=on`, and `max-autotune`:
+    `--compile`), beside the plain graphs again;
+  * AR tokens/s with graphs on (plain, and compiled in each `--compile` mode) and off against
+    `transformers` `generate` (greedy; the share of tokens before the first difference: in fp16
+    kernels of another order differ at near-ties), and the AR step against the roofline; the
+    one-token graph's kernel count and replay time, plain and compiled;
   * an oracle draft: a chain of γ of AR's own next tokens verified per step (every one accepted,
     τ = γ + 1): what the engine gives a drafter that is always right and free, by γ.
 
     python -m harness.perf.gpu [--shapes smollm2-135m,vicuna-7b] [--dtype float16] [--new-tokens 128]
+                               [--compile on,max-autotune]
 
 Writes results/perf/gpu-<gpu>-<dtype>.json.
 """
@@ -31,6 +35,7 @@ import torch
 
 from harness.perf.workload import timed_generations, write_result
 from methods.ar import AutoregressiveDecoder
+from methods.engine.graphs import COMPILE_MODES
 from methods.engine.runner import ModelRunner
 from methods.engine.stopping import StopCondition
 from methods.engine.tree import Tree
@@ -39,6 +44,7 @@ from methods.machine.probes import read_bandwidth, weight_bytes
 from methods.machine.profile import MachineProfile
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
+COMPILED_SIZES = (1, 8, 64)  # a compilation per size: the compiled graphs are timed at these only
 # the published configurations (config.json of HuggingFaceTB/SmolLM2-135M-Instruct and lmsys/vicuna-7b-v1.3)
 SHAPES = {
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -100,15 +106,15 @@ def oracle_chain(runner: ModelRunner, prompt: list[int], answer: list[int], gamm
 
 
 def one_token_step(runner: ModelRunner, replays: int = 50) -> dict | None:
-    """The captured one-token step: its kernel count (profiled once, eagerly) and one replay's time
-    alone (its writes land past the cache's end: harmless)."""
+    """The captured one-token step: its kernel count (profiled once, as it runs: compiled under
+    `engine.compile`) and one replay's time alone (its writes land past the cache's end: harmless)."""
     step = runner.static.steps.get(1) if runner.static else None
     if step is None or step.graph is None:
         return None
     from torch.profiler import ProfilerActivity, profile  # lazy: the profiler (only on a GPU)
 
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step.compute()
+        step.step()
         torch.cuda.synchronize()
     kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     torch.cuda.synchronize()
@@ -119,7 +125,21 @@ def one_token_step(runner: ModelRunner, replays: int = 50) -> dict | None:
     return {"kernels": kernels, "replay_seconds": (time.perf_counter() - start) / replays}
 
 
-def measure_shape(shape: str, dtype: torch.dtype, device: torch.device, new_tokens: int, gammas=(1, 2, 4, 7)) -> dict:
+def compiled_curves(graphs: ModelRunner, compiled: dict[str, ModelRunner]) -> dict:
+    """The compiled runners' forward latencies at `COMPILED_SIZES`, interleaved with the plain graphs'
+    again (each compilation happens in the untimed first run of its size), printed beside them."""
+    if not compiled:
+        return {}
+    curves = forward_latencies({"graphs": graphs, **compiled}, COMPILED_SIZES, prefix_length=256, repeats=9)
+    print("  compiled static steps (torch.compile, then captured), median ms and ratio to the plain graphs':")
+    for name, curve in curves.items():
+        print("  " + f"{name:<24}" + "".join(f"  t({n}) {1000 * curve[n]:.3f} ({curve[n] / curves['graphs'][n]:.2f}x)"
+                                             for n in COMPILED_SIZES))
+    return {name: curve for name, curve in curves.items() if name != "graphs"}
+
+
+def measure_shape(shape: str, dtype: torch.dtype, device: torch.device, new_tokens: int, gammas=(1, 2, 4, 7),
+                  compile_modes=("on", "max-autotune")) -> dict:
     model = random_model(shape, dtype, device)
     weights = weight_bytes(model)
     bandwidth = read_bandwidth(2048, device=device)
@@ -137,17 +157,24 @@ def measure_shape(shape: str, dtype: torch.dtype, device: torch.device, new_toke
         print("  " + f"{name:<14}" + "".join(f"{1000 * curve[n]:>8.3f} {curve[n] / curve[1]:>4.2f}x" for n in SIZES))
     print(f"  t(1) with graphs = {curves['graphs'][1] / roofline:.2f}x the roofline; without = "
           f"{curves['eager'][1] / roofline:.2f}x", flush=True)
-    inside = one_token_step(runners["graphs"])
-    if inside:
-        print(f"  the one-token step's graph: {inside['kernels']} kernels, replayed alone in "
-              f"{1000 * inside['replay_seconds']:.3f} ms ({1e6 * inside['replay_seconds'] / inside['kernels']:.1f} µs "
-              "a kernel); "
-              f"the rest of t(1) is the host's (inputs, cache lengths, LM head, the read)", flush=True)
+    compiled = {f"graphs, {mode}": ModelRunner(model, cuda_graphs="on", profile=profile, compile=mode)
+                for mode in compile_modes}
+    curves.update(compiled_curves(runners["graphs"], compiled))
+    inside = {}
+    for name in ("graphs", *compiled):
+        one = one_token_step({**runners, **compiled}[name])
+        if one:
+            inside[name] = one
+            print(f"  the one-token step's graph ({name}): {one['kernels']} kernels, replayed alone in "
+                  f"{1000 * one['replay_seconds']:.3f} ms ({1e6 * one['replay_seconds'] / one['kernels']:.1f} µs "
+                  "a kernel); "
+                  f"the rest of t(1) is the host's (inputs, cache lengths, LM head, the read)", flush=True)
 
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, SHAPES[shape]["vocab_size"], (64,), generator=generator).tolist() for _ in range(3)]
     stop = StopCondition(new_tokens)  # no EOS: every contender makes exactly new_tokens tokens
     ar = {mode: AutoregressiveDecoder(ModelRunner(model, cuda_graphs=mode, profile=profile)) for mode in ("on", "off")}
+    ar.update({mode: AutoregressiveDecoder(runner) for mode, runner in compiled.items()})
 
     def generate(prompt):
         ids = torch.tensor([prompt], device=device)
@@ -156,6 +183,7 @@ def measure_shape(shape: str, dtype: torch.dtype, device: torch.device, new_toke
         return out[0, len(prompt):].tolist()
 
     contenders = {"ar, graphs": lambda p: ar["on"].generate(p, stop).tokens,
+                  **{f"ar, {mode}": (lambda p, mode=mode: ar[mode].generate(p, stop).tokens) for mode in compiled},
                   "ar, no graphs": lambda p: ar["off"].generate(p, stop).tokens, "generate": generate}
     for run in contenders.values():  # warm-up: captures, cuBLAS heuristics, generate's compile
         run(prompts[0])
@@ -164,9 +192,10 @@ def measure_shape(shape: str, dtype: torch.dtype, device: torch.device, new_toke
           ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items())
           + "; tokens equal to the first's before the first difference: " +
           ", ".join(f"{name} {share:.0%}" for name, share in same.items()))
-    step = 1 / rates["ar, graphs"]
-    print(f"  AR step with graphs {1000 * step:.3f} ms = {step / roofline:.2f}x the roofline; "
-          f"{rates['ar, graphs'] / rates['generate']:.2f}x generate", flush=True)
+    for name in ("ar, graphs", *(f"ar, {mode}" for mode in compiled)):
+        step = 1 / rates[name]
+        print(f"  AR step ({name}) {1000 * step:.3f} ms = {step / roofline:.2f}x the roofline; "
+              f"{rates[name] / rates['generate']:.2f}x generate", flush=True)
 
     answer = ar["on"].generate(prompts[0], StopCondition(new_tokens)).tokens
     runner = ar["on"].target
@@ -180,7 +209,7 @@ def measure_shape(shape: str, dtype: torch.dtype, device: torch.device, new_toke
               "oracle_tokens_per_second_by_gamma": oracle, "captures": runners["graphs"].static.captures,
               "static_step_rows": sorted(runners["graphs"].static.steps)}
     # frees them before empty_cache (rebound, not deleted: generate and the contenders close over model and ar)
-    model = runners = ar = None
+    model = runners = compiled = ar = None
     torch.cuda.empty_cache()
     return result
 
@@ -190,12 +219,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--shapes", default="smollm2-135m,vicuna-7b")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--compile", default="on,max-autotune",
+                        help="engine.compile modes timed beside the plain graphs, comma-separated; none: none")
     parser.add_argument("--out", type=Path, default=Path("results/perf"))
     args = parser.parse_args(argv)
     shapes = args.shapes.split(",")
     unknown = sorted(set(shapes) - set(SHAPES))
     if unknown:
         parser.error(f"unknown shape(s) {', '.join(unknown)}; valid: {', '.join(SHAPES)}")
+    modes = [] if args.compile == "none" else args.compile.split(",")
+    bad = sorted(set(modes) - (set(COMPILE_MODES) - {"off"}))
+    if bad:
+        parser.error(f"unknown --compile mode(s) {', '.join(bad)}; valid: none, on, max-autotune")
     if not torch.cuda.is_available():
         parser.error(
             "no CUDA device: `make perf-gpu` measures the engine on a GPU (`make perf` measures it on this CPU)"
@@ -205,7 +240,9 @@ def main(argv=None) -> dict:
     print(f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}; random weights: engine efficiency only "
           "(τ needs the real target and drafts)")
     result = {"gpu": name, "torch": torch.__version__, "dtype": args.dtype,
-              "shapes": {s: measure_shape(s, getattr(torch, args.dtype), device, args.new_tokens) for s in shapes}}
+              "compile": modes,
+              "shapes": {s: measure_shape(s, getattr(torch, args.dtype), device, args.new_tokens, compile_modes=modes)
+                         for s in shapes}}
     write_result(args.out, f"gpu-{name.replace(' ', '-').lower()}-{args.dtype}", result)
     return result
 

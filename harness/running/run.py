@@ -97,7 +97,8 @@ class Benchmark:
                                self.profile)
         params = OmegaConf.to_container(cfg.method, resolve=True)
         self.decoders: dict[str, Decoder] = {
-            name: get_method(name)(ModelRunner(self.model, skinny, forward, graphs, profile=self.profile),
+            name: get_method(name)(ModelRunner(self.model, skinny, forward, graphs, profile=self.profile,
+                                               compile=cfg.engine.compile),
                                    params if name == cfg.method.name else {}, context)
             for name in self.names}
 
@@ -110,6 +111,7 @@ class Benchmark:
         return {"dtype_reason": self.dtype_reason, "skinny_gemm": self.cfg.engine.skinny_gemm,
                 "decoder": "fused" if target.fused else f"transformers ({target.unfused_reason})",
                 "cuda_graphs": f"{self.cfg.engine.cuda_graphs} ({target.graph_mode})",
+                "compile": self.cfg.engine.compile,
                 "linear_kernels": linear.plan.to_dict()["kernels"] if linear.plan else None,
                 "profiles": self.profile.used()}
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import torch
 from hydra import initialize_config_dir
 from hydra._internal.utils import get_args_parser
 from hydra.core.global_hydra import GlobalHydra
@@ -26,7 +27,7 @@ from harness.running.execution import require_sandbox
 from methods.base import check_method_params, method_settings
 from methods.batched import batchable_methods
 from methods.engine.fused import DECODER_MODES
-from methods.engine.graphs import GRAPH_MODES
+from methods.engine.graphs import COMPILE_MODES, GRAPH_MODES
 from methods.engine.params import BOOL, Check, ConfigError, integer, null, number, one_of
 from methods.engine.runner import SKINNY_GEMM_MODES
 from methods.models.loading import DTYPES
@@ -54,6 +55,7 @@ SCHEMA: dict[str, Check] = {
     "engine.skinny_gemm": one_of(*SKINNY_GEMM_MODES),
     "engine.decoder": one_of(*DECODER_MODES),
     "engine.cuda_graphs": one_of(*GRAPH_MODES),
+    "engine.compile": one_of(*COMPILE_MODES),
     "model.draft_vocabulary.dtype": null() | one_of("bfloat16"),
 }
 
@@ -64,6 +66,7 @@ def validate(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if not check(value):
             raise ConfigError(key, value, check.valid)
+    check_compile(cfg)
     path = cfg.model.get("path")
     if path and str(path).startswith(("/", "./", "../", "~")) and not Path(str(path)).expanduser().exists():
         raise ConfigError("model.path", path, "an existing local folder (a Hugging Face model, or one holding the "
@@ -76,6 +79,17 @@ def validate(cfg: DictConfig) -> None:
     if "humaneval_pass_at_1" in quality.values():  # runs generated code: only in a sandbox, or opted in
 
         require_sandbox()
+
+
+def check_compile(cfg: DictConfig) -> None:
+    """`engine.compile` other than off compiles the static steps, so it needs them: `engine.cuda_graphs=on`, or auto
+    on a GPU (`device` cuda, or auto where CUDA is present)."""
+    graphs, device = cfg.engine.cuda_graphs, str(cfg.device)
+    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    mode = cfg.engine.compile
+    if mode != "off" and (graphs == "off" or (graphs == "auto" and not on_gpu)):
+        raise ConfigError("engine.compile", mode, f"off; {mode} needs the static steps it compiles: "
+                          f"engine.cuda_graphs=on (it is {graphs}; auto is on only on a GPU)")
 
 
 def models_with_draft(kind: str) -> list[str]:

@@ -21,8 +21,9 @@ true features, so the head's cache always equals the one built along the accepte
   On the device: the expansion, the rerank and, at a fixed size, the tree's structure
   (`tree.DeviceTree`) never come back to the host, so a greedy step reads once (the acceptance);
   the adaptive size is the host's choice, from one more read.
-Under `engine.cuda_graphs` both depth loops (EAGLE-1's template, EAGLE-2's expansion) run over the
-head's reserved cache at device positions (`StaticDraft`), captured as one CUDA graph on a GPU.
+Under `engine.cuda_graphs` the whole draft step, the follow of the last accepted path (deferred to
+it) and either depth loop (EAGLE-1's template, EAGLE-2's expansion), runs over the head's reserved
+cache at device positions (`StaticDraft`), captured as one CUDA graph on a GPU.
 Sampling (temperature > 0), `method.sampling_rule`:
 * `eagle1` (`eagle`'s default), EAGLE-1's own (SafeAILab/EAGLE v1: `cnets.py` `Model.sample` /
   `topK_genrate`, `utils.py` `evaluate_posterior`): each expanded node's children are *sampled*
@@ -38,7 +39,7 @@ Sampling (temperature > 0), `method.sampling_rule`:
 Both preserve the target distribution. Greedy decoding (temperature 0) is the same for both.
 
 The package: `settings.py` (the three methods' settings classes), `drafter.py` (`EagleDrafter`: the
-head, its cache and its tree levels), `static_draft.py` (`StaticDraft`: the depth loop as one static
+head, its cache and its tree levels), `static_draft.py` (`StaticDraft`: the draft step as one static
 computation), `decoder.py` (`EagleBase`: what the three decoders share), `template.py` (`eagle`),
 `dynamic.py` (`eagle2`: expansion, rerank, sizing) and `eagle3.py` (`eagle3`). Importing the package
 registers the three (`base.available_methods` imports every module and package beside `base.py`).

@@ -1,5 +1,6 @@
 """What the EAGLE family's decoders share: one drafter per sequence of a batch, the head following the
-prefill and every accepted path with the target's features, and the draft loop `StaticDraft` runs."""
+prefill and every accepted path with the target's features, and the draft step `StaticDraft` runs
+(under `engine.cuda_graphs`, the follow of the accepted path and the depth loop in one computation)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ class EagleBase(DraftVerifyDecoder):
         super().__init__(target, sizing)
         self.drafter = self.make_drafter(head, vocabulary)
         self.lane_drafters = [self.drafter]  # sequence i of a batch drafts with lane_drafters[i] (`draft_state`)
-        # `engine.cuda_graphs`: the draft depth loop as a static computation (a CUDA graph on a GPU)
-        self.static = None if target.graph_mode == "off" else StaticDraft(self, target.graph_mode == "graphs")
+        # `engine.cuda_graphs`: the draft step as a static computation (a CUDA graph on a GPU; `engine.compile`)
+        self.static = None if target.graph_mode == "off" else \
+            StaticDraft(self, target.graph_mode == "graphs", target.compiled)
 
     # the draft loop a `StaticDraft` runs: its levels from the root's state, fed by `feed`; the head
     # entries a loop of depth `key` feeds; the depth a graph is captured at
@@ -38,10 +40,15 @@ class EagleBase(DraftVerifyDecoder):
             self.lane_drafters.append(self.make_drafter(self.drafter.head, self.drafter.vocabulary))
         return self.lane_drafters[index]
 
-    def static_for(self, state, depth: int) -> StaticDraft | None:
-        """The static draft loop when this sequence's drafter is the one it runs and it is ready at `depth`."""
+    def static_for(self, state, depth: int, usable: bool = True) -> StaticDraft | None:
+        """The static draft step when this sequence's drafter is the one it runs, it is ready at `depth`
+        and the caller can use it (`usable`); else None, and the drafter's root is current (a deferred
+        follow fed now: `EagleDrafter.settle`)."""
         static = self.static
-        return static if static is not None and state.draft is self.drafter and static.ready(depth) else None
+        if usable and static is not None and state.draft is self.drafter and static.ready(depth):
+            return static
+        state.draft.settle()
+        return None
 
     def make_drafter(self, head, vocabulary) -> EagleDrafter:
         drafter = EagleDrafter(head, self.target.lm_head, vocabulary)
@@ -67,4 +74,8 @@ class EagleBase(DraftVerifyDecoder):
         path = acceptance.path
         # the emitted tokens are on the host already (the step's one read): no second read of the tree
         tokens = acceptance.emitted or tree.tokens[path[1:]].tolist() + [acceptance.next_token]
-        state.draft.follow(tokens, self.features(verified)[path])
+        features = self.features(verified)[path]
+        if self.static is not None and state.draft is self.drafter:
+            state.draft.defer(tokens, features)  # fed by the next draft step, in its computation
+        else:
+            state.draft.follow(tokens, features)

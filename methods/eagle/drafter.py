@@ -39,6 +39,9 @@ class EagleDrafter:
         and a tree's entries), its buffers are allocated once at that size and the RoPE table as long,
         and the next answer reuses them while they are large enough (as `ModelRunner.reserve`)."""
         self.committed = 0
+        # an accepted path not yet fed (`defer`): (tokens, features), fed by `settle` or inside the
+        # static draft step (`StaticDraft`), which folds it into the levels that follow
+        self.pending: tuple[list[int], torch.Tensor] | None = None
         if capacity is None:
             self.cache = TreeKVCache()
             return
@@ -84,19 +87,40 @@ class EagleDrafter:
         """The head's logits for the root's children over the target's vocabulary (`full` of `root_draft`)."""
         return self.full(self.root_draft)
 
+    def follow_inputs(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features along the accepted tokens -> what the head's layer reads with them
+        (EAGLE: the features themselves; EAGLE-3 fuses its three layers')."""
+        return features
+
     def follow(self, tokens: Sequence[int], features: torch.Tensor) -> None:
         """Drop the tree entries; append pairs (tokens[i], features[i]) of the accepted sequence.
         Sets `root_hidden` / `root_draft` (draft-vocabulary logits): the head's prediction for the new
         root's children."""
+        self.settle()
         self.cache.rollback(self.committed)
         n = len(tokens)
         positions = torch.arange(self.committed, self.committed + n, device=self.device)
         causal = torch.ones(n, n, dtype=torch.bool).tril_()
         mask = attention_mask(causal, self.committed, self.dtype, self.device) if n > 1 else None
+        with torch.inference_mode():
+            features = self.follow_inputs(features)
         hidden = self._feed(tokens, features, positions, mask, self.committed + n)
         self.committed += n
         self.root_hidden = hidden[-1]
         self.root_draft = self.draft_logits(hidden[-1])
+
+    def defer(self, tokens: Sequence[int], features: torch.Tensor) -> None:
+        """`follow` left for the next draft step: the static draft step (`StaticDraft`) feeds the path
+        and drafts the levels in one computation; any other reader of the root calls `settle` first."""
+        self.settle()
+        self.pending = (list(tokens), features)
+
+    def settle(self) -> None:
+        """Feed a deferred accepted path now (`follow`), so that `root_hidden` / `root_draft` are current."""
+        if self.pending is not None:
+            tokens, features = self.pending
+            self.pending = None
+            self.follow(tokens, features)
 
     def feed_level(self, tokens: Sequence[int] | torch.Tensor, parent_hidden: torch.Tensor, depth: int,
                    visible: list[list[int]] | torch.Tensor) -> torch.Tensor:
@@ -110,14 +134,36 @@ class EagleDrafter:
         positions = torch.full((n,), self.committed + depth - 1, device=self.device)
         return self._feed(tokens, parent_hidden, positions, mask, self.committed + depth)
 
-    def static_room(self, drafted: int) -> bool:
-        """Whether `drafted` tree entries can be fed at device positions after the committed pairs
-        (`feed_static`): a fused layer over a reserved cache whose buffers exist, with room for them."""
+    def static_room(self, slots: int) -> bool:
+        """Whether `slots` positions after the committed pairs can be written at device positions
+        (`follow_static`, `feed_static`): a fused layer over a reserved cache whose buffers exist, with
+        room for them."""
         capacity, layers = self.cache.capacity, self.cache.layers
         return (self.fused is not None and capacity is not None and len(layers) == 1
                 and layers[0].key_buffer is not None and layers[0].key_buffer.shape[-2] == capacity
-                and self.committed + drafted <= capacity
+                and self.committed + slots <= capacity
                 and self.fused.rope.cos is not None and self.fused.rope.cos.shape[0] >= capacity)
+
+    def follow_static(self, tokens: torch.Tensor, features: torch.Tensor, start: torch.Tensor,
+                      count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`follow` at device positions, what the static draft step runs before its levels: the first
+        `count` [1] of the `rows` pairs (tokens [rows], features [rows, .]; the rest is padding) are
+        written at slots `start` [1] onwards, causally, over the committed pairs; the padding rows
+        write slots the levels then overwrite (or that stay hidden). Returns the root's hidden state
+        and draft logits (the last real row's); the caller moves `committed` and the cache's length."""
+        layer, rope = self.fused.layer, self.fused.rope
+        rows = tokens.shape[0]
+        x, attn_in = self.head.layer_inputs(tokens, self.follow_inputs(features))
+        slots = start + torch.arange(rows, device=self.device)
+        cos, sin = rope.cos[slots].view(1, rows, 1, -1), rope.sin[slots].view(1, rows, 1, -1)
+        causal = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril_()
+        columns = torch.arange(self.cache.capacity, device=self.device)
+        buffers = self.cache.layers[0]
+        hidden = static_layer(layer, x[None], cos, sin, buffers.key_buffer, buffers.value_buffer, slots,
+                              static_mask(columns, start, causal, self.dtype),
+                              None if attn_in is None else attn_in[None])[0]
+        root = hidden.index_select(0, count - 1)[0]
+        return root, self.draft_logits(root)
 
     def feed_static(self, tokens: torch.Tensor, parent_hidden: torch.Tensor, depth: int, visible: torch.Tensor,
                     start: torch.Tensor) -> torch.Tensor:

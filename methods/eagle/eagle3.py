@@ -33,11 +33,9 @@ class Eagle3Drafter(EagleDrafter):
         with torch.inference_mode():
             return self.head.draft_logits(hidden)
 
-    def follow(self, tokens, features: torch.Tensor) -> None:
-        """`features` [n, 3·H_t]: the target's three layers' inputs along the accepted tokens."""
-        with torch.inference_mode():
-            fused = self.head.fuse(features)
-        super().follow(tokens, fused)
+    def follow_inputs(self, features: torch.Tensor) -> torch.Tensor:
+        """`features` [n, 3·H_t]: the target's three layers' inputs along the accepted tokens, fused."""
+        return self.head.fuse(features)
 
 
 class Eagle3Decoder(Eagle2Decoder):

@@ -56,7 +56,7 @@ class EagleDecoder(EagleBase):
         # EAGLE-1 at temperature > 0: each parent's children are sampled
         sampled = self.sampling_rule == "eagle1" and not state.sampling.greedy
         drafter = state.draft
-        static = None if sampled else self.static_for(state, depth_limit)
+        static = self.static_for(state, depth_limit, usable=not sampled)
         if static is not None:
             tokens, _ = static.run(depth_limit)
             draft_probs = None

@@ -25,6 +25,15 @@ captures one graph per rows bucket the first time that size runs (after two warm
 stream, with the step's real inputs: they write only free cache positions) and replays it after;
 on a CPU `on` runs the same static step eagerly, which is what the CPU tests compare with the
 ordinary forward (`torch.compile(fullgraph=True)` of it proves it has no graph break).
+
+`engine.compile`: `off`, `on` or `max-autotune`: every static computation (the target's steps, the
+EAGLE family's draft step) is compiled by `torch.compile` (Inductor, whole graph, static shapes: one
+compilation per rows bucket) before it is captured or run; `max-autotune` also benchmarks GEMM
+kernels for each shape (Inductor's `max-autotune-no-cudagraphs`: the capture is this module's).
+Inductor fuses what the eager step launches one by one (an fp16 RMSNorm's eight elementwise
+kernels, RoPE's four, the mask's) into a few kernels; on a GPU that is what a graph's kernel count,
+and so the 135M step, comes down to. It needs the static steps (`engine.cuda_graphs` on, or auto on
+a GPU: `check_compile`).
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ import torch.nn.functional as F
 from .fused import FusedDecoder, rms_norm
 
 GRAPH_MODES = ("auto", "on", "off")
+# `engine.compile` -> torch.compile's mode (None: not compiled)
+COMPILE_MODES = {"off": None, "on": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 T = TypeVar("T")
 # rows a static step takes: a verification is padded to the smallest that holds it (`ModelRunner.verify`)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -50,6 +61,31 @@ def graph_mode(mode: str, device: torch.device) -> str:
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return "off"
     return "graphs" if device.type == "cuda" else "eager"
+
+
+def check_compile(compile_mode: str, graph_mode_: str) -> str | None:
+    """`engine.compile` against the resolved graph mode: torch.compile's mode for the static
+    computations, None when they are not compiled."""
+    if compile_mode not in COMPILE_MODES:
+        raise ValueError(f"engine.compile={compile_mode!r}; valid: {', '.join(COMPILE_MODES)}")
+    if compile_mode != "off" and graph_mode_ == "off":
+        raise ValueError(f"engine.compile={compile_mode} compiles the static steps: it needs engine.cuda_graphs=on "
+                         "(auto is on only on a GPU) and the engine's fused forward")
+    return COMPILE_MODES[compile_mode]
+
+
+def compiled(compute: Callable[[], T], mode: str | None) -> Callable[[], T]:
+    """`compute` compiled by Inductor in `mode` as one graph of static shapes (`engine.compile`), or
+    itself (None). Every static step (a rows bucket, a runner) compiles the same code again: Dynamo's
+    limit of 8 compilations per code object, past which it would quietly run the rest uncompiled, is
+    raised to 64, and reaching it is an error."""
+    if mode is None:
+        return compute
+    import torch._dynamo.config as dynamo  # lazy: only a compiled run touches Dynamo's settings
+
+    dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
+    dynamo.fail_on_recompile_limit_hit = True
+    return torch.compile(compute, fullgraph=True, dynamic=False, mode=mode)
 
 
 def _linear(module, x: torch.Tensor) -> torch.Tensor:
@@ -99,9 +135,10 @@ class StaticStep:
     `run(ids, depths, visible, start)` -> (hidden [rows, H], {layer: input [rows, H]})."""
 
     def __init__(self, fused: FusedDecoder, cache, rows: int, capture: Sequence[int], capacity: int,
-                 device: torch.device, dtype: torch.dtype, graphed: bool):
+                 device: torch.device, dtype: torch.dtype, graphed: bool, compile_: str | None = None):
         self.fused, self.cache, self.rows, self.capture = fused, cache, rows, tuple(capture)
         self.capacity, self.graphed = capacity, graphed
+        self.step = compiled(self.compute, compile_)  # what runs (or is captured): `engine.compile`
         self.ids = torch.zeros(1, rows, dtype=torch.long, device=device)
         self.depths = torch.zeros(rows, dtype=torch.long, device=device)
         self.visible = torch.eye(rows, dtype=torch.bool, device=device)
@@ -136,7 +173,7 @@ class StaticStep:
         self.visible.copy_(visible, non_blocking=True)
         self.start.fill_(start)
         if not self.graphed:
-            hidden, captured = self.compute()
+            hidden, captured = self.step()
         else:
             if self.graph is None:
                 self._capture()
@@ -147,7 +184,7 @@ class StaticStep:
         return hidden, dict(zip(self.capture, captured))
 
     def _capture(self) -> None:
-        self.graph, self.outputs = capture(self.compute)
+        self.graph, self.outputs = capture(self.step)
 
 
 def capture(compute: Callable[[], T]) -> tuple["torch.cuda.CUDAGraph", T]:
@@ -172,8 +209,8 @@ class StaticSteps:
     """A runner's static steps, one per rows bucket, for one reserved cache (a new cache, or buffers
     that moved, makes them again: `valid_for`)."""
 
-    def __init__(self, runner, graphed: bool):
-        self.runner, self.graphed = runner, graphed
+    def __init__(self, runner, graphed: bool, compile_: str | None = None):
+        self.runner, self.graphed, self.compile = runner, graphed, compile_
         self.steps: dict[int, StaticStep] = {}
         self.cache = None
         self.addresses: list[int] = []
@@ -204,6 +241,6 @@ class StaticSteps:
         if step is None or step.capture != self.runner.feature_layers:
             runner = self.runner
             step = self.steps[rows] = StaticStep(runner.fused, cache, rows, runner.feature_layers, cache.capacity,
-                                                 runner.device, runner.dtype, self.graphed)
+                                                 runner.device, runner.dtype, self.graphed, self.compile)
             self.captures += self.graphed
         return step

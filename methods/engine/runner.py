@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from .fused import DECODER_MODES, fused_decoder, unsupported
-from .graphs import BUCKETS, StaticSteps, graph_mode
+from .graphs import BUCKETS, StaticSteps, check_compile, graph_mode
 from .kv_cache import BatchKVCache, TreeKVCache
 from .linear import LinearPath
 from .tree import Tree, attention_mask
@@ -76,7 +76,7 @@ class ModelRunner:
     nothing measured."""
 
     def __init__(self, model, skinny_gemm: str = "auto", decoder: str = "auto", cuda_graphs: str = "auto",
-                 profile=None):
+                 profile=None, compile: str = "off"):
         if decoder not in DECODER_MODES:
             raise ValueError(f"engine.decoder={decoder!r}; valid: {', '.join(DECODER_MODES)}")
         if skinny_gemm not in SKINNY_GEMM_MODES:
@@ -107,7 +107,11 @@ class ModelRunner:
         # as CUDA graphs on a GPU ('graphs') or eagerly ('eager'); 'off': the ordinary forward
         self.cuda_graphs = cuda_graphs
         self.graph_mode = graph_mode(cuda_graphs, self.device) if self.fused is not None else "off"
-        self.static = None if self.graph_mode == "off" else StaticSteps(self, self.graph_mode == "graphs")
+        # `engine.compile` (graphs.py): torch.compile's mode for the static computations (None: not compiled)
+        self.compile_mode = compile
+        self.compiled = check_compile(compile, self.graph_mode)
+        self.static = None if self.graph_mode == "off" else StaticSteps(self, self.graph_mode == "graphs",
+                                                                        self.compiled)
         if self.static is not None:
             self.verify_buckets = BUCKETS
         self._reserved: TreeKVCache | None = None  # the last reserved cache, reused while it is large enough
@@ -129,8 +133,10 @@ class ModelRunner:
 
     def engine_settings(self) -> dict:
         """What a runner a method builds beside this one (a draft LM's, LazyLLM's pruning runner) takes
-        from it: the linear path mode, the forward and the machine profile (`ModelRunner(model, **...)`)."""
-        return {"skinny_gemm": self.skinny_gemm, "decoder": self.decoder_mode, "profile": self.profile}
+        from it: the linear path mode, the forward, the static steps and their compilation, and the
+        machine profile (`ModelRunner(model, **...)`)."""
+        return {"skinny_gemm": self.skinny_gemm, "decoder": self.decoder_mode, "cuda_graphs": self.cuda_graphs,
+                "compile": self.compile_mode, "profile": self.profile}
 
     def cover(self, *modules) -> None:
         """Route other modules this runner drives (draft heads) through its linear path too (the profile
