@@ -413,6 +413,12 @@ class DraftVerifyDecoder(Decoder):
         """A tree rooted at `root` (the last emitted token) with at most `budget` draft tokens
         along any path (more would be cut by the stopping rule anyway)."""
 
+    def propose_batch(self, states: Sequence[DecodeState], budgets: Sequence[int]) -> list[Tree]:
+        """Every running sequence's draft of a batched step (`methods/batched.py`), `budgets[b]` its most
+        draft tokens along a path: `propose` for each, one after another, unless the method drafts
+        the batch at once (the EAGLE family's dynamic trees: one head forward for every sequence)."""
+        return [self.propose(state, state.tokens[-1], budget) for state, budget in zip(states, budgets)]
+
     def advance(self, state: DecodeState, tree: Tree, acceptance: Acceptance, verified: ForwardOutput) -> None:
         """Called after each commit, so the drafter can follow the accepted path."""
 

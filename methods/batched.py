@@ -3,8 +3,9 @@
     prefill(prompts)                         -> each prompt's own prefill into its cache row (no padding:
                                                 `ModelRunner.prefill_rows`); every first token (TTFT ends here)
     repeat until every sequence stopped:
-        trees  = [decoder.propose(state, ...) ...]  # each sequence's `DecodeState` (its own drafter in it), an
-                                                    # `auto` draft cut to the verify budget at B rows per token
+        trees  = decoder.propose_batch(states, ...)  # each sequence's `DecodeState` (its own drafter in it), an
+                                                    # `auto` draft cut to the verify budget at B rows per token;
+                                                    # EAGLE-2/3: one head forward for the batch per draft level
         out    = target.forward_batch(rows)          # ONE forward over [B, R] rows, R the largest tree
         accept = decoder.accept_batch(...)           # each sequence's rule on the device, ONE read for the batch
         target.cache.commit_batch(paths)             # each sequence keeps its own accepted rows
@@ -126,14 +127,15 @@ class BatchedDecoder:
             # an `auto` draft at this batch size: each greedy sequence's cut to the verify budget at B rows per token
             # (sampled drafts keep their batch-1 size: a seeded answer draws the same at any batch size)
             cut = decoder.batch_budget(len(rows))
-            trees = []
+            budgets = []
             for b in rows:
                 state = states[b]
                 state.batch = len(rows)
                 budget = state.stop.max_new_tokens - len(state.tokens) - 1
                 if cut is not None and state.sampling.greedy:
                     budget = min(budget, cut)
-                trees.append(decoder.propose(state, state.tokens[-1], budget))
+                budgets.append(budget)
+            trees = decoder.propose_batch([states[b] for b in rows], budgets)
             clock.lap("draft")
             start = target.length
             verified = target.forward_batch([tree.forward_rows() for tree in trees])

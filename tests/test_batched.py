@@ -282,6 +282,52 @@ def test_every_batchable_method_samples_each_prompts_own_tokens_at_b2_and_b3(eve
         assert [out.tokens for out in outs] == alone[:batch], f"B = {batch}"
 
 
+@pytest.mark.parametrize("method", ["eagle2", "eagle3"])
+def test_eagle_drafts_a_batch_with_one_head_forward_per_level(every_batchable, method):
+    """EAGLE-2/3 at B = 3 (`batch_draft.py`): each step feeds every sequence's accepted path in one head
+    forward and each level of every tree in one more, and each sequence drafts, step by step, the
+    trees it drafts alone (sampled: the adaptive size charges no wall-clock drafting time)."""
+    prompts = prompts_and_stops(3)[0]
+    stops = [StopCondition(24), StopCondition(16), StopCondition(24)]
+    sampling = SamplingConfig(temperature=0.8)
+
+    def run(decoder, batched):
+        trees, forwards, states = {}, [], []  # (the states kept alive: their ids key their trees)
+        layer = decoder.drafter.fused.layer
+        forward = layer.forward
+        layer.forward = lambda *args, **kw: forwards.append(args[0].shape[:2]) or forward(*args, **kw)
+        propose = decoder.propose
+        decoder.propose = lambda state, *a: states.append(state) or trees.setdefault(id(state), []).append(
+            out := propose(state, *a)) or out
+        propose_batch, steps = decoder.propose_batch, []
+
+        def record(batch_states, budgets):
+            out = propose_batch(batch_states, budgets)
+            steps.append(len(batch_states))
+            for state, tree in zip(batch_states, out):
+                trees.setdefault(id(state), []).append(tree)
+            return out
+        decoder.propose_batch = record
+        generators = [torch.Generator().manual_seed(b) for b in range(3)]
+        if batched:
+            BatchedDecoder(decoder).generate(prompts, stops, sampling, generators)
+        else:
+            for prompt, stop, generator in zip(prompts, stops, generators):
+                decoder.generate(prompt, stop, sampling, generator)
+        del layer.forward
+        return [[(t.tokens.tolist(), list(t.parents)) for t in drafted] for drafted in trees.values()], forwards, steps
+
+    alone, alone_forwards, _ = run(every_batchable[method](), False)
+    decoder = every_batchable[method]()
+    batch, forwards, steps = run(decoder, True)
+    assert batch == alone and sum(len(trees) for trees in batch) > 30
+    # each answer's prompt is fed alone at its start; then per step the paths and a forward per level
+    assert [shape[0] for shape in forwards[:3]] == [1, 1, 1]
+    assert len(forwards) - 3 <= len(steps) * (decoder.depth + 1)
+    assert {shape[0] for shape in forwards[3:]} == set(steps) and max(steps) == 3
+    assert len(forwards) < 0.6 * len(alone_forwards)
+
+
 def test_every_batchable_method_is_in_the_sampled_batch_test(every_batchable):
     assert sorted(every_batchable) == batchable_methods()
 

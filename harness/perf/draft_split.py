@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 from harness.perf.workload import write_result
 from harness.running.environment import environment, hardware_name, hardware_slug
 from methods.base import BuildContext, get_method
+from methods.eagle.dynamic import one_sequence
 from methods.engine import native
 from methods.engine.runner import ModelRunner
 from methods.engine.tree import level_mask
@@ -135,8 +136,8 @@ def eagle_step_split(model, runner: ModelRunner, context: BuildContext, method: 
             clock.evict()
             levels = settings["depth"] + 1
             candidates = clock.part(names["expansion"], lambda: decoder._expand(
-                drafter.root_hidden, drafter.root_draft, levels, drafter.feed_level, drafter))
-            clock.part(names["rerank"], lambda: decoder._rerank(0, *candidates, levels, True))
+                drafter.root_hidden[None], drafter.root_draft[None], levels, one_sequence(drafter.feed_level), drafter))
+            clock.part(names["rerank"], lambda: decoder._rerank(0, *(c[0] for c in candidates), levels, True))
             drafter.cache.rollback(drafter.committed)
     seconds = {part: clock.medians()[name] for part, name in names.items()}
     return {"seconds": seconds, "depth": settings["depth"], "top_k": k, "accepted": accepted,

@@ -40,7 +40,8 @@ Both preserve the target distribution. Greedy decoding (temperature 0) is the sa
 
 The package: `settings.py` (the three methods' settings classes), `drafter.py` (`EagleDrafter`: the
 head, its cache and its tree levels), `static_draft.py` (`StaticDraft`: the draft step as one static
-computation), `decoder.py` (`EagleBase`: what the three decoders share), `template.py` (`eagle`),
+computation), `batch_draft.py` (`BatchDraft`: a batch's dynamic trees drafted at once), `decoder.py`
+(`EagleBase`: what the three decoders share), `template.py` (`eagle`),
 `dynamic.py` (`eagle2`: expansion, rerank, sizing) and `eagle3.py` (`eagle3`). Importing the package
 registers the three (`base.available_methods` imports every module and package beside `base.py`).
 """

@@ -74,8 +74,6 @@ class EagleBase(DraftVerifyDecoder):
         path = acceptance.path
         # the emitted tokens are on the host already (the step's one read): no second read of the tree
         tokens = acceptance.emitted or tree.tokens[path[1:]].tolist() + [acceptance.next_token]
-        features = self.features(verified)[path]
-        if self.static is not None and state.draft is self.drafter:
-            state.draft.defer(tokens, features)  # fed by the next draft step, in its computation
-        else:
-            state.draft.follow(tokens, features)
+        # fed by the next draft step: inside its static computation, in its batch's one forward, or
+        # alone first (`static_for` settles it)
+        state.draft.defer(tokens, self.features(verified)[path])

@@ -13,6 +13,7 @@ from ..engine.sizing import verify_costs
 from ..engine.tree import DeviceTree, Tree
 from ..models.heads.eagle import EagleHead, load_eagle_head
 from ..models.heads.source import head_spec
+from .batch_draft import BatchDraft, draft_batch
 from .decoder import EagleBase
 from .settings import DynamicTreeSettings, Eagle2Settings
 
@@ -35,7 +36,7 @@ class Eagle2Decoder(EagleBase):
         self.verify_seconds = verify_seconds  # adaptive sizing: target forward seconds by tokens
         self.draft_seconds = 0.0  # adaptive sizing: running mean of one step's drafting time
         self._verify_tables: dict[int, tuple[dict, list[float]]] = {}  # batch -> (the curve, `verify_times`)
-        self._follow_seconds = 0.0
+        self.batch_draft = BatchDraft(self)  # the head's cache of a batch's sequences (`propose_batch`)
 
     def describe(self):
         return {**super().describe(), "total_tokens": "adaptive" if self.verify_seconds else self.total_tokens,
@@ -44,19 +45,27 @@ class Eagle2Decoder(EagleBase):
     def propose(self, state, root: int, budget: int) -> Tree:
         started = time.perf_counter()
         tree = self._propose(state, root, budget)
-        # this step's drafting: the head following the last accepted path, then this tree
-        if self.verify_seconds is not None:
-            step = time.perf_counter() - started + self._follow_seconds
-            self.draft_seconds += 0.1 * (step - self.draft_seconds)
+        # this step's drafting: the head following the last accepted path (deferred to here), then this tree
+        self._time_draft(time.perf_counter() - started)
         return tree
 
-    def advance(self, state, tree, acceptance, verified) -> None:
+    def propose_batch(self, states, budgets) -> list[Tree]:
+        """A batch's drafts with one head forward per step of the draft for all its sequences
+        (`batch_draft.py`); each sequence is charged its share of the time."""
+        if self.drafter.fused is None:
+            return super().propose_batch(states, budgets)
         started = time.perf_counter()
-        super().advance(state, tree, acceptance, verified)
-        self._follow_seconds = time.perf_counter() - started
+        trees = draft_batch(self, states, budgets)
+        self._time_draft((time.perf_counter() - started) / len(states))
+        return trees
+
+    def _time_draft(self, seconds: float) -> None:
+        if self.verify_seconds is not None:
+            self.draft_seconds += 0.1 * (seconds - self.draft_seconds)
 
     def draft_levels(self, root_hidden, root_draft, key, feed):
-        return self._expand(root_hidden, root_draft, key, feed, self.drafter)
+        expanded = self._expand(root_hidden[None], root_draft[None], key, one_sequence(feed), self.drafter)
+        return tuple(t[0] for t in expanded)
 
     def drafted_entries(self, key: int) -> int:
         return (key - 1) * self.branching()
@@ -77,48 +86,54 @@ class Eagle2Decoder(EagleBase):
             tokens, parents, values = static.run(levels)
         else:
             drafter = state.draft
-            tokens, parents, values = self._expand(drafter.root_hidden, drafter.root_draft, levels,
-                                                   drafter.feed_level, drafter)
+            tokens, parents, values = (t[0] for t in self._expand(
+                drafter.root_hidden[None], drafter.root_draft[None], levels, one_sequence(drafter.feed_level), drafter))
         greedy = state.sampling.greedy
         return self._rerank(root, tokens, parents, values, levels, greedy, state.batch if greedy else 1)
 
     def _expand(self, root_hidden: torch.Tensor, root_draft: torch.Tensor, levels: int, feed,
                 drafter) -> tuple[torch.Tensor, ...]:
-        """EAGLE-2's expansion: the top-k children of the root, then per level the top-k children of
-        the k best frontier nodes, of which the k best by path value form the next frontier. Returns
-        every candidate's token, parent (-1: the root) and path value (cumulative log-probability),
-        in creation order (ancestors before descendants). All on the device, nothing read back:
-        `feed(tokens, parent_hidden, depth, seen)` feeds a level into the head (`feed_level`, or
-        `feed_static` at device positions) with the frontier's level mask `seen`; `root_draft` and
-        each level's logits are over the draft vocabulary, ranked there (`EagleDrafter.top`)."""
+        """EAGLE-2's expansion for B sequences at once (each its own tree; B = 1 alone): the top-k
+        children of the root, then per level the top-k children of the k best frontier nodes, of which
+        the k best by path value form the next frontier. `root_hidden` [B, H], `root_draft` [B, K].
+        Returns every candidate's token, parent (-1: the root) and path value (cumulative
+        log-probability), [B, C] each, in creation order (ancestors before descendants): k at the first
+        level, k·k at each next one, so a sequence that drafts fewer levels takes a prefix. All on the
+        device, nothing read back: `feed(tokens [B, k], parent_hidden [B, k, H], depth, seen [B, k, fed])`
+        feeds a level into the head (one forward for the batch: `BatchDraft.feed`; one sequence's
+        `feed_level` or `feed_static` through `one_sequence`) with the frontier's level mask `seen`;
+        `root_draft` and each level's logits are over the draft vocabulary, ranked there
+        (`EagleDrafter.top`)."""
         k = self.branching()
+        batch, width = root_hidden.shape
         device = root_draft.device
-        top_values, top_tokens = drafter.top(root_draft, k)
-        tokens, parents, values = [top_tokens], [torch.full((k,), -1, device=device)], [top_values]
+        top_values, top_tokens = drafter.top(root_draft, k)  # [B, k]
+        tokens, parents, values = [top_tokens], [torch.full((batch, k), -1, device=device)], [top_values]
         ranks = torch.arange(k, device=device)
-        frontier_ids, frontier_tokens = ranks, top_tokens  # candidate ids and tokens of the nodes fed next
-        frontier_values, frontier_hidden = top_values, root_hidden.expand(k, -1)
+        frontier_ids, frontier_tokens = ranks.expand(batch, k), top_tokens  # candidate ids and tokens fed next
+        frontier_values, frontier_hidden = top_values, root_hidden[:, None].expand(batch, k, width)
         # frontier node -> the drafted slots it sees (its ancestors'): level l's frontier sits in slots
         # (l - 1) k .. l k - 1, so a child of frontier node j sees its parent's row and slot j of that level
-        seen = torch.zeros(k, 0, dtype=torch.bool, device=device)
+        seen = torch.zeros(batch, k, 0, dtype=torch.bool, device=device)
         count = k
         for level in range(1, levels):
-            hidden = feed(frontier_tokens, frontier_hidden, level, seen)
-            child_values, child_tokens = drafter.top(drafter.draft_logits(hidden), k)  # [k, k]
-            cumulative = (frontier_values[:, None] + child_values).flatten()
-            child_tokens = child_tokens.flatten()
+            hidden = feed(frontier_tokens, frontier_hidden, level, seen)  # [B, k, H]
+            child_values, child_tokens = drafter.top(drafter.draft_logits(hidden), k)  # [B, k, k]
+            cumulative = (frontier_values[..., None] + child_values).flatten(1)
+            child_tokens = child_tokens.flatten(1)
             tokens.append(child_tokens)
-            parents.append(frontier_ids.repeat_interleave(k))
+            parents.append(frontier_ids.repeat_interleave(k, dim=1))
             values.append(cumulative)
             frontier_values, best = torch.topk(cumulative, k)
             parent = best // k  # each new frontier node's parent, a row of this level
             # (one_hot reads its bounds)
-            seen = torch.cat([seen[parent], parent[:, None] == ranks], 1)
+            seen = torch.cat([seen.gather(1, parent[..., None].expand(-1, -1, seen.shape[-1])),
+                              parent[..., None] == ranks], 2)
             frontier_ids = best + count
-            frontier_tokens = child_tokens[best]
+            frontier_tokens = child_tokens.gather(1, best)
             count += k * k
-            frontier_hidden = hidden[parent]
-        return torch.cat(tokens), torch.cat(parents), torch.cat(values)
+            frontier_hidden = hidden.gather(1, parent[..., None].expand(-1, -1, width))
+        return torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(values, 1)
 
     def _rerank(self, root: int, tokens: torch.Tensor, parents: torch.Tensor, values: torch.Tensor,
                 levels: int, greedy: bool, batch: int = 1) -> Tree:
@@ -191,6 +206,12 @@ class Eagle2Decoder(EagleBase):
             table = [cost * one / batch for cost in verify_costs(curve, [batch * n for n in range(size)])]
             self._verify_tables[batch] = curve, table
         return table
+
+
+def one_sequence(feed):
+    """A one-sequence feed (`EagleDrafter.feed_level`, `feed_static`: tokens [k], hidden [k, H], seen
+    [k, fed]) as the batched expansion calls it (a leading batch dimension of 1)."""
+    return lambda tokens, hidden, depth, seen: feed(tokens[0], hidden[0], depth, seen[0])[None]
 
 
 def auto_total_tokens(profile, target, sizes=(40, 48, 50, 56, 60), weights=(1, 1.05, 1.07, 1.1, 1.13),
