@@ -35,6 +35,7 @@ from .engine.acceptance import (
     Acceptance,
     chosen_margins,
     greedy_accept_logits,
+    greedy_batch_pending,
     greedy_pending,
     read_together,
     sample_accept,
@@ -495,8 +496,13 @@ class DraftVerifyDecoder(Decoder):
                                   extra=extra)
 
     def accept_batch(self, states: Sequence[DecodeState], trees: Sequence[Tree], logits: torch.Tensor) -> list:
-        """Each sequence's rule on its own rows of `logits` [B, R, V], decided on the device, then one
-        read for the batch (`methods/batched.py`)."""
+        """Every sequence's rule on its own rows of `logits` [B, R, V], decided on the device, then one
+        read for the batch (`methods/batched.py`). Greedy (the batch shares its sampling): one
+        vectorized pass for the whole batch (`greedy_batch_pending`); sampled: each sequence's rule
+        in turn, drawing from its own generator as it draws alone."""
+        if all(state.sampling.greedy for state in states):
+            pending = greedy_batch_pending(trees, logits)
+            return pending.parse(pending.values.tolist())
         pending = []
         for row, (state, tree) in enumerate(zip(states, trees)):
             rows = logits[row, : len(tree)]

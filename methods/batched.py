@@ -15,9 +15,10 @@
 The KV cache (`kv_cache.BatchKVCache`) holds every sequence in a row of [B, kv_heads, capacity,
 head_dim] buffers with its own length; positions and masks are per sequence, padding slots and
 padding rows are masked out and never committed (`ModelRunner.forward_batch`). Acceptance is
-`acceptance.py`'s rules, per sequence, decided on the device (`greedy_pending`, `sample_pending`)
-and read together once (`DraftVerifyDecoder.accept_batch`), so a sequence decodes the tokens it decodes alone
-(greedy; sampled, from its own generator in the order it draws alone: the same tokens).
+`acceptance.py`'s rules decided on the device (greedy: one pass for the batch, `greedy_batch_pending`;
+sampled: per sequence, `sample_pending`) and read together once (`DraftVerifyDecoder.accept_batch`),
+so a sequence decodes the tokens it decodes alone (greedy; sampled, from its own generator in the
+order it draws alone: the same tokens).
 
 Finished sequences: the batch DRAINS. A sequence that stops leaves the batch at the next step (its
 cache row is dropped, the forward shrinks to the sequences still running); no queued prompt joins

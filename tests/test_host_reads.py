@@ -69,6 +69,42 @@ def test_device_greedy_acceptance_is_the_host_rule_with_its_margins():
         assert reads.total == 1
 
 
+def test_a_batchs_greedy_acceptance_is_one_pass_and_each_trees_own_rule():
+    """`greedy_batch_pending` (a batch's greedy acceptance, one vectorized pass and one read): each
+    tree, padded among trees of other sizes (host trees and device trees), takes the path, next
+    token, margins and per-node statistics its own rule takes alone."""
+    import random
+
+    from methods.engine.acceptance import greedy_accept_logits, greedy_batch_pending
+    from methods.engine.tree import DeviceTree, Tree
+
+    rng, vocab = random.Random(1), 5
+    for trial in range(60):
+        trees = []
+        for b in range(rng.randint(1, 4)):
+            n = rng.randint(1, 9)
+            parents = [-1] + [rng.randrange(node) for node in range(1, n)]
+            tokens = torch.tensor([rng.randrange(vocab) for _ in range(n)])
+            tree = Tree(tokens, parents)
+            if rng.random() < 0.5:  # the same tree kept on the device (EAGLE-2's)
+                tree = DeviceTree(tokens, torch.tensor([0] + parents[1:]), torch.tensor(tree.depths),
+                                  height=max(tree.depths))
+            trees.append(tree)
+        rows = max(len(t) for t in trees) + rng.randint(0, 2)  # the step's padded width
+        logits = torch.randn(len(trees), rows, vocab, generator=torch.Generator().manual_seed(trial))
+        for b, tree in enumerate(trees):  # steer acceptance deep: a row's argmax is one of its children's tokens
+            for node in range(len(tree)):
+                if tree.children[node] and rng.random() < 0.7:
+                    logits[b, node, tree.tokens[rng.choice(tree.children[node])]] += 10
+        pending = greedy_batch_pending(trees, logits)
+        with counting_host_reads() as reads:
+            got = pending.parse(pending.values.tolist())
+        assert reads.total == 1
+        for b, tree in enumerate(trees):
+            alone = greedy_accept_logits(tree, logits[b, : len(tree)])
+            assert vars(got[b]) == vars(alone), (trial, b)
+
+
 def test_a_greedy_step_of_the_shared_loop_reads_the_host_once():
     """Issue 35's budget for the shared loop: AR's accepted path, next token and margins come back
     in one read a step, the prefill's first token and its margin too."""

@@ -21,7 +21,7 @@ Written once for trees; a chain (SpS) and a root alone (AR) are special trees.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -95,41 +95,87 @@ def greedy_accept_logits(tree: Tree, logits: torch.Tensor, extra: torch.Tensor |
 
 
 def greedy_pending(tree: Tree, logits: torch.Tensor, extra: torch.Tensor | None = None) -> PendingRead:
-    """`greedy_accept_logits`' decision, not read yet."""
-    n, device = len(tree), logits.device
-    argmax = logits.argmax(-1)
-    if logits.shape[-1] > 1:
+    """`greedy_accept_logits`' decision, not read yet: `greedy_batch_pending` for one tree."""
+    pending = greedy_batch_pending([tree], logits[None], extra)
+    return PendingRead(pending.values, lambda values: pending.parse(values)[0])
+
+
+def greedy_batch_pending(trees: Sequence[Tree], logits: torch.Tensor,
+                         extra: torch.Tensor | None = None) -> PendingRead:
+    """The greedy rule for B trees verified together in one pass over their logits [B, R, V] (tree b
+    on its first len(trees[b]) rows; `methods/batched.py`): argmax and top-2 margins over the whole
+    batch, then the path rule on the trees' structures padded to R rows (a padding node matches
+    nothing and sees only itself), [B, R] tensors throughout; one tensor to read, whose parse gives
+    each tree's `Acceptance`. A single tree (B = 1) uses its structures as they are. `extra`: one
+    tree's extra rows [M, V] (B = 1 only: Lookahead's window)."""
+    batch, rows, vocab = logits.shape
+    device = logits.device
+    sizes = [len(tree) for tree in trees]
+    argmax = logits.argmax(-1)  # [B, R]
+    if vocab > 1:
         top = logits.topk(2, dim=-1).values
-        margin = (top[:, 0] - top[:, 1]).double()  # a greedy row chose its argmax: its top-2 gap
+        margin = (top[..., 0] - top[..., 1]).double()  # a greedy row chose its argmax: its top-2 gap
     else:
-        margin = torch.full((n,), float("inf"), dtype=torch.float64, device=device)
-    if n == 1:
-        on_path = torch.ones(1, dtype=torch.bool, device=device)
+        margin = torch.full((batch, rows), float("inf"), dtype=torch.float64, device=device)
+    if rows == 1:
+        on_path = torch.ones(batch, 1, dtype=torch.bool, device=device)
     else:
-        parents = tree.parent_rows.to(device)
-        match = tree.tokens.to(device) == argmax[parents]
-        match[0] = True
-        first = match & ~(tree.earlier_siblings.to(device) & match[None, :]).any(-1)
-        on_path = ~(tree.ancestors.to(device) & ~first[None, :]).any(-1)
+        tokens, parents, ancestors, earlier = _padded_structures(trees, rows, device)
+        match = tokens == argmax.gather(1, parents)
+        match[:, 0] = True
+        first = match & ~(earlier & match[:, None, :]).any(-1)
+        on_path = ~(ancestors & ~first[:, None, :]).any(-1)
     parts = [on_path.double(), argmax.double(), margin]
-    shaped = isinstance(tree, DeviceTree)
-    if shaped:
-        parts += [tree.has_children.double(), tree.node_depths.max().double().view(1)]
+    shaped = [isinstance(tree, DeviceTree) for tree in trees]
+    if any(shaped):  # a tree kept on the device: which nodes have children, and its depth
+        children = torch.zeros(batch, rows, dtype=torch.bool, device=device)
+        depths = torch.zeros(batch, rows, dtype=torch.long, device=device)
+        for b, tree in enumerate(trees):
+            if shaped[b]:
+                children[b, : sizes[b]] = tree.has_children
+                depths[b, 0] = tree.node_depths.max()
+        parts += [children.double(), depths.double()]
+    values = torch.stack(parts, 1).flatten()  # [B · parts · R]
     if extra is not None:
-        parts.append(extra.argmax(-1).double())
+        values = torch.cat([values, extra.argmax(-1).double()])
+    stride = len(parts) * rows
 
-    def parse(values: list[float]) -> Acceptance:
-        accepted, chosen, margins = values[:n], values[n:2 * n], values[2 * n:3 * n]
-        path = [node for node in range(n) if accepted[node]]
-        emitted = [int(chosen[node]) for node in path]  # the row of each path node chose the token after it
-        acceptance = Acceptance(path, emitted[-1], emitted, [margins[node] for node in path],
-                                None if extra is None else [int(v) for v in values[len(values) - len(extra):]])
-        if shaped:
-            acceptance.path_children = [bool(values[3 * n + node]) for node in path]
-            acceptance.tree_depth = int(values[4 * n])
-        return acceptance
+    def parse(host: list[float]) -> list[Acceptance]:
+        out = []
+        for b, n in enumerate(sizes):
+            row = host[b * stride: (b + 1) * stride]
+            accepted, chosen, margins = row[:n], row[rows: rows + n], row[2 * rows: 2 * rows + n]
+            path = [node for node in range(n) if accepted[node]]
+            emitted = [int(chosen[node]) for node in path]  # the row of each path node chose the token after it
+            acceptance = Acceptance(path, emitted[-1], emitted, [margins[node] for node in path],
+                                    None if extra is None else [int(v) for v in host[batch * stride:]])
+            if shaped[b]:
+                acceptance.path_children = [bool(row[3 * rows + node]) for node in path]
+                acceptance.tree_depth = int(row[4 * rows])
+            out.append(acceptance)
+        return out
 
-    return PendingRead(torch.cat(parts), parse)
+    return PendingRead(values, parse)
+
+
+def _padded_structures(trees: Sequence[Tree], rows: int, device) -> tuple[torch.Tensor, ...]:
+    """The trees' tokens, parent rows, ancestor and earlier-sibling matrices as [B, R] / [B, R, R]
+    tensors on `device`; a tree of R nodes alone uses its own (no copy)."""
+    if len(trees) == 1 and len(trees[0]) == rows:
+        tree = trees[0]
+        return tuple(t.to(device)[None] for t in (tree.tokens, tree.parent_rows, tree.ancestors, tree.earlier_siblings))
+    batch = len(trees)
+    tokens = torch.full((batch, rows), -1, dtype=torch.long, device=device)
+    parents = torch.zeros(batch, rows, dtype=torch.long, device=device)
+    ancestors = torch.eye(rows, dtype=torch.bool, device=device).repeat(batch, 1, 1)
+    earlier = torch.zeros(batch, rows, rows, dtype=torch.bool, device=device)
+    for b, tree in enumerate(trees):
+        n = len(tree)
+        tokens[b, :n] = tree.tokens
+        parents[b, :n] = tree.parent_rows
+        ancestors[b, :n, :n] = tree.ancestors
+        earlier[b, :n, :n] = tree.earlier_siblings
+    return tokens, parents, ancestors, earlier
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
