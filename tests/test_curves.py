@@ -87,6 +87,21 @@ def test_the_best_draft_length_never_mixes_other_settings(tmp_path):
                     ("pld (max_ngram=3)", 2, 4), ("pld (max_ngram=2)", 4, 2), ("pld (max_ngram=3)", 4, 4)]
 
 
+def test_an_auto_size_is_one_line_whatever_each_point_resolved_it_to(tmp_path):
+    """PLD at num_draft=auto resolved to another draft length at each batch size (the run's curve,
+    cut per batch size): one line, its points keeping the size each chose."""
+    root = tmp_path / "auto"
+    for (batch_size, walls), chosen in zip(WALLS.items(), (7, 3, 2)):
+        write_batch_runs(root, batch_size, walls[:2], drafts=(0,), config={"num_draft": "auto", "draft_tokens": chosen})
+    [curves] = find_curves(build_tables(find_runs(root)))
+    [(line, points)] = curves.series().items()
+    assert line == "pld (num_draft=auto)" and [p.batch_size for p in points] == [1, 2, 4]
+    assert [p.size for p in points] == [7, 3, 2] and len({p.label for p in points}) == 3
+    assert list(curves.rows) == ["pld (num_draft=auto)"]
+    drawn = capture_figures(root, tmp_path)
+    assert drawn_lines(drawn["speedup_vs_batch_size"]) == {"pld": [2.0, 1.25, 0.8]}
+
+
 def test_batch_tables_and_figures_are_written(batch_results, tmp_path):
     report(batch_results, tmp_path / "report")
     [folder] = [p for p in (tmp_path / "report").iterdir() if p.name.startswith("by-batch-size")]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
@@ -49,7 +49,7 @@ AR = "ar"  # AR's label and method: its paired measurements of a table, pooled
 class Point:
     """One method variant (or AR) at one table's settings."""
 
-    label: str
+    label: str  # its method variant (every setting, as its table's row)
     method: str
     config: dict
     batch_size: int
@@ -60,6 +60,11 @@ class Point:
     ar_throughput: float  # its paired AR's (AR's own for AR)
     busy: int  # questions some side of which was measured beside other work
     table: str  # the report's table of these settings, with every caveat
+
+    @property
+    def line(self) -> str:
+        """The line it is drawn on (`line_of`)."""
+        return line_of(self.method, self.config)[0]
 
     @property
     def speedup(self) -> float | None:
@@ -84,8 +89,14 @@ class Curves:
 
     @property
     def rows(self) -> dict[str, Row]:
-        """Every method variant (its method and settings: what figures.styles and short_labels read)."""
-        return {label: row for table in self.tables for label, row in table.rows.items()}
+        """Every line's variant (`line_of`: its method and settings, what figures.styles and short_labels
+        read), by its line label."""
+        out = {}
+        for table in self.tables:
+            for row in table.rows.values():
+                label, config = line_of(row.method, row.config)
+                out.setdefault(label, replace(row, label=label, config=config))
+        return out
 
     @property
     def n(self) -> str:
@@ -105,12 +116,24 @@ class Curves:
         return point.batch_size if self.axis == "batch_size" else point.input_length
 
     def series(self, with_ar: bool = False) -> dict[str, list[Point]]:
-        """label -> its points in axis order (AR's too when asked)."""
+        """line label (`line_of`) -> its points in axis order (AR's too when asked)."""
         out = defaultdict(list)
         for point in sorted(self.points, key=self.value):
             if with_ar or point.method != AR:
-                out[point.label].append(point)
+                out[point.line].append(point)
         return dict(out)
+
+
+def line_of(method: str, config: dict) -> tuple[str, dict]:
+    """A method variant's line across batch sizes or input lengths, and its settings: the variant, but
+    where its size was `auto` (a string setting, as `num_draft=auto`) without the size each run
+    resolved it to (`Settings.size_recorded`: the machine's curve, cut per batch size), so that one
+    configuration is one line whatever size each point chose (points.csv keeps each point's)."""
+    settings = settings_of(method)
+    recorded, setting = settings.size_recorded, settings.size_setting
+    if recorded and recorded != setting and recorded in config and isinstance(config.get(setting), str):
+        config = {k: v for k, v in config.items() if k != recorded}
+    return (AR if method == AR else method_label(method, config)), config
 
 
 def find_curves(tables: list[Table]) -> list[Curves]:
