@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 
 from ..engine.kv_cache import BatchKVCache
-from ..engine.tree import Tree
+from ..engine.tree import Tree, batch_mask
 
 
 class BatchDraft:
@@ -104,14 +104,10 @@ class BatchDraft:
         sequence b at position lengths[b] + depths[i], seeing b's committed pairs, the `tree` slots
         before the new rows as `visible[b, i, :tree]` says, and the new rows as its last n columns say."""
         cache, layer, rope = self.cache, head.fused.layer, head.fused.rope
-        batch, n = tokens.shape
         filled = cache.get_seq_length()
         lengths = torch.tensor(cache.lengths, device=head.device)
         positions = lengths[:, None] + depths[None]  # [B, n]
-        prefix = torch.arange(filled - tree, device=head.device)[None, :] < lengths[:, None]  # [B, committed slots]
-        seen = torch.cat([prefix[:, None, :].expand(batch, n, -1), visible], 2)
-        mask = torch.zeros(batch, 1, n, filled + n, dtype=head.dtype, device=head.device)
-        mask.masked_fill_(~seen[:, None], torch.finfo(head.dtype).min)
+        mask = batch_mask(lengths, filled - tree, visible, head.dtype)
         x, attn_in = head.head.layer_inputs(tokens, features)
         cos, sin = rope.lookup(positions, x, max(cache.lengths) + int(depths.max()) + 1)
         return layer.forward(x, cos, sin, mask, cache, attn_in)

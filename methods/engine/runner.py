@@ -29,7 +29,7 @@ from .fused import DECODER_MODES, fused_decoder, unsupported
 from .graphs import BUCKETS, StaticSteps, check_compile, graph_mode
 from .kv_cache import BatchKVCache, TreeKVCache
 from .linear import LinearPath
-from .tree import Tree, attention_mask
+from .tree import Tree, attention_mask, batch_mask
 
 # positions reserved past prompt + max new tokens: room for a verification's rows (every default
 # tree, window and block of the suite fits; a larger one grows the cache, counted in its `regrowths`)
@@ -305,10 +305,7 @@ class ModelRunner:
             own[b, : sizes[b], : sizes[b]] = torch.as_tensor(visible, device=device)
         lengths = torch.tensor(cache.lengths, device=device)
         positions = lengths[:, None] + depths  # [B, R]
-        prefix = torch.arange(start, device=device)[None, :] < lengths[:, None]  # [B, L]: the sequence's own slots
-        visible = torch.cat([prefix[:, None, :].expand(batch, width, start), own], -1)
-        mask = torch.zeros(batch, 1, width, start + width, dtype=self.dtype, device=device)
-        mask.masked_fill_(~visible[:, None], torch.finfo(self.dtype).min)
+        mask = batch_mask(lengths, start, own, self.dtype)  # each sequence's own slots, then its rows
         fused = self.fused is not None and (self.fused.window is None or start + width <= self.fused.window)
         capturing = layer_inputs(self.decoder, self.feature_layers) if self.feature_layers and not fused \
             else nullcontext({})

@@ -217,6 +217,18 @@ def attention_mask(ancestors: torch.Tensor, prefix_length: int, dtype: torch.dty
     return mask
 
 
+def batch_mask(lengths: torch.Tensor, slots: int, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float mask [B, 1, n, slots + m] for B sequences' new rows over a batch cache
+    (`kv_cache.BatchKVCache`): row i of sequence b sees, among the first `slots` slots, b's own
+    committed ones (those below `lengths[b]`; the others hold other sequences' rows or padding), and
+    the m columns after them as `visible` [B, n, m] says; the dtype's minimum elsewhere."""
+    batch, n, _ = visible.shape
+    prefix = torch.arange(slots, device=visible.device)[None, :] < lengths[:, None]  # [B, slots]
+    seen = torch.cat([prefix[:, None, :].expand(batch, n, slots), visible], -1)
+    mask = torch.zeros(batch, 1, n, seen.shape[-1], dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~seen[:, None], torch.finfo(dtype).min)
+
+
 def level_mask(prefix_length: int, drafted: int, visible: Sequence[Sequence[int]] | torch.Tensor, dtype,
                device) -> torch.Tensor:
     """Mask for feeding one level of a draft tree into a drafter's cache, which holds
