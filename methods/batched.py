@@ -5,7 +5,8 @@
     repeat until every sequence stopped:
         trees  = decoder.propose_batch(states, ...)  # each sequence's `DecodeState` (its own drafter in it), an
                                                     # `auto` draft cut to the verify budget at B rows per token;
-                                                    # EAGLE-2/3: one head forward for the batch per draft level
+                                                    # the EAGLE family: one head forward for the batch per
+                                                    # draft level; SpS/MCSD: one draft-LM forward per depth
         out    = target.forward_batch(rows)          # ONE forward over [B, R] rows, R the largest tree
         accept = decoder.accept_batch(...)           # each sequence's rule on the device, ONE read for the batch
         target.cache.commit_batch(paths)             # each sequence keeps its own accepted rows
@@ -27,8 +28,10 @@ in its place. The caller decodes its prompts B at a time, each group to the end 
 
 Which methods: those whose settings say `batchable` (AR, PLD with one branch, SpS, MCSD, the EAGLE
 family, SAM-Decoding): a drafter whose per-sequence state is in the sequence's `DecodeState` (SpS's
-draft LM and the EAGLE head get one cache per sequence, `DraftVerifyDecoder.draft_state`, and draft
-one sequence at a time; SAM's dynamic automaton is the sequence's). Not Suffix Decoding: its global
+draft LM and the EAGLE head get one drafter per sequence, `DraftVerifyDecoder.draft_state`; the
+batch then drafts with one forward per draft level for all its sequences, each sequence's KV in a
+row of one batch cache: `models.draft_lm.BatchDraftLM`, `eagle.batch_draft.BatchDraft`; SAM's
+dynamic automaton is the sequence's, PLD's lookup the sequence's own). Not Suffix Decoding: its global
 tree takes every running answer, so a sequence's drafts would depend on the others in its batch. Not
 REST: draftretriever breaks ties by a hash order that differs between readers, so its drafts, and
 with them a seeded sampled answer, already differ from run to run at batch size 1.

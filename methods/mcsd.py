@@ -19,7 +19,7 @@ from .base import BuildContext, DraftVerifyDecoder, register
 from .engine.params import BOOL, Settings, int_list, integer, mapping, null, one_of, setting
 from .engine.tree import Tree
 from .engine.vocab import draft_vocab_setting
-from .models.draft_lm import DraftLM
+from .models.draft_lm import BatchDraftLM, DraftLM
 from .models.loading import load_draft_lm
 
 PAPER_K_CONFIG = (4, 2, 1)  # the paper's; `auto` without a machine profile
@@ -64,6 +64,7 @@ class MultiCandidateDecoder(DraftVerifyDecoder):
         self.draft = DraftLM(draft_model, target.vocab_size, vocabulary, **target.engine_settings())
         self.vocabulary = vocabulary
         self.lane_drafts = [self.draft]  # sequence i of a batch drafts with lane_drafts[i] (`draft_state`)
+        self.batch_draft = BatchDraftLM(self.draft)  # a batch's drafts, one draft forward per depth (`propose_batch`)
 
     def describe(self):
         return {**super().describe(), "k_config": list(self.k_config), "replacement": self.replacement,
@@ -88,6 +89,12 @@ class MultiCandidateDecoder(DraftVerifyDecoder):
             return Tree(torch.tensor([root]), [-1])
         return state.draft.draft_tree(state.sequence, k_config, state.sampling, state.generator,
                                       without_replacement=not self.replacement)
+
+    def propose_batch(self, states, budgets) -> list[Tree]:
+        """A batch's trees with one draft forward per depth for all its sequences (`BatchDraftLM`)."""
+        return self.batch_draft.draft_trees(states, [self.k_config_of(state)[:budget]
+                                                     for state, budget in zip(states, budgets)],
+                                            without_replacement=not self.replacement)
 
     def advance(self, state, tree, acceptance, verified) -> None:
         state.draft.keep_path(tree, acceptance.path, acceptance.emitted)

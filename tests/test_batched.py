@@ -165,14 +165,22 @@ def test_sam_batch_equals_each_prompt_alone(method, tmp_path):
 
 
 @pytest.mark.parametrize("decoder", ["auto", "transformers"])
-def test_qwen2_batch_on_the_fused_and_the_stock_forward(decoder):
-    """Another architecture (q/k/v biases), and the stock `transformers` decoder stack over the same cache."""
+@pytest.mark.parametrize("method", ["pld", "mcsd"])
+def test_qwen2_batch_on_the_fused_and_the_stock_forward(decoder, method):
+    """Another architecture (q/k/v biases), and the stock `transformers` decoder stack over the same cache
+    (MCSD: the draft LM's batch forward too, its tree levels over the draft's tree slots)."""
+    from methods.mcsd import MultiCandidateDecoder
+
     model = tiny_model("qwen2", seed=10, vocab_size=32)
+    draft = truncated_copy(model, 1)
+    make = {"pld": lambda: PromptLookupDecoder(ModelRunner(model, decoder=decoder)),
+            "mcsd": lambda: MultiCandidateDecoder(ModelRunner(model, decoder=decoder), draft, k_config=(2, 2, 1))}[method]
     prompts, stops = prompts_and_stops(3)
-    alone = [PromptLookupDecoder(ModelRunner(model, decoder=decoder)).generate(p, s).tokens
-             for p, s in zip(prompts, stops)]
-    outs = BatchedDecoder(PromptLookupDecoder(ModelRunner(model, decoder=decoder))).generate(prompts, stops)
-    assert [out.tokens for out in outs] == alone
+    alone = [make().generate(p, s) for p, s in zip(prompts, stops)]
+    outs = BatchedDecoder(make()).generate(prompts, stops)
+    assert [out.tokens for out in outs] == [out.tokens for out in alone]
+    # the same drafts accepted step by step (a draft from the wrong KV would accept differently)
+    assert [out.stats.accepted_lengths for out in outs] == [out.stats.accepted_lengths for out in alone]
 
 
 def test_batch_cache_rows_hold_each_sequence_alone(target):
@@ -282,11 +290,12 @@ def test_every_batchable_method_samples_each_prompts_own_tokens_at_b2_and_b3(eve
         assert [out.tokens for out in outs] == alone[:batch], f"B = {batch}"
 
 
-@pytest.mark.parametrize("method", ["eagle2", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle", "eagle2", "eagle3"])
 def test_eagle_drafts_a_batch_with_one_head_forward_per_level(every_batchable, method):
-    """EAGLE-2/3 at B = 3 (`batch_draft.py`): each step feeds every sequence's accepted path in one head
+    """EAGLE-1/2/3 at B = 3 (`batch_draft.py`): each step feeds every sequence's accepted path in one head
     forward and each level of every tree in one more, and each sequence drafts, step by step, the
-    trees it drafts alone (sampled: the adaptive size charges no wall-clock drafting time)."""
+    trees it drafts alone (sampled: EAGLE-1's children drawn from each sequence's own generator; the
+    adaptive size charges no wall-clock drafting time)."""
     prompts = prompts_and_stops(3)[0]
     stops = [StopCondition(24), StopCondition(16), StopCondition(24)]
     sampling = SamplingConfig(temperature=0.8)
@@ -320,12 +329,60 @@ def test_eagle_drafts_a_batch_with_one_head_forward_per_level(every_batchable, m
     alone, alone_forwards, _ = run(every_batchable[method](), False)
     decoder = every_batchable[method]()
     batch, forwards, steps = run(decoder, True)
-    assert batch == alone and sum(len(trees) for trees in batch) > 30
+    assert batch == alone and sum(len(trees) for trees in batch) > 10
     # each answer's prompt is fed alone at its start; then per step the paths and a forward per level
     assert [shape[0] for shape in forwards[:3]] == [1, 1, 1]
-    assert len(forwards) - 3 <= len(steps) * (decoder.depth + 1)
+    assert len(forwards) - 3 <= len(steps) * decoder.full_depth()
     assert {shape[0] for shape in forwards[3:]} == set(steps) and max(steps) == 3
     assert len(forwards) < 0.6 * len(alone_forwards)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8)], ids=["greedy", "T0.8"])
+@pytest.mark.parametrize("method", ["sps", "mcsd"])
+def test_the_draft_lm_drafts_a_batch_with_one_forward_per_depth(every_batchable, method, sampling):
+    """SpS and MCSD at B = 3 (`BatchDraftLM`): each step feeds every sequence's unseen tokens in one
+    draft forward and each depth of every tree in one more, and each sequence drafts, step by step,
+    the trees it drafts alone (sampled: its children drawn from its own generator)."""
+    prompts = prompts_and_stops(3)[0]
+    stops = [StopCondition(24), StopCondition(16), StopCondition(24)]
+
+    def run(decoder, batched):
+        trees, states = {}, []
+        propose, propose_batch, steps = decoder.propose, decoder.propose_batch, []
+        decoder.propose = lambda state, *a: states.append(state) or trees.setdefault(id(state), []).append(
+            out := propose(state, *a)) or out
+
+        def record(batch_states, budgets):
+            out = propose_batch(batch_states, budgets)
+            steps.append(len(batch_states))
+            for state, tree in zip(batch_states, out):
+                states.append(state)
+                trees.setdefault(id(state), []).append(tree)
+            return out
+        decoder.propose_batch = record
+        generators = [torch.Generator().manual_seed(b) for b in range(3)]
+        if batched:
+            outs = BatchedDecoder(decoder).generate(prompts, stops, sampling, generators)
+        else:
+            outs = [decoder.generate(p, s, sampling, g) for p, s, g in zip(prompts, stops, generators)]
+        drafted = [[(t.tokens.tolist(), list(t.parents)) for t in each] for each in trees.values()]
+        probs = [[t.draft_probs for t in each] for each in trees.values()]
+        return drafted, probs, [out.tokens for out in outs], steps
+
+    alone, alone_probs, alone_tokens, _ = run(every_batchable[method](), False)
+    decoder = every_batchable[method]()
+    batch, probs, tokens, steps = run(decoder, True)
+    assert tokens == alone_tokens
+    assert batch == alone and sum(len(trees) for trees in batch) > 10
+    for each, alone_each in zip(probs, alone_probs):  # sampled: each node's q as alone (a batch's GEMM may round
+        for q, alone_q in zip(each, alone_each):      # differently in the last bit)
+            assert (q is None) == (alone_q is None) and (q is None or torch.allclose(q, alone_q, rtol=0, atol=1e-6))
+    # each prompt caught up alone at the batch's first step; then per step at most the catch-up and one
+    # forward per fed depth (the last depth is never fed; budgets cut the last steps' trees)
+    assert [lane.runner.forward_passes for lane in decoder.lane_drafts] == [1, 1, 1]
+    assert len(steps) * (len(decoder.k_config) - 1) < decoder.batch_draft.runner.forward_passes \
+        <= len(steps) * len(decoder.k_config) - 1
+    assert max(steps) == 3 and min(steps) < 3  # the second sequence left the batch before the others
 
 
 def test_every_batchable_method_is_in_the_sampled_batch_test(every_batchable):

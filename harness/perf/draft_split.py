@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 from harness.perf.workload import write_result
 from harness.running.environment import environment, hardware_name, hardware_slug
 from methods.base import BuildContext, get_method
-from methods.eagle.dynamic import one_sequence
+from methods.eagle.decoder import one_sequence
 from methods.engine import native
 from methods.engine.runner import ModelRunner
 from methods.engine.tree import level_mask

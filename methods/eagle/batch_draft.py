@@ -1,5 +1,6 @@
 """The EAGLE family's drafting for a batch (`methods/batched.py`): one head forward for every
-sequence at each step of the draft, instead of one per sequence.
+sequence at each step of the draft, instead of one per sequence (EAGLE-1's template, EAGLE-2's and
+EAGLE-3's dynamic trees).
 
 Every running sequence's head KV (its committed (token, feature) pairs) sits in one row of a
 `BatchKVCache`, as the target's does. A draft step is then:
@@ -9,14 +10,15 @@ Every running sequence's head KV (its committed (token, feature) pairs) sits in 
     the whole batch in one forward, rows padded to the longest path, each seeing its own committed
     pairs and its path causally; `commit_batch` moves each path to its sequence's length, and each
     root is its path's last row;
-  * the levels: EAGLE-2's expansion runs for the batch at once (`Eagle2Decoder._expand`: top-k,
-    cumulative values and frontier masks with a leading batch dimension), each level one forward of
-    B × k rows (`feed`): a node sees its sequence's committed pairs, its ancestors among the tree
-    slots drafted so far and itself; the tree slots are dropped after the step.
+  * the levels: the decoder's draft loop runs for the batch at once, with a leading batch dimension
+    (EAGLE-2's expansion, `Eagle2Decoder._expand`: top-k, cumulative values and frontier masks;
+    EAGLE-1's template, `EagleDecoder._fill`), each level one forward of B × (the level's nodes)
+    rows (`feed`): a node sees its sequence's committed pairs, its ancestors among the tree slots
+    drafted so far and itself; the tree slots are dropped after the step.
 
 A sequence's rows are computed from exactly what they compute from alone (its own pairs, its own
 frontier), so a sequence drafts the candidates it drafts alone; its tree is then cut to its own
-budget and reranked alone (`Eagle2Decoder._rerank`). On a CPU a head forward streams the head's
+budget (EAGLE-2: reranked alone, `Eagle2Decoder._rerank`; EAGLE-1: the template cut at its depth). On a CPU a head forward streams the head's
 weights once whatever its rows (to ~30 rows), so B sequences draft for about the cost of one.
 """
 
@@ -35,7 +37,7 @@ class BatchDraft:
     the batch's first draft step from each sequence's own head cache (the prompt's pairs), shrunk as
     sequences leave."""
 
-    def __init__(self, decoder):  # decoder: a `dynamic.Eagle2Decoder`
+    def __init__(self, decoder):  # decoder: an `EagleBase` (its `draft_batch` drafts the levels)
         self.decoder = decoder
         self.states: list = []
         self.cache: BatchKVCache | None = None
@@ -112,32 +114,15 @@ class BatchDraft:
         cos, sin = rope.lookup(positions, x, max(cache.lengths) + int(depths.max()) + 1)
         return layer.forward(x, cos, sin, mask, cache, attn_in)
 
+    def trees(self, states: Sequence, budgets: Sequence[int]) -> list[Tree]:
+        """`EagleBase.propose_batch`: the roots for the batch at once, then the decoder's levels for the
+        batch (`draft_batch`: each level one head forward, `feed`), the tree slots dropped after."""
+        roots_hidden, roots_draft = self.roots(states)
+        with torch.inference_mode():
+            trees = self.decoder.draft_batch(states, budgets, roots_hidden, roots_draft, self.feed)
+        self.drop_tree()
+        return trees
+
     def drop_tree(self) -> None:
         """The tree slots a step drafted, dropped: the filled length back to the longest sequence."""
         self.cache.commit_batch(self.cache.get_seq_length(), [[] for _ in self.states])
-
-
-def draft_batch(decoder, states: Sequence, budgets: Sequence[int]) -> list[Tree]:
-    """`Eagle2Decoder.propose_batch`: the roots and every level for the batch at once (`BatchDraft`),
-    then each sequence's candidates cut to its own levels and reranked alone."""
-    batch = decoder.batch_draft
-    levels = [min(decoder.depth + 1, budget) for budget in budgets]
-    roots_hidden, roots_draft = batch.roots(states)
-    deepest = max(levels)
-    if deepest <= 0:
-        return [Tree(torch.tensor([state.tokens[-1]]), [-1]) for state in states]
-    with torch.inference_mode():
-        tokens, parents, values = decoder._expand(roots_hidden, roots_draft, deepest, batch.feed, states[0].draft)
-    batch.drop_tree()
-    k = decoder.branching()
-    trees = []
-    for b, (state, depth) in enumerate(zip(states, levels)):
-        root = state.tokens[-1]
-        if depth <= 0:
-            trees.append(Tree(torch.tensor([root]), [-1]))
-            continue
-        count = k + (depth - 1) * k * k  # the candidates of its own levels: a prefix
-        greedy = state.sampling.greedy
-        trees.append(decoder._rerank(root, tokens[b, :count], parents[b, :count], values[b, :count], depth, greedy,
-                                     state.batch if greedy else 1))
-    return trees

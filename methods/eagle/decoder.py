@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 
 from ..base import DraftVerifyDecoder
+from ..engine.tree import Tree
 from ..models.heads.eagle import EagleHead
+from .batch_draft import BatchDraft
 from .drafter import EagleDrafter
 from .static_draft import StaticDraft
 
@@ -20,6 +22,7 @@ class EagleBase(DraftVerifyDecoder):
         # `engine.cuda_graphs`: the draft step as a static computation (a CUDA graph on a GPU; `engine.compile`)
         self.static = None if target.graph_mode == "off" else \
             StaticDraft(self, target.graph_mode == "graphs", target.compiled)
+        self.batch_draft = BatchDraft(self)  # the head's cache of a batch's sequences (`propose_batch`)
 
     # the draft loop a `StaticDraft` runs: its levels from the root's state, fed by `feed`; the head
     # entries a loop of depth `key` feeds; the depth a graph is captured at
@@ -30,8 +33,21 @@ class EagleBase(DraftVerifyDecoder):
     def drafted_entries(self, key: int) -> int:
         raise NotImplementedError
 
+    # a batch's draft (`propose_batch`): the levels for every sequence at once from the roots [B, H] / [B, K],
+    # each level fed by `feed(tokens [B, n], parent_hidden [B, n, H], depth, seen [B, n, fed])`
+    def draft_batch(self, states, budgets, roots_hidden: torch.Tensor, roots_draft: torch.Tensor,
+                    feed) -> list[Tree]:
+        raise NotImplementedError
+
     def full_depth(self) -> int:
         raise NotImplementedError
+
+    def propose_batch(self, states, budgets) -> list[Tree]:
+        """A batch's drafts with one head forward per step of the draft for all its sequences
+        (`batch_draft.py`) where the head's layer runs on the fused forward; else one after another."""
+        if self.drafter.fused is None:
+            return super().propose_batch(states, budgets)
+        return self.batch_draft.trees(states, budgets)
 
     def draft_state(self, index: int) -> EagleDrafter:
         """Sequence `index`'s drafter (the head's own cache; index 0: `self.drafter`, the one the static
@@ -77,3 +93,9 @@ class EagleBase(DraftVerifyDecoder):
         # fed by the next draft step: inside its static computation, in its batch's one forward, or
         # alone first (`static_for` settles it)
         state.draft.defer(tokens, self.features(verified)[path])
+
+
+def one_sequence(feed):
+    """A one-sequence feed (`EagleDrafter.feed_level`, `feed_static`: tokens [k], hidden [k, H], seen
+    [k, fed]) as the batched draft loops call it (a leading batch dimension of 1)."""
+    return lambda tokens, hidden, depth, seen: feed(tokens[0], hidden[0], depth, seen[0])[None]

@@ -13,8 +13,7 @@ from ..engine.sizing import verify_costs
 from ..engine.tree import DeviceTree, Tree
 from ..models.heads.eagle import EagleHead, load_eagle_head
 from ..models.heads.source import head_spec
-from .batch_draft import BatchDraft, draft_batch
-from .decoder import EagleBase
+from .decoder import EagleBase, one_sequence
 from .settings import DynamicTreeSettings, Eagle2Settings
 
 UPSTREAM_TOTAL = 60  # upstream's total_token; `auto` and `adaptive` without a machine profile
@@ -36,7 +35,6 @@ class Eagle2Decoder(EagleBase):
         self.verify_seconds = verify_seconds  # adaptive sizing: target forward seconds by tokens
         self.draft_seconds = 0.0  # adaptive sizing: running mean of one step's drafting time
         self._verify_tables: dict[int, tuple[dict, list[float]]] = {}  # batch -> (the curve, `verify_times`)
-        self.batch_draft = BatchDraft(self)  # the head's cache of a batch's sequences (`propose_batch`)
 
     def describe(self):
         return {**super().describe(), "total_tokens": "adaptive" if self.verify_seconds else self.total_tokens,
@@ -50,13 +48,31 @@ class Eagle2Decoder(EagleBase):
         return tree
 
     def propose_batch(self, states, budgets) -> list[Tree]:
-        """A batch's drafts with one head forward per step of the draft for all its sequences
-        (`batch_draft.py`); each sequence is charged its share of the time."""
-        if self.drafter.fused is None:
-            return super().propose_batch(states, budgets)
+        """`EagleBase.propose_batch`; each sequence is charged its share of the time."""
         started = time.perf_counter()
-        trees = draft_batch(self, states, budgets)
+        trees = super().propose_batch(states, budgets)
         self._time_draft((time.perf_counter() - started) / len(states))
+        return trees
+
+    def draft_batch(self, states, budgets, roots_hidden, roots_draft, feed) -> list[Tree]:
+        """Every level for the batch at once (`_expand`), then each sequence's candidates cut to its own
+        levels and reranked alone."""
+        levels = [min(self.depth + 1, budget) for budget in budgets]
+        deepest = max(levels)
+        if deepest <= 0:
+            return [Tree(torch.tensor([state.tokens[-1]]), [-1]) for state in states]
+        tokens, parents, values = self._expand(roots_hidden, roots_draft, deepest, feed, states[0].draft)
+        k = self.branching()
+        trees = []
+        for b, (state, depth) in enumerate(zip(states, levels)):
+            root = state.tokens[-1]
+            if depth <= 0:
+                trees.append(Tree(torch.tensor([root]), [-1]))
+                continue
+            count = k + (depth - 1) * k * k  # the candidates of its own levels: a prefix
+            greedy = state.sampling.greedy
+            trees.append(self._rerank(root, tokens[b, :count], parents[b, :count], values[b, :count], depth, greedy,
+                                      state.batch if greedy else 1))
         return trees
 
     def _time_draft(self, seconds: float) -> None:
@@ -206,12 +222,6 @@ class Eagle2Decoder(EagleBase):
             table = [cost * one / batch for cost in verify_costs(curve, [batch * n for n in range(size)])]
             self._verify_tables[batch] = curve, table
         return table
-
-
-def one_sequence(feed):
-    """A one-sequence feed (`EagleDrafter.feed_level`, `feed_static`: tokens [k], hidden [k, H], seen
-    [k, fed]) as the batched expansion calls it (a leading batch dimension of 1)."""
-    return lambda tokens, hidden, depth, seen: feed(tokens[0], hidden[0], depth, seen[0])[None]
 
 
 def auto_total_tokens(profile, target, sizes=(40, 48, 50, 56, 60), weights=(1, 1.05, 1.07, 1.1, 1.13),

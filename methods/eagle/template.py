@@ -13,7 +13,7 @@ from ..engine.static_trees import StaticTree
 from ..engine.tree import Tree, ancestors_of
 from ..models.heads.eagle import EagleHead, load_eagle_head
 from ..models.heads.source import head_spec
-from .decoder import EagleBase
+from .decoder import EagleBase, one_sequence
 from .settings import SAMPLING_RULES, EagleSettings
 
 
@@ -62,11 +62,27 @@ class EagleDecoder(EagleBase):
             draft_probs = None
         else:
             with torch.inference_mode():
-                tokens, draft_probs = self._fill(drafter.root_hidden, drafter.root_draft, depth_limit,
-                                                 drafter.feed_level, drafter, state if sampled else None)
+                tokens, draft_probs = self._fill(drafter.root_hidden[None], drafter.root_draft[None], depth_limit,
+                                                 one_sequence(drafter.feed_level), drafter, [state] if sampled else None)
+            tokens, draft_probs = tokens[0], None if draft_probs is None else draft_probs[0]
         _, parents, _ = self.plan(depth_limit)
         tokens = torch.cat([tokens.new_tensor([root]), tokens[1:]])
         return Tree(tokens, parents, draft_probs, without_replacement=sampled)
+
+    def draft_batch(self, states, budgets, roots_hidden, roots_draft, feed) -> list[Tree]:
+        """The template for every sequence at once, filled to the deepest sequence's depth limit (a
+        shallower one's tree is a prefix: the template lists nodes by depth), then each cut at its own."""
+        limits = [min(self.tree.max_depth, budget) for budget in budgets]
+        sampled = self.sampling_rule == "eagle1" and not states[0].sampling.greedy
+        tokens, draft_probs = self._fill(roots_hidden, roots_draft, max(limits), feed, states[0].draft,
+                                         states if sampled else None, limits)
+        trees = []
+        for b, (state, limit) in enumerate(zip(states, limits)):
+            count, parents, _ = self.plan(limit)
+            own = torch.cat([tokens.new_tensor([state.tokens[-1]]), tokens[b, 1:count]])
+            trees.append(Tree(own, parents, None if draft_probs is None else draft_probs[b, :count],
+                              without_replacement=sampled))
+        return trees
 
     def plan(self, depth_limit: int) -> tuple[int, list[int], list[TemplateLevel]]:
         """The template cut at `depth_limit`: its node count, parents and levels (made once)."""
@@ -105,45 +121,55 @@ class EagleDecoder(EagleBase):
         return plans[depth_limit]
 
     def _fill(self, root_hidden: torch.Tensor, root_draft: torch.Tensor, depth_limit: int, feed, drafter,
-              sampled_for=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The template filled level by level on the head's device (`plan`'s index tensors: nothing
-        read, nothing sent), the tokens never coming back to the host (the verification's read
-        brings the accepted ones). Greedy (or the `eagle2` rule): each parent's top-k children by
-        rank. EAGLE-1 sampling: each parent's children drawn from its q without replacement, in draw
-        order (`sampling.draw_children`; where q has fewer tokens than children, the extra ones
-        hold tokens of probability 0 and are never accepted), q kept for verification. Rows are in
-        node order: node n's token, hidden state and logits are row n (row 0's token: the root's,
-        set by the caller). `sampled_for`: the sequence's `DecodeState` when its children are sampled (its
-        sampling and generator), else None. Logits are kept over the draft vocabulary (`root_draft`,
-        `drafter.draft_logits`): greedy ranks there, sampling draws from q over the target's vocabulary
-        (`drafter.full`). Returns the tokens and, sampled, each node's q."""
+              sampled_for=None, limits=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The template filled level by level for B sequences at once (B = 1 alone) on the head's
+        device (`plan`'s index tensors: nothing read, nothing sent), the tokens never coming back to
+        the host (the verification's read brings the accepted ones). `root_hidden` [B, H],
+        `root_draft` [B, K]; `feed(tokens [B, n], parent_hidden [B, n, H], depth, seen [B, n, fed])`
+        feeds a level (one head forward for the batch: `BatchDraft.feed`; one sequence's `feed_level`
+        or `feed_static` through `one_sequence`). Greedy (or the `eagle2` rule): each parent's top-k
+        children by rank. EAGLE-1 sampling: each parent's children drawn from its q without
+        replacement, in draw order (`sampling.draw_children`; where q has fewer tokens than children,
+        the extra ones hold tokens of probability 0 and are never accepted), q kept for verification.
+        Rows are in node order: node n's token, hidden state and logits are row n of each sequence
+        (row 0's token: the root's, set by the caller). `sampled_for`: the sequences' `DecodeState`s
+        when their children are sampled (each draws from its own generator, only down to its own
+        depth limit `limits[b]`, as alone), else None. Logits are kept over the draft vocabulary
+        (`root_draft`, `drafter.draft_logits`): greedy ranks there, sampling draws from q over the
+        target's vocabulary (`drafter.full`). Returns the tokens [B, nodes] and, sampled, each node's
+        q [B, nodes, V]."""
         sampled = sampled_for is not None
         count, _, levels = self.plan(depth_limit)
-        tokens = torch.zeros(count, dtype=torch.long, device=root_draft.device)
-        hidden = torch.cat([root_hidden[None], root_hidden.new_empty(count - 1, root_hidden.shape[-1])])
-        logits = torch.cat([root_draft[None], root_draft.new_empty(count - 1, root_draft.shape[-1])])
+        batch = root_draft.shape[0]
+        tokens = torch.zeros(batch, count, dtype=torch.long, device=root_draft.device)
+        hidden = torch.cat([root_hidden[:, None], root_hidden.new_empty(batch, count - 1, root_hidden.shape[-1])], 1)
+        logits = torch.cat([root_draft[:, None], root_draft.new_empty(batch, count - 1, root_draft.shape[-1])], 1)
         vocab = root_draft.shape[-1] if drafter.vocabulary is None else drafter.vocabulary.full_size
-        draft_probs = torch.zeros(count, vocab, device=root_draft.device) if sampled else None
+        draft_probs = torch.zeros(batch, count, vocab, device=root_draft.device) if sampled else None
         for level in levels:
-            parent_logits = logits.index_select(0, level.rows)
+            parent_logits = logits.index_select(1, level.rows)  # [B, parents, K]
             if sampled:  # a child's place among its parent's children is its draw
-                q = logits_to_probs(drafter.full(parent_logits), sampled_for.sampling)
-                draft_probs.index_copy_(0, level.rows, q)
-                drawn = draw_children(q, level.width, True, sampled_for.generator)
-                tokens.index_copy_(0, level.nodes, drawn[level.row_of, level.draw])
+                for b, state in enumerate(sampled_for):
+                    if limits is not None and level.depth > limits[b]:
+                        continue
+                    q = logits_to_probs(drafter.full(parent_logits[b]), state.sampling)
+                    draft_probs[b].index_copy_(0, level.rows, q)
+                    drawn = draw_children(q, level.width, True, state.generator)
+                    tokens[b].index_copy_(0, level.nodes, drawn[level.row_of, level.draw])
             else:
-                ranked = drafter.target_ids(torch.topk(parent_logits, level.top_k).indices)  # [parents, k]
-                tokens.index_copy_(0, level.nodes, ranked[level.row_of, level.rank])
+                ranked = drafter.target_ids(torch.topk(parent_logits, level.top_k).indices)  # [B, parents, k]
+                tokens.index_copy_(1, level.nodes, ranked[:, level.row_of, level.rank])
             if level.expand is None:
                 break
-            out = feed(tokens.index_select(0, level.expand), hidden.index_select(0, level.expand_parents), level.depth,
-                       level.visible)
-            hidden.index_copy_(0, level.expand, out)
-            logits.index_copy_(0, level.expand, drafter.draft_logits(out))
+            out = feed(tokens.index_select(1, level.expand), hidden.index_select(1, level.expand_parents), level.depth,
+                       level.visible.expand(batch, -1, -1))
+            hidden.index_copy_(1, level.expand, out)
+            logits.index_copy_(1, level.expand, drafter.draft_logits(out))
         return tokens, draft_probs
 
     def draft_levels(self, root_hidden, root_draft, key, feed):
-        return self._fill(root_hidden, root_draft, key, feed, self.drafter)
+        tokens, _ = self._fill(root_hidden[None], root_draft[None], key, one_sequence(feed), self.drafter)
+        return tokens[0], None
 
     def drafted_entries(self, key: int) -> int:
         return sum(len(level.expand) for level in self.plan(key)[2] if level.expand is not None)

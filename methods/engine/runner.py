@@ -286,37 +286,55 @@ class ModelRunner:
         sequence's padding slots in the cache are masked out, so each row sees exactly what it sees
         alone (the native layer's attention walks only the keys a row sees: a short sequence does
         not read a long one's length). Logits [B, R, V], hidden [B, R, H] (and the captured layers'
-        inputs [B, R, .]). Nothing is committed (`BatchKVCache.commit_batch`). It runs the fused
-        forward (the native layer where it applies) or the stock decoder; never a static step."""
+        inputs [B, R, .]). Nothing is committed (`BatchKVCache.commit_batch`)."""
         cache, device = self.cache, self.device
         if not isinstance(cache, BatchKVCache) or len(rows) != len(cache.lengths):
             raise RuntimeError("forward_batch needs a BatchKVCache with one sequence per row set; call reserve_batch()")
-        batch, start = len(rows), self.length
         sizes = [len(tokens) for tokens, _, _ in rows]
         width = max(sizes)
-        self.check_room(max(cache.lengths) + width)
         ids = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(t, dtype=torch.long, device=device) for t, _, _ in rows],
                                               batch_first=True)
         depths = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(d, dtype=torch.long, device=device)
                                                   for _, d, _ in rows],
                                                  batch_first=True)
-        own = torch.eye(width, dtype=torch.bool, device=device).repeat(batch, 1, 1)  # padding rows: themselves
+        own = torch.eye(width, dtype=torch.bool, device=device).repeat(len(rows), 1, 1)  # padding rows: themselves
         for b, (_, _, visible) in enumerate(rows):
             own[b, : sizes[b], : sizes[b]] = torch.as_tensor(visible, device=device)
+        return self.forward_rows(ids, depths, own)
+
+    @torch.inference_mode()
+    def forward_rows(self, ids: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor, tree: int = 0,
+                     logits_at: torch.Tensor | None = None, reach: int | None = None) -> ForwardOutput:
+        """Rows [B, n] of B sequences appended after the `BatchKVCache`'s filled length: row i of
+        sequence b (token ids[b, i]) at position lengths[b] + depths[b, i], seeing b's committed slots,
+        the `tree` slots just before the new rows as visible[b, i, :tree] says (a draft tree's earlier
+        levels) and the new rows as its last n columns say. `logits_at` [B]: logits of that row of each
+        sequence only ([B, 1, V]); else of every row. `reach`: a bound on the depths known on the host
+        (none: the rows' count, a tree's; nothing is read back). It runs the fused forward (the native
+        layer where it applies) or the stock decoder; never a static step. Nothing is committed."""
+        cache, device = self.cache, self.device
+        if not isinstance(cache, BatchKVCache) or ids.shape[0] != len(cache.lengths):
+            raise RuntimeError("a batch forward needs a BatchKVCache with one row per sequence; call reserve_batch()")
+        batch, width = ids.shape
+        start, reach = self.length, width if reach is None else reach
+        self.check_room(max(cache.lengths) + reach)
         lengths = torch.tensor(cache.lengths, device=device)
-        positions = lengths[:, None] + depths  # [B, R]
-        mask = batch_mask(lengths, start, own, self.dtype)  # each sequence's own slots, then its rows
+        positions = lengths[:, None] + depths  # [B, n]
+        mask = batch_mask(lengths, start - tree, visible, self.dtype)  # each sequence's own slots, then the rest
         fused = self.fused is not None and (self.fused.window is None or start + width <= self.fused.window)
         capturing = layer_inputs(self.decoder, self.feature_layers) if self.feature_layers and not fused \
             else nullcontext({})
         with self.linear.active(), capturing as captured:
             if fused:
                 hidden, captured = self.fused.forward(ids, positions, mask, cache, self.feature_layers,
-                                                      max(cache.lengths) + width)
+                                                      max(cache.lengths) + reach)
             else:
                 hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=mask,
                                       past_key_values=cache, use_cache=True).last_hidden_state
-            logits = self._logits(hidden.flatten(0, 1), slice(None)).view(batch, width, -1)
+            if logits_at is None:
+                logits = self._logits(hidden.flatten(0, 1), slice(None)).view(batch, width, -1)
+            else:
+                logits = self._logits(hidden[torch.arange(batch, device=device), logits_at], slice(None))[:, None]
             layers = torch.cat([captured[i] for i in self.feature_layers], -1) if self.feature_layers else None
         self.forward_passes += 1
         return ForwardOutput(logits=logits, hidden=hidden, layers=layers)
