@@ -49,6 +49,7 @@ class HydraSettings(Settings):
     draft_kind = "hydra"
     lossless = "yes (not `acceptance=typical`)"
     size_setting, size_recorded, size_label = "tree", "tree_nodes", "tree size (nodes)"
+    size_derived = ("tree_depth",)
 
     tree: str | list = setting(
         "auto",

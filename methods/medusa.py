@@ -34,6 +34,7 @@ class MedusaSettings(Settings):
     draft_kind = "medusa"
     lossless = "yes (not `acceptance=typical`)"
     size_setting, size_recorded, size_label = "tree", "tree_nodes", "tree size (nodes)"
+    size_derived = ("tree_depth",)
 
     tree: str | list = setting(
         "auto",

@@ -58,6 +58,7 @@ class RecyclingSettings(Settings):
 
     paper = "Luo et al. 2024 (Luowaterbi/TokenRecycling)"
     size_setting, size_recorded, size_label = "tree", "tree_nodes", "tree size (nodes)"
+    size_derived = ("tree_depth",)
 
     tree: str | list = setting("2.2.2", one_of("auto", *TEMPLATES) | paths(),
                                "upstream's template (80 nodes, depth 6); auto = its first nodes up to this machine's "

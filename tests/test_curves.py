@@ -29,7 +29,7 @@ def batched(qid, category, batch_size, wall, prompt_len=50):
 
 
 def write_batch_runs(root, batch_size, walls, dataset="spec_bench", prompt_len=50, drafts=(2, 4), config=None,
-                     **settings):
+                     method="pld", **settings):
     categories = ["writing", "writing", "qa", "qa"]
     ar_wall, *method_walls = walls
     name = f"b{batch_size}-{settings.get('max_new_tokens', 128)}-{'-'.join(map(str, (config or {}).values()))}"
@@ -38,9 +38,10 @@ def write_batch_runs(root, batch_size, walls, dataset="spec_bench", prompt_len=5
     answers = [batched(q, categories[q], batch_size, ar_wall, prompt_len) for q in range(4)]
     (base / "answers" / "ar.jsonl").write_text("".join(json.dumps(r) + "\n" for r in answers))
     for num_draft, wall in zip(drafts, method_walls):
-        write_run(root, "pld", f"{name}-d{num_draft}", [batched(q, categories[q], batch_size, wall, prompt_len)
-                                                         for q in range(4)], base,
-                  {"num_draft": num_draft, **(config or {})}, dataset=dataset, batch_size=batch_size, **settings)
+        write_run(root, method, f"{name}-d{num_draft}", [batched(q, categories[q], batch_size, wall, prompt_len)
+                                                          for q in range(4)], base,
+                  {**({"num_draft": num_draft} if method == "pld" else {}), **(config or {})}, dataset=dataset,
+                  batch_size=batch_size, **settings)
 
 
 @pytest.fixture
@@ -100,6 +101,20 @@ def test_an_auto_size_is_one_line_whatever_each_point_resolved_it_to(tmp_path):
     assert list(curves.rows) == ["pld (num_draft=auto)"]
     drawn = capture_figures(root, tmp_path)
     assert drawn_lines(drawn["speedup_vs_batch_size"]) == {"pld": [2.0, 1.25, 0.8]}
+
+
+def test_an_auto_template_is_one_line_whatever_each_point_cut_it_to(tmp_path):
+    """EAGLE at tree=auto (recorded in its sizing) cut to another template prefix at each batch size,
+    its depth and top-k with it: one line, named by the setting asked for."""
+    root = tmp_path / "auto-tree"
+    for (batch_size, walls), (nodes, depth, top_k) in zip(WALLS.items(), ((8, 2, 4), (8, 2, 4), (3, 1, 2))):
+        write_batch_runs(root, batch_size, walls[:2], drafts=(0,), method="eagle",
+                         config={"sizing": {"tree": "auto", "verify_tokens": nodes}, "tree_nodes": nodes,
+                                 "tree_depth": depth, "top_k": top_k, "sampling_rule": "eagle1"})
+    [curves] = find_curves(build_tables(find_runs(root)))
+    [(line, points)] = curves.series().items()
+    assert line == "eagle (sampling_rule=eagle1, tree=auto)" and [p.batch_size for p in points] == [1, 2, 4]
+    assert [p.size for p in points] == [8, 8, 3]
 
 
 def test_batch_tables_and_figures_are_written(batch_results, tmp_path):

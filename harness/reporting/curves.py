@@ -127,12 +127,16 @@ class Curves:
 def line_of(method: str, config: dict) -> tuple[str, dict]:
     """A method variant's line across batch sizes or input lengths, and its settings: the variant, but
     where its size was `auto` (a string setting, as `num_draft=auto`) without the size each run
-    resolved it to (`Settings.size_recorded`: the machine's curve, cut per batch size), so that one
-    configuration is one line whatever size each point chose (points.csv keeps each point's)."""
+    resolved it to (`Settings.size_recorded`: the machine's curve, cut per batch size) and what
+    follows from it (`size_derived`: an `auto` template's depth and top-k), so that one configuration
+    is one line whatever size each point chose (points.csv keeps each point's)."""
     settings = settings_of(method)
     recorded, setting = settings.size_recorded, settings.size_setting
-    if recorded and recorded != setting and recorded in config and isinstance(config.get(setting), str):
-        config = {k: v for k, v in config.items() if k != recorded}
+    sizing = config.get("sizing") if isinstance(config.get("sizing"), dict) else {}
+    asked = config.get(setting, sizing.get(setting))  # (a template's `auto` is recorded in its sizing only)
+    if recorded and recorded != setting and recorded in config and isinstance(asked, str):
+        resolved = {recorded, *settings.size_derived}
+        config = {**{k: v for k, v in config.items() if k not in resolved}, setting: asked}
     return (AR if method == AR else method_label(method, config)), config
 
 

@@ -22,6 +22,7 @@ class EagleSettings(Settings):
     paper = "Li et al. 2024 (SafeAILab/EAGLE)"
     draft_kind = "eagle"
     size_setting, size_recorded, size_label = "tree", "tree_nodes", "tree size (nodes)"
+    size_derived = ("tree_depth", "top_k")
 
     tree: str | list = setting("auto", one_of("auto", *NAMED_TREES) | paths(),
                                "auto = EAGLE's own 25-node tree cut to what this machine verifies nearly free; "

@@ -131,6 +131,9 @@ class Settings:
     size_setting: ClassVar[str | None] = None
     size_recorded: ClassVar[str | None] = None
     size_label: ClassVar[str] = ""
+    # other keys of a recorded config that follow from the size `auto` resolved to (a template cut to
+    # the size has its own depth and top-k)
+    size_derived: ClassVar[tuple[str, ...]] = ()
 
     def batch_problem(self) -> str | None:
         """Why these settings cannot be decoded at batch_size > 1; None when they can."""
