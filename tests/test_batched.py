@@ -174,7 +174,8 @@ def test_qwen2_batch_on_the_fused_and_the_stock_forward(decoder, method):
     model = tiny_model("qwen2", seed=10, vocab_size=32)
     draft = truncated_copy(model, 1)
     make = {"pld": lambda: PromptLookupDecoder(ModelRunner(model, decoder=decoder)),
-            "mcsd": lambda: MultiCandidateDecoder(ModelRunner(model, decoder=decoder), draft, k_config=(2, 2, 1))}[method]
+            "mcsd": lambda: MultiCandidateDecoder(ModelRunner(model, decoder=decoder), draft,
+                                                  k_config=(2, 2, 1))}[method]
     prompts, stops = prompts_and_stops(3)
     alone = [make().generate(p, s) for p, s in zip(prompts, stops)]
     outs = BatchedDecoder(make()).generate(prompts, stops)

@@ -18,8 +18,9 @@ Every running sequence's head KV (its committed (token, feature) pairs) sits in 
 
 A sequence's rows are computed from exactly what they compute from alone (its own pairs, its own
 frontier), so a sequence drafts the candidates it drafts alone; its tree is then cut to its own
-budget (EAGLE-2: reranked alone, `Eagle2Decoder._rerank`; EAGLE-1: the template cut at its depth). On a CPU a head forward streams the head's
-weights once whatever its rows (to ~30 rows), so B sequences draft for about the cost of one.
+budget (EAGLE-2: reranked alone, `Eagle2Decoder._rerank`; EAGLE-1: the template cut at its depth).
+On a CPU a head forward streams the head's weights once whatever its rows (to ~30 rows), so B
+sequences draft for about the cost of one.
 """
 
 from __future__ import annotations

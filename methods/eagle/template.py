@@ -63,7 +63,8 @@ class EagleDecoder(EagleBase):
         else:
             with torch.inference_mode():
                 tokens, draft_probs = self._fill(drafter.root_hidden[None], drafter.root_draft[None], depth_limit,
-                                                 one_sequence(drafter.feed_level), drafter, [state] if sampled else None)
+                                                 one_sequence(drafter.feed_level), drafter,
+                                                 [state] if sampled else None)
             tokens, draft_probs = tokens[0], None if draft_probs is None else draft_probs[0]
         _, parents, _ = self.plan(depth_limit)
         tokens = torch.cat([tokens.new_tensor([root]), tokens[1:]])
