@@ -184,10 +184,15 @@ def test_qwen2_batch_on_the_fused_and_the_stock_forward(decoder, method):
     assert [out.stats.accepted_lengths for out in outs] == [out.stats.accepted_lengths for out in alone]
 
 
-def test_batch_cache_rows_hold_each_sequence_alone(target):
+@pytest.mark.parametrize("kept", [[0, 2], [2, 0]], ids=["in-order", "reordered"])
+@pytest.mark.parametrize("joined", [True, False], ids=["joined", "per-layer"])
+def test_batch_cache_rows_hold_each_sequence_alone(target, joined, kept):
     """After a prefill (each prompt alone into its row, no padding) and two verifications of chains of
-    different lengths, each accepting its own path, row b of every layer's cache holds sequence b's KV
-    as the B = 1 cache holds it; the prefill's last logits are the B = 1 prefill's, bit for bit."""
+    different lengths, each accepting its own path, and a sequence leaving the batch, each row of every
+    layer's cache holds its sequence's KV as the B = 1 cache holds it; the prefill's last logits are
+    the B = 1 prefill's, bit for bit. Joined (`reserve_batch`): every layer's buffers are views of one
+    tensor, each commit one gather for all layers; per layer (a cache that grew past them): one gather
+    per layer. In order, the rows left move up in place; reordered, the buffers are copied."""
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
     steps = [  # per step: each sequence's chain (root first) and the rows it keeps
         [([3, 4, 5], [0, 1]), ([10], [0]), ([15, 1, 2, 3, 4], [0, 1, 2, 3])],
@@ -196,24 +201,34 @@ def test_batch_cache_rows_hold_each_sequence_alone(target):
     batched = ModelRunner(target)
     batched.reserve_batch(len(prompts), 64)
     firsts = batched.prefill_rows(prompts)
+    cache = batched.cache
+    keys, _ = cache.joined
+    assert all(layer._keys.data_ptr() == keys[i].data_ptr() for i, layer in enumerate(cache.layers))
+    if not joined:
+        cache.regrowths = 1  # as after a layer grew past the joined buffers
     for step in steps:
         start = batched.length
         batched.forward_batch([Tree.chain(torch.tensor(chain)).forward_rows() for chain, _ in step])
         batched.cache.commit_batch(start, [kept for _, kept in step])
-    for b, prompt in enumerate(prompts):
+    # the middle sequence leaves (and, reordered, the others swap rows): each row then holds the KV of
+    # the sequence it now holds (joined: still views of one tensor)
+    cache.keep_sequences(kept)
+    assert (cache.joined is not None) == joined and len(cache.layers[0]._keys) == 2
+    for row, b in enumerate(kept):
+        prompt = prompts[b]
         alone = ModelRunner(target)
         alone.reserve(64)
         assert torch.equal(firsts[b].logits, alone.prefill(prompt).logits)
         for step in steps:
-            chain, kept = step[b]
+            chain, path = step[b]
             start = alone.length
             alone.verify(Tree.chain(torch.tensor(chain)))
-            alone.commit(start, kept)
+            alone.commit(start, path)
         length = alone.length
-        assert batched.cache.lengths[b] == length
+        assert batched.cache.lengths[row] == length
         for mine, theirs in zip(batched.cache.layers, alone.cache.layers):
-            torch.testing.assert_close(mine._keys[b, :, :length], theirs.keys[0])
-            torch.testing.assert_close(mine._values[b, :, :length], theirs.values[0])
+            torch.testing.assert_close(mine._keys[row, :, :length], theirs.keys[0])
+            torch.testing.assert_close(mine._values[row, :, :length], theirs.values[0])
 
 
 def test_batch_rejects_a_method_that_decodes_one_sequence(target):

@@ -213,14 +213,50 @@ class BatchKVCache(TreeKVCache):
     (`ModelRunner.forward_batch`). A commit moves each sequence's accepted rows to its own length;
     L is then the longest sequence."""
 
-    def __init__(self, batch: int, capacity: int | None = None):
+    def __init__(self, batch: int, capacity: int | None = None, layers: int | None = None):
+        """`layers`: the model's layer count; with a `capacity`, every layer's buffers are made at once,
+        at the first write, as views of one keys and one values tensor [layers, B, kv_heads, capacity,
+        head_dim], so that a commit moves every layer's rows in one gather (`commit_batch`)."""
         super().__init__(capacity)
         self.lengths = [0] * batch
+        self.layer_count = layers
+        self.joined: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _join(self, like: torch.Tensor) -> None:
+        """Every layer's buffers as views of one pair of tensors (`layers` given, no layer written yet)."""
+        if self.joined is not None or not self.layer_count or not self.capacity or \
+                any(layer.is_initialized for layer in self.layers):
+            return
+        shape = (self.layer_count, len(self.lengths), like.shape[1], self.capacity, like.shape[-1])
+        keys, values = like.new_zeros(shape), like.new_zeros(shape)
+        self.layers = []
+        for index in range(self.layer_count):
+            layer = BufferedLayer(self)
+            layer.lazy_initialization(like, like)
+            layer._keys, layer._values = keys[index], values[index]
+            self.layers.append(layer)
+        self.joined = keys, values
+
+    def _joined(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The joined buffers while every layer's are still their views (no layer grew past them)."""
+        return self.joined if self.joined is not None and not self.regrowths else None
+
+    def reserve(self, index: int, added: int, batch: int, kv_heads: int, head_dim: int,
+                dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if self.joined is None:
+            self._join(torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device))
+        return super().reserve(index, added, batch, kv_heads, head_dim, dtype, device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.joined is None:
+            self._join(key_states[..., :0, :])
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @torch.inference_mode()
     def commit_batch(self, start: int, paths: Sequence[Sequence[int]]) -> None:
         """After a forward appended every sequence's rows at `start..`: keep sequence b's rows
-        `paths[b]` (increasing) at lengths[b].., in one gather per layer's keys and values."""
+        `paths[b]` (increasing) at lengths[b].., in one gather for every layer's keys and one for their
+        values when the layers' buffers are joined (else one per layer's keys and values)."""
         if len(paths) != len(self.lengths):
             raise ValueError(f"{len(paths)} paths for a batch of {len(self.lengths)}")
         rows, sources, targets = [], [], []
@@ -236,7 +272,12 @@ class BatchKVCache(TreeKVCache):
             self.lengths[b] += len(path)
         if rows:
             index = [torch.tensor(v) for v in (rows, sources, targets)]
-            for layer in self.layers:
+            joined = self._joined()
+            if joined is not None:  # every layer at once
+                b, source, target = (i.to(joined[0].device) for i in index)
+                for buffers in joined:
+                    buffers[:, b, :, target] = buffers[:, b, :, source]
+            for layer in self.layers if joined is None else ():
                 if layer.is_initialized:
                     b, source, target = (i.to(layer.device) for i in index)
                     layer._keys[b, :, target] = layer._keys[b, :, source]
@@ -263,12 +304,42 @@ class BatchKVCache(TreeKVCache):
             if layer.is_initialized:
                 layer.length = max(self.lengths)
 
+    @torch.inference_mode()
     def keep_sequences(self, kept: Sequence[int]) -> None:
-        """Only sequences `kept` (in this order) stay: the batch shrinks (new buffers, one copy)."""
+        """Only sequences `kept` (in this order) stay: the batch shrinks. In order (sequences left, the
+        others' order kept), each moves up to its new row (its own slots copied; nothing when it stays
+        in place) and the buffers narrow to the rows kept (views of the same storage); else one copy
+        of the buffers in the new order."""
         kept = list(kept)
-        self.lengths = [self.lengths[b] for b in kept]
+        lengths = self.lengths
+        self.lengths = [lengths[b] for b in kept]
+        joined = self._joined()
+        in_order = kept == sorted(set(kept))
+        if joined is not None:
+            if in_order:
+                for buffers in joined:
+                    for row, b in enumerate(kept):
+                        if row != b:
+                            buffers[:, row, :, : lengths[b]] = buffers[:, b, :, : lengths[b]]
+                self.joined = keys, values = tuple(buffers[:, : len(kept)] for buffers in joined)
+            else:
+                index = torch.tensor(kept, device=joined[0].device)
+                self.joined = keys, values = tuple(buffers.index_select(1, index) for buffers in joined)
+            for i, layer in enumerate(self.layers):
+                layer._keys, layer._values = keys[i], values[i]
+                layer.length = max(self.lengths, default=0)
+            return
+        self.joined = None
         for layer in self.layers:
             if layer.is_initialized and layer._keys is not None:
-                index = torch.tensor(kept, device=layer.device)
-                layer._keys, layer._values = layer._keys.index_select(0, index), layer._values.index_select(0, index)
+                if in_order:
+                    for buffer in (layer._keys, layer._values):
+                        for row, b in enumerate(kept):
+                            if row != b:
+                                buffer[row, :, : lengths[b]] = buffer[b, :, : lengths[b]]
+                    layer._keys, layer._values = layer._keys[: len(kept)], layer._values[: len(kept)]
+                else:
+                    index = torch.tensor(kept, device=layer.device)
+                    layer._keys = layer._keys.index_select(0, index)
+                    layer._values = layer._values.index_select(0, index)
                 layer.length = max(self.lengths, default=0)

@@ -207,7 +207,7 @@ class ModelRunner:
         """Before decoding `batch` sequences together (`methods/batched.py`), each committing at most
         `positions` positions: a `BatchKVCache` allocated once at positions + ROOM, the RoPE table
         as long. The B = 1 path (`reserve`) keeps its own cache for the next answer."""
-        self.cache = BatchKVCache(batch, self._capacity(positions))
+        self.cache = BatchKVCache(batch, self._capacity(positions), len(self.decoder.layers))
         self.forward_passes = 0
 
     def check_room(self, needed: int) -> None:
