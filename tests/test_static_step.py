@@ -134,8 +134,8 @@ def test_the_draft_step_runs_static_and_drafts_what_the_ordinary_loop_drafts(met
         decoder = get_method(method)(ModelRunner(target, cuda_graphs=mode), params, context)
         assert (decoder.static is None) == (mode == "off")
         original = getattr(decoder, loop)
-        setattr(decoder, loop, lambda *args, mode=mode, original=original: drafted[mode].append(out := original(*args))
-                or out)
+        setattr(decoder, loop, lambda *args, mode=mode, original=original, **kw: drafted[mode].append(
+            out := original(*args, **kw)) or out)
         tokens[mode] = []
         for prompt in PROMPTS:
             tokens[mode].append(decoder.generate(prompt, StopCondition(30)).tokens)

@@ -9,7 +9,8 @@ import torch
 
 from ..base import BuildContext, register
 from ..engine.sampling import draw_children, logits_to_probs
-from ..engine.static_trees import StaticTree
+from ..engine.sizing import batch_draft_tokens
+from ..engine.static_trees import NAMED_TREES, StaticTree
 from ..engine.tree import Tree, ancestors_of
 from ..models.heads.eagle import EagleHead, load_eagle_head
 from ..models.heads.source import head_spec
@@ -45,18 +46,40 @@ class EagleDecoder(EagleBase):
         super().__init__(target, head, vocabulary, sizing)
         self.tree = tree
         self.sampling_rule = sampling_rule
-        self._plans: dict[int, tuple] = {}  # depth limit -> the template's levels on the device (`plan`)
+        # (template nodes, depth limit) -> the template's levels on the device (`plan`)
+        self._plans: dict[tuple[int, int], tuple] = {}
+        # `tree: auto`: the published paths, in their order, and the latency curve the tree was cut by, so
+        # that a batch's template is cut at B rows per node (`template`); the templates cut, by batch size
+        self.auto_template: tuple[list, dict] | None = None
+        self.batch_templates: dict[int, StaticTree] = {}
 
     def describe(self):
-        return {**super().describe(), "tree_nodes": len(self.tree), "tree_depth": self.tree.max_depth,
-                "top_k": self.tree.top_k(), "sampling_rule": self.sampling_rule}
+        described = {**super().describe(), "tree_nodes": len(self.tree), "tree_depth": self.tree.max_depth,
+                     "top_k": self.tree.top_k(), "sampling_rule": self.sampling_rule}
+        if self.batch_templates:
+            described["batch_tree_nodes"] = {b: len(t) for b, t in sorted(self.batch_templates.items())}
+        return described
+
+    def template(self, batch: int, greedy: bool = True) -> StaticTree:
+        """The template a step verifies with `batch` sequences: the tree, or, with `tree: auto`, at B > 1
+        the published tree cut to this machine's verify budget at B rows per node
+        (`sizing.batch_draft_tokens`, as the chains' drafts are cut), made once per batch size. A sampled
+        sequence keeps the batch-1 tree: a seeded answer draws the same at any batch size."""
+        if batch <= 1 or not greedy or self.auto_template is None:
+            return self.tree
+        if batch not in self.batch_templates:
+            paths, curve = self.auto_template
+            nodes = min(len(self.tree) - 1, batch_draft_tokens(curve, batch))
+            self.batch_templates[batch] = StaticTree.build(paths, nodes=nodes)
+        return self.batch_templates[batch]
 
     def propose(self, state, root: int, budget: int) -> Tree:
-        depth_limit = min(self.tree.max_depth, budget)
+        tree = self.template(state.batch, state.sampling.greedy)
+        depth_limit = min(tree.max_depth, budget)
         # EAGLE-1 at temperature > 0: each parent's children are sampled
         sampled = self.sampling_rule == "eagle1" and not state.sampling.greedy
         drafter = state.draft
-        static = self.static_for(state, depth_limit, usable=not sampled)
+        static = self.static_for(state, depth_limit, usable=not sampled and tree is self.tree)
         if static is not None:
             tokens, _ = static.run(depth_limit)
             draft_probs = None
@@ -64,33 +87,38 @@ class EagleDecoder(EagleBase):
             with torch.inference_mode():
                 tokens, draft_probs = self._fill(drafter.root_hidden[None], drafter.root_draft[None], depth_limit,
                                                  one_sequence(drafter.feed_level), drafter,
-                                                 [state] if sampled else None)
+                                                 [state] if sampled else None, tree=tree)
             tokens, draft_probs = tokens[0], None if draft_probs is None else draft_probs[0]
-        _, parents, _ = self.plan(depth_limit)
+        _, parents, _ = self.plan(depth_limit, tree)
         tokens = torch.cat([tokens.new_tensor([root]), tokens[1:]])
         return Tree(tokens, parents, draft_probs, without_replacement=sampled)
 
     def draft_batch(self, states, budgets, roots_hidden, roots_draft, feed) -> list[Tree]:
         """The template for every sequence at once, filled to the deepest sequence's depth limit (a
         shallower one's tree is a prefix: the template lists nodes by depth), then each cut at its own."""
-        limits = [min(self.tree.max_depth, budget) for budget in budgets]
-        sampled = self.sampling_rule == "eagle1" and not states[0].sampling.greedy
+        greedy = states[0].sampling.greedy
+        tree = self.template(len(states), greedy)
+        limits = [min(tree.max_depth, budget) for budget in budgets]
+        sampled = self.sampling_rule == "eagle1" and not greedy
         tokens, draft_probs = self._fill(roots_hidden, roots_draft, max(limits), feed, states[0].draft,
-                                         states if sampled else None, limits)
+                                         states if sampled else None, limits, tree)
         trees = []
         for b, (state, limit) in enumerate(zip(states, limits)):
-            count, parents, _ = self.plan(limit)
+            count, parents, _ = self.plan(limit, tree)
             own = torch.cat([tokens.new_tensor([state.tokens[-1]]), tokens[b, 1:count]])
             trees.append(Tree(own, parents, None if draft_probs is None else draft_probs[b, :count],
                               without_replacement=sampled))
         return trees
 
-    def plan(self, depth_limit: int) -> tuple[int, list[int], list[TemplateLevel]]:
-        """The template cut at `depth_limit`: its node count, parents and levels (made once)."""
+    def plan(self, depth_limit: int, tree: StaticTree | None = None) -> tuple[int, list[int], list[TemplateLevel]]:
+        """The template (the tree, or a batch's cut of it: `template`) cut at `depth_limit`: its node
+        count, parents and levels (made once)."""
+        tree = tree or self.tree
+        key = len(tree), depth_limit  # (every template of the decoder is a prefix of one path list)
         plans = self._plans
-        if depth_limit in plans:
-            return plans[depth_limit]
-        tree, device = self.tree, self.drafter.device
+        if key in plans:
+            return plans[key]
+        device = self.drafter.device
         count = sum(1 for d in tree.depths if d <= depth_limit)
         parents = tree.parents[:count]
         children = [[] for _ in range(count)]
@@ -118,11 +146,12 @@ class EagleDecoder(EagleBase):
                 tree.top_k(depth), max(len(children[p]) for p in rows),
                 index(expand) if expand else None, index([parents[n] for n in expand]) if expand else None,
                 visible.to(device) if expand else None))
-        plans[depth_limit] = count, parents, levels
-        return plans[depth_limit]
+        plans[key] = count, parents, levels
+        return plans[key]
 
     def _fill(self, root_hidden: torch.Tensor, root_draft: torch.Tensor, depth_limit: int, feed, drafter,
-              sampled_for=None, limits=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              sampled_for=None, limits=None,
+              tree: StaticTree | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The template filled level by level for B sequences at once (B = 1 alone) on the head's
         device (`plan`'s index tensors: nothing read, nothing sent), the tokens never coming back to
         the host (the verification's read brings the accepted ones). `root_hidden` [B, H],
@@ -135,12 +164,12 @@ class EagleDecoder(EagleBase):
         Rows are in node order: node n's token, hidden state and logits are row n of each sequence
         (row 0's token: the root's, set by the caller). `sampled_for`: the sequences' `DecodeState`s
         when their children are sampled (each draws from its own generator, only down to its own
-        depth limit `limits[b]`, as alone), else None. Logits are kept over the draft vocabulary
-        (`root_draft`, `drafter.draft_logits`): greedy ranks there, sampling draws from q over the
-        target's vocabulary (`drafter.full`). Returns the tokens [B, nodes] and, sampled, each node's
-        q [B, nodes, V]."""
+        depth limit `limits[b]`, as alone), else None; `tree`: the template (`template`). Logits are
+        kept over the draft vocabulary (`root_draft`, `drafter.draft_logits`): greedy ranks there,
+        sampling draws from q over the target's vocabulary (`drafter.full`). Returns the tokens
+        [B, nodes] and, sampled, each node's q [B, nodes, V]."""
         sampled = sampled_for is not None
-        count, _, levels = self.plan(depth_limit)
+        count, _, levels = self.plan(depth_limit, tree)
         batch = root_draft.shape[0]
         tokens = torch.zeros(batch, count, dtype=torch.long, device=root_draft.device)
         hidden = torch.cat([root_hidden[:, None], root_hidden.new_empty(batch, count - 1, root_hidden.shape[-1])], 1)
@@ -187,4 +216,7 @@ def build_eagle(target, settings: EagleSettings, context: BuildContext) -> Eagle
     tree, sizing = context.static_tree(params, target, "eagle_mc_sim_7b_63")
     decoder = EagleDecoder(target, head, tree, vocabulary=context.draft_vocabulary(params),
                            sampling_rule=settings.sampling_rule, sizing=sizing)
+    curve = context.latency_curve(target) if settings.tree == "auto" else None
+    if curve:  # a batch's template cut at B rows per node
+        decoder.auto_template = list(NAMED_TREES["eagle_mc_sim_7b_63"]), curve
     return decoder
