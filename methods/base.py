@@ -381,6 +381,15 @@ class DraftVerifyDecoder(Decoder):
     # batch size B > 1 the batched loop cuts each greedy sequence's draft to `batch_budget(B)`
     batch_curve: dict[int, float] | None = None
 
+    def describe(self) -> dict[str, Any]:
+        """Besides the settings: the cut each batch size took (`batch_budget`), when the run drafted at
+        batch sizes above 1 with an `auto` size (the record's own size is the batch-1 one)."""
+        described = super().describe()
+        budgets = self.__dict__.get("_batch_budgets")
+        if budgets:
+            described["batch_draft_tokens"] = {batch: budget for batch, (_, budget) in sorted(budgets.items())}
+        return described
+
     def batch_budget(self, batch: int) -> int | None:
         """The most draft tokens per path a sequence drafts when `batch` sequences verify together: the
         machine's verify budget at B rows per draft token (`sizing.batch_draft_tokens`); None: no cut

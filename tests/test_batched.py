@@ -89,6 +89,7 @@ def test_an_auto_draft_is_cut_to_the_verify_budget_at_the_batch_size(target):
     assert [out.tokens for out in outs] == [out.tokens for out in alone]
     assert all(budget <= decoder.batch_budget(batch) for batch, budget in drafted if batch > 1)
     assert {batch for batch, _ in drafted} >= {4, 2}  # the cut follows the batch as sequences leave
+    assert decoder.describe()["batch_draft_tokens"] == {b: decoder.batch_budget(b) for b in (2, 3, 4)}
     sampling = SamplingConfig(temperature=0.8)
     alone = [DECODERS["pld"](target).generate(p, s, sampling, torch.Generator().manual_seed(b)).tokens
              for b, (p, s) in enumerate(zip(prompts, stops))]
