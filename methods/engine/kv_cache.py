@@ -241,6 +241,15 @@ class BatchKVCache(TreeKVCache):
         """The joined buffers while every layer's are still their views (no layer grew past them)."""
         return self.joined if self.joined is not None and not self.regrowths else None
 
+    def _batch_first(self) -> list[torch.Tensor]:
+        """Every keys and values buffer as a view [B, ..., capacity, head_dim], the sequences first and
+        the positions second to last: the joined pair (all layers in each), else each layer's."""
+        joined = self._joined()
+        if joined is not None:
+            return [buffers.movedim(1, 0) for buffers in joined]
+        return [buffer for layer in self.layers if layer.is_initialized and layer._keys is not None
+                for buffer in (layer._keys, layer._values)]
+
     def reserve(self, index: int, added: int, batch: int, kv_heads: int, head_dim: int,
                 dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
         if self.joined is None:
@@ -272,16 +281,9 @@ class BatchKVCache(TreeKVCache):
             self.lengths[b] += len(path)
         if rows:
             index = [torch.tensor(v) for v in (rows, sources, targets)]
-            joined = self._joined()
-            if joined is not None:  # every layer at once
-                b, source, target = (i.to(joined[0].device) for i in index)
-                for buffers in joined:
-                    buffers[:, b, :, target] = buffers[:, b, :, source]
-            for layer in self.layers if joined is None else ():
-                if layer.is_initialized:
-                    b, source, target = (i.to(layer.device) for i in index)
-                    layer._keys[b, :, target] = layer._keys[b, :, source]
-                    layer._values[b, :, target] = layer._values[b, :, source]
+            for buffer in self._batch_first():
+                b, source, target = (i.to(buffer.device) for i in index)
+                buffer[b, ..., target, :] = buffer[b, ..., source, :]
         for layer in self.layers:
             if layer.is_initialized:
                 layer.length = max(self.lengths)
@@ -311,35 +313,28 @@ class BatchKVCache(TreeKVCache):
         in place) and the buffers narrow to the rows kept (views of the same storage); else one copy
         of the buffers in the new order."""
         kept = list(kept)
-        lengths = self.lengths
-        self.lengths = [lengths[b] for b in kept]
+        lengths, self.lengths = self.lengths, [self.lengths[b] for b in kept]
+        if kept == sorted(set(kept)):
+            for buffer in self._batch_first():
+                for row, b in enumerate(kept):
+                    if row != b:
+                        buffer[row, ..., : lengths[b], :] = buffer[b, ..., : lengths[b], :]
+
+            def take(buffer: torch.Tensor, dim: int) -> torch.Tensor:
+                return buffer.narrow(dim, 0, len(kept))
+        else:
+            def take(buffer: torch.Tensor, dim: int) -> torch.Tensor:
+                return buffer.index_select(dim, torch.tensor(kept, device=buffer.device))
         joined = self._joined()
-        in_order = kept == sorted(set(kept))
         if joined is not None:
-            if in_order:
-                for buffers in joined:
-                    for row, b in enumerate(kept):
-                        if row != b:
-                            buffers[:, row, :, : lengths[b]] = buffers[:, b, :, : lengths[b]]
-                self.joined = keys, values = tuple(buffers[:, : len(kept)] for buffers in joined)
-            else:
-                index = torch.tensor(kept, device=joined[0].device)
-                self.joined = keys, values = tuple(buffers.index_select(1, index) for buffers in joined)
+            self.joined = keys, values = tuple(take(buffers, 1) for buffers in joined)
             for i, layer in enumerate(self.layers):
                 layer._keys, layer._values = keys[i], values[i]
-                layer.length = max(self.lengths, default=0)
-            return
-        self.joined = None
+        else:
+            self.joined = None
+            for layer in self.layers:
+                if layer.is_initialized and layer._keys is not None:
+                    layer._keys, layer._values = take(layer._keys, 0), take(layer._values, 0)
         for layer in self.layers:
             if layer.is_initialized and layer._keys is not None:
-                if in_order:
-                    for buffer in (layer._keys, layer._values):
-                        for row, b in enumerate(kept):
-                            if row != b:
-                                buffer[row, :, : lengths[b]] = buffer[b, :, : lengths[b]]
-                    layer._keys, layer._values = layer._keys[: len(kept)], layer._values[: len(kept)]
-                else:
-                    index = torch.tensor(kept, device=layer.device)
-                    layer._keys = layer._keys.index_select(0, index)
-                    layer._values = layer._values.index_select(0, index)
                 layer.length = max(self.lengths, default=0)
