@@ -402,6 +402,27 @@ def test_the_draft_lm_drafts_a_batch_with_one_forward_per_depth(every_batchable,
     assert max(steps) == 3 and min(steps) < 3  # the second sequence left the batch before the others
 
 
+def largest_batch_trees(make, prepare) -> tuple:
+    """Three prompts (the second leaves first: B = 3, then 2) decoded greedily alone and then together by
+    a fresh decoder `prepare`d for the batch; asserts the same tokens. The decoder, and the largest tree
+    it drafted at each batch size above 1."""
+    prompts, stops = prompts_and_stops(3)[0], [StopCondition(24), StopCondition(16), StopCondition(24)]
+    alone = [make().generate(p, s).tokens for p, s in zip(prompts, stops)]
+    decoder = make()
+    prepare(decoder)
+    largest, propose_batch = {}, decoder.propose_batch
+
+    def record(states, budgets):
+        trees = propose_batch(states, budgets)
+        if len(states) > 1:
+            largest[len(states)] = max(largest.get(len(states), 0), *(len(tree) for tree in trees))
+        return trees
+    decoder.propose_batch = record
+    outs = BatchedDecoder(decoder).generate(prompts, stops)
+    assert [out.tokens for out in outs] == alone
+    return decoder, largest
+
+
 def test_eagle_auto_template_is_cut_at_the_batch_size(every_batchable):
     """EAGLE-1 at `tree: auto`: at B > 1 a greedy step verifies the published tree cut to the verify
     budget at B rows per node (`sizing.batch_draft_tokens`), a smaller prefix as the batch grows, and
@@ -409,22 +430,12 @@ def test_eagle_auto_template_is_cut_at_the_batch_size(every_batchable):
     from methods.engine.sizing import batch_draft_tokens
     from methods.engine.static_trees import NAMED_TREES
 
-    prompts, stops = prompts_and_stops(3)[0], [StopCondition(24), StopCondition(16), StopCondition(24)]
-    alone = [every_batchable["eagle"]().generate(p, s).tokens for p, s in zip(prompts, stops)]
-    decoder = every_batchable["eagle"]()
-    decoder.auto_template = list(NAMED_TREES["eagle_mc_sim_7b_63"]), CPU_CURVE
+    def prepare(decoder):
+        decoder.auto_template = list(NAMED_TREES["eagle_mc_sim_7b_63"]), CPU_CURVE
+    decoder, largest = largest_batch_trees(every_batchable["eagle"], prepare)
     nodes = {b: batch_draft_tokens(CPU_CURVE, b) + 1 for b in (2, 3)}
     assert nodes[3] < nodes[2] < len(decoder.tree)
-    largest, propose_batch = {}, decoder.propose_batch
-
-    def record(states, budgets):
-        trees = propose_batch(states, budgets)
-        largest[len(states)] = max(largest.get(len(states), 0), *(len(tree) for tree in trees))
-        return trees
-    decoder.propose_batch = record
-    outs = BatchedDecoder(decoder).generate(prompts, stops)
-    assert [out.tokens for out in outs] == alone
-    assert {b: n for b, n in largest.items() if b > 1} == nodes  # (the second sequence leaves first: B = 3, then 2)
+    assert largest == nodes
     assert decoder.describe()["batch_tree_nodes"] == nodes
     assert decoder.template(3, greedy=False) is decoder.tree is decoder.template(1)
 
@@ -437,25 +448,16 @@ def test_mcsd_auto_tree_is_chosen_at_the_batch_size(every_batchable):
     from methods.mcsd import AUTO_K_CONFIGS, tree_nodes
 
     curve = {1: 1.0, 2: 1.0, 4: 1.02, 8: 1.05, 16: 1.2, 32: 1.6, 64: 3.0}
-    prompts, stops = prompts_and_stops(3)[0], [StopCondition(24), StopCondition(16), StopCondition(24)]
-    alone = [every_batchable["mcsd"]().generate(p, s).tokens for p, s in zip(prompts, stops)]
-    decoder = every_batchable["mcsd"]()
-    decoder.auto_curve = curve
-    largest, propose_batch = {}, decoder.propose_batch
 
-    def record(states, budgets):
-        trees = propose_batch(states, budgets)
-        largest[len(states)] = max(largest.get(len(states), 0), *(len(tree) for tree in trees))
-        return trees
-    decoder.propose_batch = record
-    outs = BatchedDecoder(decoder).generate(prompts, stops)
-    assert [out.tokens for out in outs] == alone
+    def prepare(decoder):
+        decoder.auto_curve = curve
+    decoder, largest = largest_batch_trees(every_batchable["mcsd"], prepare)
     chosen = {b: tuple(k) for b, k in decoder.describe()["batch_k_configs"].items()}
     assert tree_nodes(chosen[3]) < tree_nodes(chosen[2]) < tree_nodes(decoder.k_config) == 15
     for b, k in chosen.items():  # the largest configuration that fits the budget at B rows per node
         bigger = AUTO_K_CONFIGS[AUTO_K_CONFIGS.index(k) + 1]
         assert tree_nodes(k) <= batch_draft_tokens(curve, b) < tree_nodes(bigger)
-    assert {b: n for b, n in largest.items() if b > 1} == {b: tree_nodes(k) + 1 for b, k in chosen.items()}
+    assert largest == {b: tree_nodes(k) + 1 for b, k in chosen.items()}
 
 
 def test_every_batchable_method_is_in_the_sampled_batch_test(every_batchable):
