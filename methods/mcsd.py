@@ -17,7 +17,6 @@ import torch
 
 from .base import BuildContext, DraftVerifyDecoder, register
 from .engine.params import BOOL, Settings, int_list, integer, mapping, null, one_of, setting
-from .engine.sizing import batch_draft_tokens
 from .engine.tree import Tree
 from .engine.vocab import draft_vocab_setting
 from .models.draft_lm import BatchDraftLM, DraftLM
@@ -66,9 +65,8 @@ class MultiCandidateDecoder(DraftVerifyDecoder):
         self.vocabulary = vocabulary
         self.lane_drafts = [self.draft]  # sequence i of a batch drafts with lane_drafts[i] (`draft_state`)
         self.batch_draft = BatchDraftLM(self.draft)  # a batch's drafts, one draft forward per depth (`propose_batch`)
-        # `k_config: auto`: the latency curve it was chosen by, so that a batch's tree is chosen at B rows per
-        # node (`batch_k_config`); the configurations chosen, by batch size
-        self.auto_curve: dict[int, float] | None = None
+        # `k_config: auto` keeps the curve it was chosen by (`batch_curve`), so that a batch's tree is chosen
+        # at B rows per node (`batch_k_config`); the configurations chosen, by batch size
         self.batch_k_configs: dict[int, tuple[int, ...]] = {}
 
     def describe(self):
@@ -91,16 +89,16 @@ class MultiCandidateDecoder(DraftVerifyDecoder):
         """Children per depth of this sequence's next tree: the decoder's, or, with `k_config: auto`, a
         greedy sequence of a batch gets the batch size's (`batch_k_config`). A sampled one keeps the
         batch-1 tree: a seeded answer draws the same at any batch size."""
-        if state.batch > 1 and state.sampling.greedy and self.auto_curve is not None:
+        if state.batch > 1 and state.sampling.greedy and self.batch_curve is not None:
             return self.batch_k_config(state.batch)
         return self.k_config
 
     def batch_k_config(self, batch: int) -> tuple[int, ...]:
         """`auto`'s choice at `batch` sequences: the largest of `AUTO_K_CONFIGS` whose nodes fit the
-        verify budget at B rows per node (`sizing.batch_draft_tokens`), at most the batch-1 tree; made
-        once per batch size."""
+        verify budget at B rows per node (`batch_budget`, the chains' cut, in nodes), at most the
+        batch-1 tree; made once per batch size."""
         if batch not in self.batch_k_configs:
-            nodes = min(tree_nodes(self.k_config), batch_draft_tokens(self.auto_curve, batch))
+            nodes = min(tree_nodes(self.k_config), self.batch_budget(batch))
             fitting = [k for k in AUTO_K_CONFIGS if tree_nodes(k) <= nodes] or AUTO_K_CONFIGS[:1]
             self.batch_k_configs[batch] = fitting[-1]
         return self.batch_k_configs[batch]
@@ -162,5 +160,5 @@ def build(target, settings: MCSDSettings, context: BuildContext) -> MultiCandida
                                                                         draft.get_output_embeddings().out_features),
                                     sizing=sizing)
     if settings.k_config == "auto":
-        decoder.auto_curve = context.latency_curve(target)  # (None without a profile: the paper's tree)
+        decoder.batch_curve = context.latency_curve(target)  # (None without a profile: the paper's tree)
     return decoder

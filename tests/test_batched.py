@@ -431,7 +431,7 @@ def test_eagle_auto_template_is_cut_at_the_batch_size(every_batchable):
     from methods.engine.static_trees import NAMED_TREES
 
     def prepare(decoder):
-        decoder.auto_template = list(NAMED_TREES["eagle_mc_sim_7b_63"]), CPU_CURVE
+        decoder.auto_paths, decoder.batch_curve = list(NAMED_TREES["eagle_mc_sim_7b_63"]), CPU_CURVE
     decoder, largest = largest_batch_trees(every_batchable["eagle"], prepare)
     nodes = {b: batch_draft_tokens(CPU_CURVE, b) + 1 for b in (2, 3)}
     assert nodes[3] < nodes[2] < len(decoder.tree)
@@ -450,7 +450,7 @@ def test_mcsd_auto_tree_is_chosen_at_the_batch_size(every_batchable):
     curve = {1: 1.0, 2: 1.0, 4: 1.02, 8: 1.05, 16: 1.2, 32: 1.6, 64: 3.0}
 
     def prepare(decoder):
-        decoder.auto_curve = curve
+        decoder.batch_curve = curve
     decoder, largest = largest_batch_trees(every_batchable["mcsd"], prepare)
     chosen = {b: tuple(k) for b, k in decoder.describe()["batch_k_configs"].items()}
     assert tree_nodes(chosen[3]) < tree_nodes(chosen[2]) < tree_nodes(decoder.k_config) == 15

@@ -48,7 +48,10 @@ class Eagle2Decoder(EagleBase):
         return tree
 
     def propose_batch(self, states, budgets) -> list[Tree]:
-        """`EagleBase.propose_batch`; each sequence is charged its share of the time."""
+        """`EagleBase.propose_batch`; each sequence is charged its share of the batch's time (one after
+        another, each `propose` charges its own)."""
+        if self.drafter.fused is None:
+            return super().propose_batch(states, budgets)
         started = time.perf_counter()
         trees = super().propose_batch(states, budgets)
         self._time_draft((time.perf_counter() - started) / len(states))

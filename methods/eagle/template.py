@@ -9,7 +9,6 @@ import torch
 
 from ..base import BuildContext, register
 from ..engine.sampling import draw_children, logits_to_probs
-from ..engine.sizing import batch_draft_tokens
 from ..engine.static_trees import NAMED_TREES, StaticTree
 from ..engine.tree import Tree, ancestors_of
 from ..models.heads.eagle import EagleHead, load_eagle_head
@@ -48,9 +47,9 @@ class EagleDecoder(EagleBase):
         self.sampling_rule = sampling_rule
         # (template nodes, depth limit) -> the template's levels on the device (`plan`)
         self._plans: dict[tuple[int, int], tuple] = {}
-        # `tree: auto`: the published paths, in their order, and the latency curve the tree was cut by, so
-        # that a batch's template is cut at B rows per node (`template`); the templates cut, by batch size
-        self.auto_template: tuple[list, dict] | None = None
+        # `tree: auto`: the published paths, in their order, so that a batch's template is their prefix that
+        # fits `batch_budget` (the curve the tree was cut by: `batch_curve`); the templates cut, by batch size
+        self.auto_paths: list | None = None
         self.batch_templates: dict[int, StaticTree] = {}
 
     def describe(self):
@@ -62,15 +61,14 @@ class EagleDecoder(EagleBase):
 
     def template(self, batch: int, greedy: bool = True) -> StaticTree:
         """The template a step verifies with `batch` sequences: the tree, or, with `tree: auto`, at B > 1
-        the published tree cut to this machine's verify budget at B rows per node
-        (`sizing.batch_draft_tokens`, as the chains' drafts are cut), made once per batch size. A sampled
-        sequence keeps the batch-1 tree: a seeded answer draws the same at any batch size."""
-        if batch <= 1 or not greedy or self.auto_template is None:
+        the published tree cut to this machine's verify budget at B rows per node (`batch_budget`, the
+        chains' cut, in nodes), made once per batch size. A sampled sequence keeps the batch-1 tree: a
+        seeded answer draws the same at any batch size."""
+        if batch <= 1 or not greedy or self.auto_paths is None or self.batch_curve is None:
             return self.tree
         if batch not in self.batch_templates:
-            paths, curve = self.auto_template
-            nodes = min(len(self.tree) - 1, batch_draft_tokens(curve, batch))
-            self.batch_templates[batch] = StaticTree.build(paths, nodes=nodes)
+            nodes = min(len(self.tree) - 1, self.batch_budget(batch))
+            self.batch_templates[batch] = StaticTree.build(self.auto_paths, nodes=nodes)
         return self.batch_templates[batch]
 
     def propose(self, state, root: int, budget: int) -> Tree:
@@ -218,5 +216,5 @@ def build_eagle(target, settings: EagleSettings, context: BuildContext) -> Eagle
                            sampling_rule=settings.sampling_rule, sizing=sizing)
     curve = context.latency_curve(target) if settings.tree == "auto" else None
     if curve:  # a batch's template cut at B rows per node
-        decoder.auto_template = list(NAMED_TREES["eagle_mc_sim_7b_63"]), curve
+        decoder.auto_paths, decoder.batch_curve = list(NAMED_TREES["eagle_mc_sim_7b_63"]), curve
     return decoder
