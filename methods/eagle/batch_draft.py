@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from ..engine.kv_cache import BatchKVCache
+from ..engine.kv_cache import BatchKVCache, rows_kept
 from ..engine.tree import Tree, batch_mask
 
 
@@ -46,9 +46,10 @@ class BatchDraft:
     def _rows(self, states: Sequence) -> None:
         """The cache's rows for `states`: a new batch loads each sequence's head cache into a row; a
         batch that lost sequences keeps the rows of those still running."""
-        if self.cache is not None and all(any(s is t for t in self.states) for s in states):
-            if len(states) != len(self.states):
-                self.cache.keep_sequences([next(i for i, t in enumerate(self.states) if t is s) for s in states])
+        kept = rows_kept(self.states, states) if self.cache is not None else None
+        if kept is not None:
+            if len(kept) != len(self.states):
+                self.cache.keep_sequences(kept)
                 self.states = list(states)
             return
         drafters = [state.draft for state in states]

@@ -204,6 +204,13 @@ class TreeKVCache(Cache):
                 layer.keep(start, index)
 
 
+def rows_kept(previous: Sequence, current: Sequence) -> list[int] | None:
+    """The rows of a batch of `previous` sequences (by identity) that hold `current`, in order; None when
+    `current` has a sequence `previous` lacks (a new batch)."""
+    rows = [next((i for i, p in enumerate(previous) if p is s), None) for s in current]
+    return None if None in rows else rows
+
+
 class BatchKVCache(TreeKVCache):
     """The cache of B sequences decoded together (`methods/batched.py`). Every layer's buffers are
     [B, kv_heads, capacity, head_dim] with one filled length L shared by the batch (the forward

@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from ..engine.kv_cache import rows_kept
 from ..engine.runner import ModelRunner
 from ..engine.sampling import SamplingConfig, draw_children, logits_to_probs
 from ..engine.tree import Tree, ancestors_of, level_mask
@@ -229,11 +230,11 @@ class BatchDraftLM:
         """The cache's rows for `states`. A new batch: each sequence's draft catches up alone, its cache
         copied into its row; returns the roots' logits [B, V]. A batch that lost sequences: the kept
         slots of the last step committed, then the rows of those still running kept; None."""
-        if self.runner is not None and all(any(s is t for t in self.states) for s in states):
-            if len(states) != len(self.states):
+        kept = rows_kept(self.states, states) if self.runner is not None else None
+        if kept is not None:
+            if len(kept) != len(self.states):
                 self._commit([state.draft.kept if state.draft.batch is self else [] for state in self.states])
-                self.runner.cache.keep_sequences([next(i for i, t in enumerate(self.states) if t is s)
-                                                  for s in states])
+                self.runner.cache.keep_sequences(kept)
                 self.states, self.tree_start = list(states), self.runner.length
             return None
         if self.runner is None:
