@@ -102,10 +102,11 @@ def test_auto_sizes_come_from_the_cached_profile_and_explicit_values_win(tmp_pat
     before = curves[0].stat().st_mtime_ns
     get_method(method)(ModelRunner(target), {"name": method, **params}, context)
     assert curves[0].stat().st_mtime_ns == before  # ... and reused
-    # the chains' `auto` sizes also cut each draft at batch size B > 1 (methods/batched.py)
-    assert (decoder.batch_curve is not None) == (method in ("sps", "pld", "sam"))
+    # the chains' `auto` sizes also cut each draft at batch size B > 1 (methods/batched.py), and MCSD's
+    # tree is chosen at B in nodes by the same cut (`batch_k_config`)
+    assert (decoder.batch_curve is not None) == (method in ("sps", "pld", "sam", "mcsd"))
     assert decoder.batch_budget(1) is None
-    assert (decoder.batch_budget(4) is not None) == (method in ("sps", "pld", "sam"))
+    assert (decoder.batch_budget(4) is not None) == (method in ("sps", "pld", "sam", "mcsd"))
     explicit = {"sps": {"gamma": 2}, "mcsd": {"k_config": [2, 1]}, "jacobi": {"block_size": 3}, "pld": {"num_draft": 3},
                 "sam": {"n_predicts": 5}}[method]
     decoder = get_method(method)(ModelRunner(target), {"name": method, **params, **explicit}, context)
