@@ -11,14 +11,25 @@ MAX_NEW_TOKENS ?= 256
 TEMPERATURE ?= 0
 ARGS ?=
 
-.PHONY: setup bench sweep batch-sweep report figures headline docs perf perf-batch perf-gpu perf-contention perf-lazyllm train-drafts test
+.PHONY: setup prerequisites bench sweep batch-sweep report figures headline docs perf perf-batch perf-gpu perf-contention perf-lazyllm train-drafts test
 
 setup: $(VENV)/.installed
 
+# What setup needs before it starts, each missing one named in one line: Python 3.11 with venv, and CMake and a
+# C++ compiler (arctic-inference, Suffix Decoding's cache, builds from source). TORCH_INDEX: the index torch comes
+# from (PyPI's Linux wheel is the CUDA build, several GB; a CPU-only machine can take the CPU build's index).
+TORCH_INDEX ?=
+prerequisites:
+	@$(PYTHON_BOOT) -c "import sys, venv, ensurepip; sys.exit(sys.version_info[:2] != (3, 11))" 2>/dev/null || { \
+	  echo "make setup: needs Python 3.11 with venv as $(PYTHON_BOOT) (Debian: apt-get install python3.11 python3.11-venv; or PYTHON_BOOT=<path>)" >&2; exit 1; }
+	@command -v cmake >/dev/null || { echo "make setup: needs CMake to build arctic-inference (Debian: apt-get install cmake)" >&2; exit 1; }
+	@command -v c++ >/dev/null || { echo "make setup: needs a C++ compiler to build arctic-inference (Debian: apt-get install g++)" >&2; exit 1; }
+
 $(VENV)/.installed: pyproject.toml
+	@$(MAKE) --no-print-directory prerequisites
 	$(PYTHON_BOOT) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	# arctic-inference (Suffix Decoding's cache) is an sdist whose build requires list pulls a CUDA torch:
 	# built here against the torch above, its extension found by this venv's Python (CMake's FindPython)
 	$(PY) -m pip install --quiet nanobind==2.9.2 setuptools wheel
@@ -42,21 +53,25 @@ bench: setup
 # own results folder; re-running the same sweep resumes them. Each job answers SWEEP_LIMIT questions
 # with SWEEP_MAX_NEW_TOKENS, as the sweep says first; empty means all questions / the dataset's own setting.
 SWEEP ?= method=sps,mcsd,jacobi dataset.categories=writing,math_reasoning
-SWEEP_LIMIT ?= 3
+SWEEP_LIMIT ?= 5
 SWEEP_MAX_NEW_TOKENS ?= 64
 LAUNCHER ?= local
 SWEEP_DIR := results/.multirun/$(shell date +%Y%m%d-%H%M%S)
 # The line a sweep prints first: $(1) the target, $(2) / $(3) the names of its limit / max_new_tokens variables
 per_job = $(1): each job answers $(if $($(2)),$($(2)) questions ($(2)=$($(2))),all questions ($(2)=)) with \
 	$(if $($(3)),max_new_tokens=$($(3)) ($(3)),the dataset's max_new_tokens ($(3)=))$(if $($(2)),; $(2)= for all)
+waits = it waits until every job has ended, one status line per job as it changes (Ctrl-C stops the waiting; \
+	jobs on SLURM keep running: scancel them, or run the same sweep again to resume their results)
 sweep: setup
-	@echo "$(call per_job,sweep,SWEEP_LIMIT,SWEEP_MAX_NEW_TOKENS)"
+	@echo "$(call per_job,sweep,SWEEP_LIMIT,SWEEP_MAX_NEW_TOKENS)$(if $(filter 1 2 3 4,$(SWEEP_LIMIT)),; \
+	fewer than 5 questions: speedups without an interval)"
+	@echo "$(waits)"
 	$(PY) -m harness.run -m $(SWEEP) limit=$(if $(SWEEP_LIMIT),$(SWEEP_LIMIT),null) \
 		max_new_tokens=$(if $(SWEEP_MAX_NEW_TOKENS),$(SWEEP_MAX_NEW_TOKENS),null) \
 		hydra/launcher=$(LAUNCHER) hydra.sweep.dir=$(SWEEP_DIR) $(ARGS); \
 	status=$$?; if [ -d $(SWEEP_DIR) ]; then $(PY) -m harness.cluster.jobs $(SWEEP_DIR); fi; exit $$status
 
-# Issue 36's curves (docs/batching.md): each method of BATCH_METHODS at every batch size of
+# Speedup against batch size (docs/batching.md): each method of BATCH_METHODS at every batch size of
 # BATCH_SIZES and every draft length of DRAFT_LENGTHS (the setting its settings class names as its size,
 # `size_setting`: PLD's num_draft, SpS's gamma, EAGLE-2/3's total_tokens, ...), on each
 # dataset of BATCH_DATASETS; every job runs AR beside its method at the same batch size on the same
@@ -77,6 +92,7 @@ BATCH_LIMIT ?= 16
 BATCH_MAX_NEW_TOKENS ?= 64
 batch-sweep: setup
 	@echo "$(call per_job,batch-sweep,BATCH_LIMIT,BATCH_MAX_NEW_TOKENS)"
+	@echo "$(waits)"
 	status=0; $(foreach m,$(BATCH_METHODS),\
 	$(PY) -m harness.run -m method=$(m) batch_size=$(BATCH_SIZES) $(if $(call size_setting,$(m)),$(call size_setting,$(m))=$(or $(DRAFT_LENGTHS_$(m)),$(DRAFT_LENGTHS))) \
 		dataset=$(BATCH_DATASETS) limit=$(if $(BATCH_LIMIT),$(BATCH_LIMIT),null) \

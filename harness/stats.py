@@ -248,10 +248,12 @@ def fidelity_failure(summary: dict) -> str | None:
 
 
 def paired_speeds(records: list[dict], baseline: list[dict]) -> list[tuple[str, float, float]]:
-    """(category, method tokens/s, AR tokens/s) for every question both answered."""
+    """(category, method tokens/s, AR tokens/s) for every question both answered, in question order: the
+    bootstrap resamples these pairs, so a run's interval is the same whatever order its answers are read in
+    (the summary written as the run goes and the report reading the folder give one interval)."""
     base_by_id = {r["question_id"]: r for r in baseline}
     pairs = []
-    for mine in records:
+    for mine in sorted(records, key=lambda r: str(r["question_id"])):
         base = base_by_id.get(mine["question_id"])
         if base is None:
             continue

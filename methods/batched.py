@@ -26,8 +26,8 @@ cache row is dropped, the forward shrinks to the sequences still running); no qu
 in its place. The caller decodes its prompts B at a time, each group to the end (the harness:
 `batch_size`, docs/batching.md), so the last steps of a group run below B.
 
-Which methods: those whose settings say `batchable` (AR, PLD with one branch, SpS, MCSD, the EAGLE
-family, SAM-Decoding): a drafter whose per-sequence state is in the sequence's `DecodeState` (SpS's
+Which methods: those whose settings say `batchable` (listed, from the settings, in docs/batching.md): a
+drafter whose per-sequence state is in the sequence's `DecodeState` (SpS's
 draft LM and the EAGLE head get one drafter per sequence, `DraftVerifyDecoder.draft_state`; the
 batch then drafts with one forward per draft level for all its sequences, each sequence's KV in a
 row of one batch cache: `models.draft_lm.BatchDraftLM`, `eagle.batch_draft.BatchDraft`; SAM's

@@ -205,11 +205,12 @@ def block_latest(sets) -> str:
 
 def block_run_sets(sets) -> str:
     """docs/headline.md: every committed run set."""
-    lines = ["| run set | date | machine | questions | engine | methods | report |", "|---|---|---|---|---|---|---|"]
+    lines = ["| run set | date | machine | questions | engine (commit) | methods | report |",
+             "|---|---|---|---|---|---|---|"]
     for s in sets:
         methods = ", ".join(sorted({row["name"] for row in s["rows"]}))
         lines.append(f"| `{s['slug']}` | {s['date']} | {machine(s)} | {s['questions']} | `{s['settings']['engine']}` "
-                     f"| {methods} | {report_links(s, '../')} |")
+                     f"({', '.join(s['commits']) or 'unrecorded'}) | {methods} | {report_links(s, '../')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -228,8 +229,10 @@ def block_quickstart(_sets) -> str:
     end = next((i for i, line in enumerate(printed) if line.startswith("why, per decoding step")), 8)
     keep = ("caveats:", "tok/s:", "BUSY", "  ")  # dropped: the caveats in full, the tok/s footnote
     shown = "\n".join(line for line in printed[: end + 1] if not line.startswith(keep) or line.startswith("BUSY 0"))
+    env = environment(summaries[0].parent)
+    commit = (env.get("git") or {}).get("commit") or "unrecorded"
     return (f"```text\n{shown}\n…\n```\n\n({seconds / 60:.1f} min of answering, {summary['hardware']}, "
-            f"{run_date(records)}.)\n")
+            f"engine `{env.get('decoding_code', 'unrecorded')}` (commit {commit[:7]}), {run_date(records)}.)\n")
 
 
 # a model config's drafts.<kind>, in the order of the README's columns
@@ -247,6 +250,7 @@ def block_models(_sets) -> str:
     header = " | ".join(f"{name} ({', '.join(users[kind])})" for kind, name in DRAFT_COLUMNS.items())
     lines = [f"| `model=` | target | {header} |", "|" + "---|" * (2 + len(DRAFT_COLUMNS))]
     without = []  # models that name no draft: one line under the table
+    models = [path.stem for path in sorted((REPO / "conf" / "model").glob("*.yaml"))]
     for path in sorted((REPO / "conf" / "model").glob("*.yaml")):
         config = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
         drafts = config.get("drafts") or {}
@@ -258,9 +262,31 @@ def block_models(_sets) -> str:
             spec = (drafts.get(kind) or {}).get("path")
             cells.append("–" if not spec else "ours" if (REPO / spec).is_dir() else spec)
         lines.append(f"| `{path.stem}` | " + " | ".join(cells) + " |")
-    free = ", ".join(f"`{m}`" for m in methods if method_settings(m).draft_kind is None)
-    return "\n".join(lines) + (f"\n\nWithout drafts: {name_list(without)}. Every model runs {free}; ours: "
-                               "`drafts/<model>/`.\n")
+    free = [m for m in methods if method_settings(m).draft_kind is None]
+    needs = {m: refused_models(m) for m in free}
+    anywhere = ", ".join(f"`{m}`" for m in free if not needs[m])
+    built = ", ".join(f"`{m}`" for m in free if needs[m])
+    served = sorted(set(models) - set().union(*needs.values())) if any(needs.values()) else []
+    return "\n".join(lines) + (f"\n\nWithout drafts: {name_list(without)}. Every model runs {anywhere}; ours: "
+                               "`drafts/<model>/`." + (f" {built} need a datastore built from a corpus: "
+                               f"{', '.join(f'`{m}`' for m in served)} build{'s' if len(served) == 1 else ''} "
+                               "its own on first use; any other model is refused until one is built and passed "
+                               "(`python -m methods.rest --help`, `python -m methods.sam --help`)." if built else "")
+                               + "\n")
+
+
+def refused_models(method: str) -> set[str]:
+    """The model configs a method's default settings refuse (REST and SAM without a datastore)."""
+    from methods.engine.params import ConfigError
+
+    refused = set()
+    for path in sorted((REPO / "conf" / "model").glob("*.yaml")):
+        config = {**OmegaConf.to_container(OmegaConf.load(path), resolve=True), "name": path.stem}
+        try:
+            method_settings(method)().check_model(config)
+        except ConfigError:
+            refused.add(path.stem)
+    return refused
 
 
 def name_list(pairs: list[tuple[str, str]]) -> str:
@@ -295,10 +321,10 @@ def block_methods(_sets) -> str:
 
 def perf_files(prefix: str) -> list[dict]:
     """The committed `<prefix>-<hardware>-float32.json` files, one per machine class."""
-    files = sorted(PERF.glob(f"{prefix}-*.json"))
-    if not files:
-        raise SystemExit(f"{PERF}: no {prefix}-*.json (write one with the command its block names)")
-    return [json.loads(f.read_text()) for f in files]
+    return [json.loads(f.read_text()) for f in sorted(PERF.glob(f"{prefix}-*.json"))]
+
+
+NOTHING = "No run of it is committed yet (`results/reference/{}`): the command above writes one.\n"
 
 
 def perf_machine(result: dict) -> str:
@@ -334,7 +360,7 @@ def block_draft_split(_sets) -> str:
                       f"{lm['weight_share']:.3f} of the target's ({lm['whole_model_weight_share']:.3f} with its whole "
                       "LM head)."]
         parts.append("\n".join(lines) + "\n")
-    return "\n".join(parts)
+    return "\n".join(parts) or NOTHING.format("perf/draft-split-*.json")
 
 
 def block_mixed_lengths(_sets) -> str:
@@ -353,15 +379,15 @@ def block_mixed_lengths(_sets) -> str:
                          f"{m['batch decoding']:.1f} | {m['alone decoding']:.1f} | "
                          f"{r['decoding_batch_over_alone']:.2f}× | {'yes' if r['same_tokens'] else 'NO'} |")
         parts.append("\n".join(lines) + "\n")
-    return "\n".join(parts)
+    return "\n".join(parts) or NOTHING.format("perf/batch-lengths-*.json")
 
 
 def block_batch_curve(_sets) -> str:
     """docs/batching.md: the committed batch sweep (results/reference/batch/), throughput per batch size."""
     with contextlib.chdir(REPO):
-        runs = find_runs([BATCH])
+        runs = find_runs([BATCH]) if BATCH.is_dir() else []
     if not runs:
-        raise SystemExit(f"{BATCH}: no runs")
+        return NOTHING.format("batch/")
     cells: dict[str, dict[int, str]] = {}
     sizes, envs = set(), []
     for run in runs:
@@ -386,7 +412,17 @@ def block_batch_curve(_sets) -> str:
     return "\n".join(lines) + "\n"
 
 
-BLOCKS = {"figure": block_figure, "reference": block_reference, "latest": block_latest, "run-sets": block_run_sets,
+def block_batchable(_sets) -> str:
+    """docs/batching.md: the methods whose settings batch (`Settings.batchable`), and those that refuse a batch."""
+    methods = [m for m in available_methods() if method_settings(m).__module__.startswith("methods.")]
+    yes = [m for m in methods if method_settings(m).batchable]
+    no = [m for m in methods if not method_settings(m).batchable]
+    return (f"`batch_size` > 1 runs with {', '.join(f'`{m}`' for m in yes)}; a setting a batch cannot take "
+            "(PLD's `branches` > 1) is refused in one line before the model loads.\n\n"
+            + (f"These refuse a batch size above 1 before the model loads: {', '.join(no)}.\n" if no else ""))
+
+
+BLOCKS = {"figure": block_figure, "batchable": block_batchable, "reference": block_reference, "latest": block_latest, "run-sets": block_run_sets,
           "quickstart": block_quickstart, "models": block_models, "methods": block_methods,
           "draft-split": block_draft_split, "mixed-lengths": block_mixed_lengths, "batch-curve": block_batch_curve}
 

@@ -72,6 +72,7 @@ def test_the_reference_table_is_the_newest_headline_run_set(generator):
         assert f"| `{row['name']}` | {row['speedup']:.2f}×" in body and f"| {row['tau']:.2f} |" in body
 
 
-def test_the_readme_stays_within_8_kib():
+def test_the_readme_stays_within_10_kib():
+    """Room for the two commands, their prerequisites, what has run on a GPU, and the generated tables."""
     size = len((REPO / "README.md").read_bytes())
-    assert size <= 8192, f"README.md is {size} bytes; keep it within 8 KiB (details belong in docs/)"
+    assert size <= 10240, f"README.md is {size} bytes; keep it within 10 KiB (details belong in docs/)"

@@ -335,6 +335,46 @@ def test_bad_config_values_are_rejected_before_anything_loads(override, message)
     assert str(error.value).startswith(message)
 
 
+@pytest.mark.parametrize("results_dir", ["results/reference", "results/reference/batch", "./results/../results/reference"])
+def test_a_reference_run_from_uncommitted_code_is_refused_before_anything_loads(monkeypatch, results_dir):
+    """`make headline` and the batch sweep write into results/reference/: from a tree whose code differs from its
+    commit they refuse in one line, unless allow_dirty=true; other folders take any tree."""
+    from harness.running import validate as module
+
+    monkeypatch.setattr(module, "git_commit", lambda: {"commit": "0" * 40, "dirty": True})
+    with pytest.raises(ValueError, match=r"^results_dir=.*uncommitted changes.*allow_dirty=true"):
+        module.validate(config(f"results_dir={results_dir}"))
+    module.validate(config(f"results_dir={results_dir}", "allow_dirty=true"))
+    module.validate(config("results_dir=results/mine"))
+    monkeypatch.setattr(module, "git_commit", lambda: {"commit": "0" * 40, "dirty": False})
+    module.validate(config(f"results_dir={results_dir}"))
+
+
+def test_results_and_figures_do_not_make_the_code_dirty(tmp_path):
+    """A results file the suite rewrote is not a change of the code; a changed module is."""
+    import subprocess
+
+    from harness.running import environment
+
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    for path in ("results/reference/a.json", "plots/a.png", "methods/m.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("1")
+    git("add", ".")
+    git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "x")
+    old = environment.REPO
+    environment.REPO = tmp_path
+    try:
+        (tmp_path / "results/reference/a.json").write_text("2")
+        (tmp_path / "plots/a.png").write_text("2")
+        assert environment.git_commit()["dirty"] is False
+        (tmp_path / "methods/m.py").write_text("2")
+        assert environment.git_commit()["dirty"] is True
+    finally:
+        environment.REPO = old
+
+
 def test_a_model_without_the_draft_runs_with_the_methods_own():
     """method.head / method.draft stand in for the model's drafts.<kind>: no refusal then."""
     from harness.running.validate import validate
@@ -548,6 +588,22 @@ def test_scipy_bootstrap_gives_the_hand_written_intervals_within_the_noise(seed)
         assert abs(low - old_low) <= max(2 * noise,
                                          0.05 * width) and abs(high - old_high) <= max(2 * noise, 0.05 * width), \
             (key, (low, high), (old_low, old_high), noise)
+
+
+def test_a_runs_interval_does_not_depend_on_the_order_its_answers_are_read_in():
+    """The summary (answers in the order they were measured) and the report (answers read back from the
+    folder) bootstrap the same pairs: one interval per run."""
+    import random
+
+    gen = random.Random(7)
+    speeds = [(gen.lognormvariate(3.0, 0.3), gen.lognormvariate(2.5, 0.2)) for _ in range(13)]
+    records = [answered(q, 100, 100 / m, 10) for q, (m, _) in enumerate(speeds)]
+    baseline = [answered(q, 100, 100 / b, 10) for q, (_, b) in enumerate(speeds)]
+    order = list(range(13))
+    gen.shuffle(order)
+    shuffled = speedup_stats([records[i] for i in order], baseline[::-1])
+    assert shuffled["specbench_ci95"] == speedup_stats(records, baseline)["specbench_ci95"]
+    assert shuffled["median_ratio_ci95"] == speedup_stats(records, baseline)["median_ratio_ci95"]
 
 
 @pytest.mark.parametrize("method, extra", [

@@ -57,13 +57,19 @@ def drafts_digest(model: dict, method: dict, root: Path = REPO) -> str | None:
     return digest.hexdigest()[:12]
 
 
+# What the suite writes (results, their figures) is not code: a run beside earlier results is still clean.
+OUTPUTS = ("results", "plots")
+
+
 def git_commit() -> dict:
+    """The checkout's commit and whether its code differs from it (tracked files changed outside OUTPUTS)."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
 
     try:
         return {"commit": git("rev-parse", "HEAD") or None,
-                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+                "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                                  *(f":(exclude){path}" for path in OUTPUTS)))}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
 

@@ -23,6 +23,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from harness import REPO
+from harness.running.environment import git_commit
 from harness.running.execution import require_sandbox
 from methods.base import check_method_params, method_settings
 from methods.batched import batchable_methods
@@ -51,6 +52,7 @@ SCHEMA: dict[str, Check] = {
     "baseline": BOOL,
     "resume": BOOL,
     "results_dir": TEXT,
+    "allow_dirty": BOOL,
     "run_name": null() | Check(lambda v: isinstance(v, str) and v.strip() != "" and "/" not in v, "a folder name"),
     "engine.skinny_gemm": one_of(*SKINNY_GEMM_MODES),
     "engine.decoder": one_of(*DECODER_MODES),
@@ -67,6 +69,7 @@ def validate(cfg: DictConfig) -> None:
         if not check(value):
             raise ConfigError(key, value, check.valid)
     check_compile(cfg)
+    check_reference(cfg)
     path = cfg.model.get("path")
     if path and str(path).startswith(("/", "./", "../", "~")) and not Path(str(path)).expanduser().exists():
         raise ConfigError("model.path", path, "an existing local folder (a Hugging Face model, or one holding the "
@@ -79,6 +82,24 @@ def validate(cfg: DictConfig) -> None:
     if "humaneval_pass_at_1" in quality.values():  # runs generated code: only in a sandbox, or opted in
 
         require_sandbox()
+
+
+REFERENCE = REPO / "results" / "reference"
+
+
+def check_reference(cfg: DictConfig) -> None:
+    """A run that writes into results/reference/ (the committed reference runs the docs are generated from)
+    comes from a clean commit: from a tree whose code has uncommitted changes it refuses, unless
+    allow_dirty=true (a development run, recorded as `dirty: true`, which the docs' tests refuse to commit)."""
+    target = Path(str(cfg.results_dir)).expanduser()
+    target = (target if target.is_absolute() else Path.cwd() / target).resolve()
+    if cfg.get("allow_dirty") or not target.is_relative_to(REFERENCE.resolve()):
+        return
+    if git_commit()["dirty"]:
+        raise ConfigError("results_dir", cfg.results_dir,
+                          "a folder outside results/reference/ while the code has uncommitted changes "
+                          "(commit them first: reference runs come from a clean commit; allow_dirty=true "
+                          "for a development run, recorded as dirty)")
 
 
 def check_compile(cfg: DictConfig) -> None:
