@@ -422,7 +422,8 @@ def block_batchable(_sets) -> str:
             + (f"These refuse a batch size above 1 before the model loads: {', '.join(no)}.\n" if no else ""))
 
 
-BLOCKS = {"figure": block_figure, "batchable": block_batchable, "reference": block_reference, "latest": block_latest, "run-sets": block_run_sets,
+BLOCKS = {"figure": block_figure, "batchable": block_batchable, "reference": block_reference, "latest": block_latest,
+          "run-sets": block_run_sets,
           "quickstart": block_quickstart, "models": block_models, "methods": block_methods,
           "draft-split": block_draft_split, "mixed-lengths": block_mixed_lengths, "batch-curve": block_batch_curve}
 

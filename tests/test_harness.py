@@ -335,7 +335,8 @@ def test_bad_config_values_are_rejected_before_anything_loads(override, message)
     assert str(error.value).startswith(message)
 
 
-@pytest.mark.parametrize("results_dir", ["results/reference", "results/reference/batch", "./results/../results/reference"])
+@pytest.mark.parametrize("results_dir", ["results/reference", "results/reference/batch",
+                                         "./results/../results/reference"])
 def test_a_reference_run_from_uncommitted_code_is_refused_before_anything_loads(monkeypatch, results_dir):
     """`make headline` and the batch sweep write into results/reference/: from a tree whose code differs from its
     commit they refuse in one line, unless allow_dirty=true; other folders take any tree."""

@@ -1,4 +1,4 @@
-"""Host reads per decoding step (issue 35): how often a method's step waits for a value computed by
+"""Host reads per decoding step: how often a method's step waits for a value computed by
 the target's device. On a GPU each read is a synchronization, the GPU idles while the host decides,
 and no step containing one can be a CUDA graph; on a CPU the same reads are merely counted.
 

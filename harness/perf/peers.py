@@ -1,4 +1,4 @@
-"""Peers for `make perf`: other decoders of the same model, measured beside ours (issue 19, item 3).
+"""Peers for `make perf`: other decoders of the same model, measured beside ours.
 
 `harness.perf` calls `run_peers(...)` after its own `generate` comparison; this module adds, on the
 same embedded model, dtype, Spec-Bench prompts (our chat template's token ids), max new tokens and

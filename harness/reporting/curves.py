@@ -1,6 +1,6 @@
 """Curves across tables.
 
-The curves a serving engineer asks for (issue 36; docs/batching.md), drawn across the report's
+The curves a serving engineer asks for (docs/batching.md), drawn across the report's
 tables by `make report` (tables) and `make figures` (figures) from any run set that holds them
 (`make batch-sweep` makes one):
 

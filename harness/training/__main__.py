@@ -87,11 +87,11 @@ def arguments() -> argparse.ArgumentParser:
                         help="train on the first N training conversations only (a shorter budget; the held-out set is "
                              "unchanged); default: all")
     parser.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3: training-time test steps (upstream: 7)")
-    # [training-helper edit: distributed/resumable loop, harness/training/loop.py + distributed.py]
     parser.add_argument("--resume", action="store_true",
                         help="continue from <out>/checkpoint.pt (weights, optimizer, step, RNG) of an interrupted run")
     parser.add_argument("--micro-batch", type=int, default=None,
-                        help="conversations per forward on each process (default: its whole share of --batch)")
+                        help="conversations per forward on each process (default: its whole share of --batch on a "
+                             "GPU, 4 on a CPU)")
     parser.add_argument("--questions", type=Path, default=ROOT / "data/spec_bench/question.jsonl",
                         help="evaluation questions the prompts must not overlap")
     return parser

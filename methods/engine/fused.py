@@ -16,7 +16,7 @@ calls over the model's own weights:
   * RMSNorm is `transformers`' formula (fp32 statistics, cast, weight), so numerics match;
   * in fp32 on a CPU whose linear plan puts all four projections of a layer on the native kernel
     (`linear.py`), the whole layer is one call of `native.c` (`FusedLayer.native_layer`) instead
-    of the torch operations above (docs/performance-history.md has what that saved). Its attention walks
+    of the torch operations above (docs/performance.md, "The native kernels"). Its attention walks
     each row's visible keys in position order, so a token verified in a tree, or a sequence in a
     batch, gets the bits it gets alone.
 

@@ -47,8 +47,8 @@ class BufferedLayer(DynamicLayer):
         self.owner = cache
 
     # the filled part of the buffers, a view made when read: changing `length` makes none (the
-    # native layer writes and reads the buffers directly; what the views cost a step:
-    # docs/performance-history.md, "shared key lists and lazy cache views")
+    # native layer writes and reads the buffers directly, and a step makes no view it does not
+    # read)
     keys = FilledView()
     values = FilledView()
 

@@ -3,7 +3,7 @@
 A 135M model on a CPU is memory-bound: a forward streams every weight once, so a forward over
 2-32 tokens (verification, tree drafting, Medusa heads) should cost about what one token costs.
 Stock `F.linear` does not get there on CPUs: MKL's GEMM for a few rows streams the weights more
-slowly than its one-row GEMV (docs/performance-history.md). Which formulation is fastest depends on the
+slowly than its one-row GEMV (docs/performance.md, "The linear path"). Which formulation is fastest depends on the
 machine, the weight's shape and the number of rows, so it is measured, not assumed:
 
     f_linear   torch.nn.functional.linear (MKL on CPU, cuBLAS on CUDA): the reference

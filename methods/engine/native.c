@@ -146,7 +146,7 @@ static inline __attribute__((always_inline)) void panels_rows(const int M, const
 /* Rows go MAXM at a time. One group streams the block's 3 panels from memory. From 2 groups on,
  * each group reads the block from L2 and prefetches a share of the next block into L2, so that
  * memory streams during every group's multiply-adds instead of the first group waiting on memory
- * and the later ones computing with memory idle (docs/performance-history.md). */
+ * and the later ones computing with memory idle (docs/performance.md, "The native kernels"). */
 static inline __attribute__((always_inline)) void linear_panels(const int H, const char *P, const float *x, const float *b,
                                                                 float *y, long out, long in, long rows) {
     const long panels = (out + PW - 1) / PW, blocks = (panels + 2) / 3, bytes = H ? 2 : 4;

@@ -3,7 +3,7 @@ ctypes (no torch headers, so it builds quickly, once per machine class).
 
 * `pack` and `linear`, the `native` kernel of the linear path: MKL's and oneDNN's fp32 GEMV for one
   row of a 135M model's weights stream them at well under the machine's read bandwidth, and their
-  GEMM for 2-16 rows computes slower than the weights stream (docs/performance-history.md). This one reads
+  GEMM for 2-16 rows computes slower than the weights stream (docs/performance.md). This one reads
   a copy of each weight packed once into panels of 16 outputs (AVX-512) or 8 (AVX2) and computes
   8 rows x 48 outputs (AVX-512) or 4 rows x 24 outputs (AVX2) per step from registers. Whether it wins is measured like
   every other kernel (`machine/plan.measure_plan`), per weight shape and row count.
