@@ -33,7 +33,6 @@ The datastore (`method.datastore`):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from dataclasses import dataclass
@@ -43,9 +42,8 @@ import torch
 
 from .base import DraftVerifyDecoder, register
 from .engine.params import Check, ConfigError, Settings, integer, one_of, setting
-from .engine.storage import cache_root
 from .engine.tree import Tree
-from .models.specs import PROJECT_ROOT
+from .models.corpus import configured_file, corpus_entries, corpus_file, manifest, resolve_path
 from .pld import draft_budget, trie
 
 UPSTREAM_DRAFT = 64  # upstream's --num-draft
@@ -86,29 +84,17 @@ class RestSettings(Settings):
 
     def check_model(self, model: dict) -> None:
         if self.datastore != "auto":
-            path = _resolve(self.datastore)
+            path = resolve_path(self.datastore)
             if not path.is_file():
                 raise ConfigError("method.datastore", self.datastore,
                                   f"an existing datastore (there is no datastore file {path}); "
                                   f"build one: {SHAREGPT_COMMAND}")
             return
-        if (model.get("datastores") or {}).get("rest") or _manifest(model.get("name")) is not None:
+        if (model.get("datastores") or {}).get("rest") or manifest(model.get("name")) is not None:
             return
         raise ConfigError("model", model.get("name"), f"a model with a REST datastore: model {model.get('name')} "
                           f"has no REST datastore; build one with upstream's recipe ({SHAREGPT_COMMAND}) and pass "
                           "method.datastore=<file>")
-
-
-def _resolve(path: str) -> Path:
-    """A datastore path; relative ones from the working folder, else from the project root."""
-    p = Path(path).expanduser()
-    return p if p.is_absolute() or p.exists() else PROJECT_ROOT / p
-
-
-def _manifest(model_name: str | None) -> dict | None:
-    """The corpus manifest of the suite's own draft-training corpus for this model, if any."""
-    file = PROJECT_ROOT / "drafts" / str(model_name) / "corpus.json"
-    return json.loads(file.read_text()) if model_name and file.is_file() else None
 
 
 # ------------------------------------------------------------------------------------------
@@ -131,68 +117,6 @@ def write_datastore(path: Path, entries) -> dict:
     writer.finalize()
     tmp.replace(path)
     return {"entries": count, "tokens": tokens, "bytes": path.stat().st_size}
-
-
-def corpus_entries(model_name: str, tokenizer, joined: bool = False) -> tuple[str, list[list[int]]]:
-    """The suite's draft-training corpus for `model_name` as token-id sequences, and what it was:
-    the target's answers (prompt ids, answer ids; `joined`: one sequence per record, as SAM-Decoding's
-    recipe joins prompt and response) where `data/distill/<model>/answers.jsonl` is here
-    with the manifest's checksum, else the corpus's prompts regenerated from its recipe (their
-    checksum checked against the manifest) and encoded as upstream encodes a message."""
-    manifest = _manifest(model_name)
-    if manifest is None:
-        raise ValueError(f"model {model_name!r} has no corpus manifest drafts/{model_name}/corpus.json")
-    answers = PROJECT_ROOT / manifest["file"]
-    if answers.is_file() and hashlib.sha256(answers.read_bytes()).hexdigest() == manifest["sha256"]:
-        entries = []
-        for line in answers.read_text().splitlines():
-            record = json.loads(line)
-            ids, start = record["ids"], record["answer_start"]
-            entries += [ids] if joined else [ids[:start], ids[start:]]
-        return f"answers {manifest['sha256'][:12]}", entries
-    # lazy: the corpus's prompt recipe (harness/training), only when the answers file is absent
-    from harness.training.distill import training_prompts
-
-    command = manifest.get("command", "").split()
-    seed = int(command[command.index("--seed") + 1]) if "--seed" in command else 0
-    prompts = training_prompts(int(manifest["prompts"]), seed)
-    digest = hashlib.sha256("".join(json.dumps(p) + "\n" for p in prompts).encode()).hexdigest()
-    if manifest.get("prompts_sha256") and digest != manifest["prompts_sha256"]:
-        raise ValueError(f"the regenerated training prompts do not match drafts/{model_name}/corpus.json "
-                         f"(sha256 {digest[:12]} != {manifest['prompts_sha256'][:12]})")
-    return f"prompts {digest[:12]}", [tokenizer.encode(p["text"]) for p in prompts]
-
-
-def corpus_file(kind: str, suffix: str, model_name: str, model_config: dict, build, log=print,
-                version: tuple = ()) -> Path:
-    """The model's own `kind` file (REST's datastore, SAM's static automaton) from its draft-training corpus
-    (the manifest `drafts/<model>/corpus.json`): its answers where they are on this machine, else its
-    prompts. Built once by `build(tokenizer, path, log)` and cached under the suite's cache folder, named
-    by the manifest, the source and `version`."""
-    from .models.loading import load_tokenizer  # lazy: the tokenizer, only when the file is first built
-    from .models.specs import ModelSpec  # lazy: the tokenizer, only when the file is first built
-
-    manifest = _manifest(model_name)
-    answers = _resolve(manifest["file"]) if manifest else None
-    source = "answers" if answers is not None and answers.is_file() else "prompts"
-    key = hashlib.sha256(json.dumps([manifest, source, *version], sort_keys=True).encode()).hexdigest()[:12]
-    path = cache_root() / kind / f"{model_name}-{source}-{key}{suffix}"
-    if path.is_file():
-        return path
-    log(f"{kind}: building the {model_name} {kind} file from its draft-training corpus ({source}), once; "
-        f"cached at {path}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    build(load_tokenizer(ModelSpec.from_mapping(model_config)), path, log)
-    return path
-
-
-def configured_file(kind: str, setting: str, model_name: str, model_config: dict, embedded) -> Path:
-    """A file setting's path: an explicit file; `auto`: the model config's `datastores.<kind>`, else
-    `embedded(model_name, model_config)` (the model's own, `corpus_file`)."""
-    if setting != "auto":
-        return _resolve(setting)
-    configured = (model_config.get("datastores") or {}).get(kind)
-    return _resolve(configured) if configured else embedded(model_name, model_config)
 
 
 def embedded_datastore(model_name: str, model_config: dict, log=print) -> Path:

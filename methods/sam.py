@@ -47,9 +47,10 @@ from .base import BuildContext, DraftVerifyDecoder, register
 from .engine.params import Check, ConfigError, Settings, integer, number, one_of, setting
 from .engine.tree import Tree
 from .engine.vocab import draft_vocab_setting
+from .models.corpus import configured_file, corpus_entries, corpus_file, manifest, resolve_path
 from .models.heads.source import head_setting
 from .pld import trie
-from .rest import _manifest, _resolve, configured_file, corpus_entries, corpus_file, file_value, sharegpt_entries
+from .rest import file_value, sharegpt_entries
 
 UPSTREAM_PREDICTS = {"none": 60, "eagle2": 40}  # samd_sam_only's max_predicts; samd's n_predicts
 AUXILIARIES = ("none", "eagle2")
@@ -93,11 +94,11 @@ class SamSettings(Settings):
             raise ConfigError("model", model.get("name"), "a model with drafts.eagle for method.auxiliary=eagle2 "
                               "(or give method.head.path=<hub id or folder>)")
         if self.static not in ("auto", "none"):
-            if not _resolve(self.static).is_file():
+            if not resolve_path(self.static).is_file():
                 raise ConfigError("method.static", self.static, "auto, none or an existing file (build one: "
                                   "python -m methods.sam --help)")
         elif self.static == "auto" and not (model.get("datastores") or {}).get("sam") \
-                and _manifest(model.get("name")) is None:
+                and manifest(model.get("name")) is None:
             raise ConfigError("model", model.get("name"), f"a model with a static corpus for SAM: model "
                               f"{model.get('name')} has none; pass method.static=none, or build one with "
                               "python -m methods.sam --tokenizer <model> --sharegpt <json> --out <file>.npz and "

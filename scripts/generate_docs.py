@@ -34,6 +34,7 @@ from harness.reporting.text import format_summary  # noqa: E402
 from harness.running.results import read_answers  # noqa: E402
 from harness.stats import decoder_stats  # noqa: E402
 from methods.base import available_methods, method_settings  # noqa: E402
+from methods.engine.params import ConfigError  # noqa: E402
 
 REFERENCE = REPO / "results" / "reference"
 HEADLINE = REPO / "conf" / "headline" / "smollm2-135m.yaml"
@@ -277,8 +278,6 @@ def block_models(_sets) -> str:
 
 def refused_models(method: str) -> set[str]:
     """The model configs a method's default settings refuse (REST and SAM without a datastore)."""
-    from methods.engine.params import ConfigError
-
     refused = set()
     for path in sorted((REPO / "conf" / "model").glob("*.yaml")):
         config = {**OmegaConf.to_container(OmegaConf.load(path), resolve=True), "name": path.stem}

@@ -17,7 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from methods.base import _REGISTRY, available_methods, method_settings  # noqa: E402
+from methods.base import available_methods, method_settings  # noqa: E402
 from methods.engine.params import settings_table  # noqa: E402
 
 DOCS = REPO / "docs" / "methods.md"
@@ -26,7 +26,7 @@ BEGIN, END = "<!-- settings: written by scripts/method_configs.py -->", "<!-- en
 
 def suite_methods() -> list[str]:
     """The methods of this repository (not those registered by tests or other packages)."""
-    return [name for name in available_methods() if _REGISTRY[name].__module__.startswith("methods.")]
+    return [name for name in available_methods() if method_settings(name).__module__.startswith("methods.")]
 
 
 def settings_markdown() -> str:

@@ -10,14 +10,9 @@ from collections import Counter
 import pytest
 import torch
 
-from harness.training.distill import (
-    KINDS,
-    SAMPLED_SHARE,
-    check_disjoint,
-    evaluation_texts,
-    self_distill,
-    training_prompts,
-)
+from harness.training.distill import check_disjoint, evaluation_texts, self_distill
+from methods.models import corpus
+from methods.models.corpus import KINDS, SAMPLED_SHARE, training_prompts
 from tests.conftest import SPEC_BENCH, hf_greedy
 
 
@@ -33,13 +28,12 @@ def test_training_prompts_are_seeded_distinct_mixed_and_disjoint_from_spec_bench
 
 
 def test_the_generator_refuses_more_prompts_than_it_can_make_distinct(monkeypatch):
-    from harness.training import distill
 
-    monkeypatch.setattr(distill, "KINDS", {"math": 1})
-    monkeypatch.setattr(distill, "_math_prompt", lambda rng: f"What is {rng.randint(1, 3)} plus one?")
-    assert len(distill.training_prompts(3, seed=0)) == 3  # all three there are
+    monkeypatch.setattr(corpus, "KINDS", {"math": 1})
+    monkeypatch.setattr(corpus, "_math_prompt", lambda rng: f"What is {rng.randint(1, 3)} plus one?")
+    assert len(corpus.training_prompts(3, seed=0)) == 3  # all three there are
     with pytest.raises(ValueError, match="only 3 distinct prompts could be made; asked for 4"):
-        distill.training_prompts(4, seed=0)
+        corpus.training_prompts(4, seed=0)
 
 
 def test_check_disjoint_catches_a_question_inside_a_prompt_and_a_shared_run_of_13_words():
@@ -54,9 +48,9 @@ def test_check_disjoint_catches_a_question_inside_a_prompt_and_a_shared_run_of_1
         check_disjoint([{"id": "p2", "text": paraphrase}], SPEC_BENCH)
     check_disjoint([{"id": "p3", "text": " ".join(words[1:13]) + " unrelated ending words here"}], SPEC_BENCH)
     # the needle set's filler is an evaluation text too
-    from harness.running.datasets import _FILLER
+    from harness.running.datasets import FILLER
 
-    assert any(f in evaluation_texts([]) for f in _FILLER)
+    assert any(f in evaluation_texts([]) for f in FILLER)
 
 
 def test_self_distillation_greedy_answers_equal_the_targets_and_samples_are_seeded(tiny_chat_model_dir, tmp_path):

@@ -267,10 +267,10 @@ def test_a_corrupt_hidden_state_cache_is_recomputed_and_other_errors_propagate(t
     cache = tmp_path / "hidden.pt"
     ex = [examples_module.Example(torch.arange(6), 2)]
     fields = {"hidden": 4}
-    assert not examples_module._attach_from(cache, ex, "hidden", fields)  # missing: quietly recomputed
+    assert not examples_module.attach_from(cache, ex, "hidden", fields)  # missing: quietly recomputed
     assert capsys.readouterr().out == ""
     cache.write_bytes(b"not a torch archive")
-    assert not examples_module._attach_from(cache, ex, "hidden", fields)  # corrupt: recomputed, and said
+    assert not examples_module.attach_from(cache, ex, "hidden", fields)  # corrupt: recomputed, and said
     assert "unreadable cache" in capsys.readouterr().out
 
     def broken(*args, **kwargs):
@@ -278,4 +278,4 @@ def test_a_corrupt_hidden_state_cache_is_recomputed_and_other_errors_propagate(t
 
     monkeypatch.setattr(examples_module.torch, "load", broken)
     with pytest.raises(TypeError, match="a bug"):
-        examples_module._attach_from(cache, ex, "hidden", fields)
+        examples_module.attach_from(cache, ex, "hidden", fields)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from methods.engine import hardware
 from methods.engine.linear import (
     BUCKETS,
     KERNELS,
@@ -21,7 +22,6 @@ from methods.engine.linear import (
     shape_key,
 )
 from methods.engine.runner import ModelRunner
-from methods.machine import identity
 from methods.machine.plan import measure_plan
 from methods.machine.profile import MachineProfile
 from tests.conftest import tiny_model
@@ -106,7 +106,7 @@ def test_auto_dtype_on_a_native_bf16_cpu_is_decided_by_timing(monkeypatch, tiny_
 
     cpu, spec = torch.device("cpu"), ModelSpec(path=str(tiny_chat_model_dir))
     monkeypatch.setattr(dtype_module, "auto_dtype",
-                        lambda device: identity.auto_dtype(device, {"avx2", "avx512f", "avx512_bf16"}))
+                        lambda device: hardware.auto_dtype(device, {"avx2", "avx512f", "avx512_bf16"}))
     timed, bf16 = [], {}
     def curve(self, runner, name, sizes):
         timed.append((runner.dtype, name, tuple(sizes)))
@@ -114,7 +114,7 @@ def test_auto_dtype_on_a_native_bf16_cpu_is_decided_by_timing(monkeypatch, tiny_
     monkeypatch.setattr(MachineProfile, "latency_curve", curve)
     busy = [False]  # the machine's load while the ratios were measured, as the profile judges it
     monkeypatch.setattr(load, "is_busy", lambda record: busy[0])
-    stored = lambda: sorted(identity.profile_dir(cpu).glob("dtype-tiny-*.json"))  # noqa: E731
+    stored = lambda: sorted(hardware.profile_dir(cpu).glob("dtype-tiny-*.json"))  # noqa: E731
     for file in stored():
         file.unlink()
     bf16.update({1: 0.9, 4: 0.7})  # faster, not clearly at one token
@@ -143,11 +143,11 @@ def test_off_switch_and_bad_mode():
 
 def test_auto_dtype_follows_the_cpu_and_says_why():
     cpu = torch.device("cpu")
-    assert identity.auto_dtype(cpu, {"avx2", "fma"}) == (torch.float32, identity.auto_dtype(cpu, {"avx2"})[1])
-    dtype, why = identity.auto_dtype(cpu, {"avx2", "avx512f", "avx512_bf16"})
+    assert hardware.auto_dtype(cpu, {"avx2", "fma"}) == (torch.float32, hardware.auto_dtype(cpu, {"avx2"})[1])
+    dtype, why = hardware.auto_dtype(cpu, {"avx2", "avx512f", "avx512_bf16"})
     assert dtype == torch.bfloat16 and "native bf16" in why
-    assert "emulated" in identity.auto_dtype(cpu, {"avx2"})[1]
-    assert identity.cpu_isa({"avx2", "avx512f"}) == "avx512" and identity.cpu_isa({"amx_bf16"}) == "amx"
+    assert "emulated" in hardware.auto_dtype(cpu, {"avx2"})[1]
+    assert hardware.cpu_isa({"avx2", "avx512f"}) == "avx512" and hardware.cpu_isa({"amx_bf16"}) == "amx"
 
 
 def test_a_weight_of_bf16_values_is_planned_apart():

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from methods.engine import native
-from methods.machine import identity
+from methods.engine import hardware, native
 
 needs_native = pytest.mark.skipif(native.unavailable_reason() is not None,
                                   reason=f"native kernels unavailable: {native.unavailable_reason()}")
@@ -119,7 +118,7 @@ def test_a_misspelt_build_is_one_line(monkeypatch):
         native.isa()
 
 
-@pytest.mark.skipif("avx512f" not in identity.cpu_flags(), reason="this CPU has no AVX-512")
+@pytest.mark.skipif("avx512f" not in hardware.cpu_flags(), reason="this CPU has no AVX-512")
 def test_the_avx512_and_avx2_builds_compute_the_same_bits():
     """Every output is one FMA chain over the inputs in order, whatever the vector width: the two
     builds' GEMMs agree bit for bit, fp32 and bf16 panels, over padded panels and every row grouping."""

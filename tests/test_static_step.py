@@ -126,7 +126,7 @@ def test_the_draft_step_runs_static_and_drafts_what_the_ordinary_loop_drafts(met
     compute, follow = StaticDraft.compute, EagleDrafter.follow
     monkeypatch.setattr(StaticDraft, "compute",
                         lambda self, key, path: static_runs.append(path) or compute(self, key, path))
-    loop = "_fill" if method == "eagle" else "_expand"
+    loop = "_fill" if method == "eagle" else "expand"
     params = {"name": method} if method == "eagle" else {"name": method, "total_tokens": 16}
     for mode in ("off", "on"):
         monkeypatch.setattr(EagleDrafter, "follow", lambda self, *args, mode=mode: follows.__setitem__(

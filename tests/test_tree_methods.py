@@ -384,8 +384,8 @@ def test_eagle2_tree_built_on_the_device_is_the_tree_the_host_builds(tmp_path):
         prefill = decoder.target.prefill([1, 2, 3, 4])
         state = decode_state(decoder, [1, 2, 3, 4], [7])
         decoder.start(state, prefill)
-        candidates, rerank = [], decoder._rerank
-        decoder._rerank = lambda *args: candidates.append(args) or rerank(*args)
+        candidates, rerank = [], decoder.rerank
+        decoder.rerank = lambda *args: candidates.append(args) or rerank(*args)
         with counting_host_reads() as reads:
             tree = decoder.propose(state, 7, budget=50)
             tree.ancestors, tree.earlier_siblings, tree.has_children  # what verifying and accepting it build

@@ -135,9 +135,9 @@ def eagle_step_split(model, runner: ModelRunner, context: BuildContext, method: 
             drafter.cache.rollback(drafter.committed)
             clock.evict()
             levels = settings["depth"] + 1
-            candidates = clock.part(names["expansion"], lambda: decoder._expand(
+            candidates = clock.part(names["expansion"], lambda: decoder.expand(
                 drafter.root_hidden[None], drafter.root_draft[None], levels, one_sequence(drafter.feed_level), drafter))
-            clock.part(names["rerank"], lambda: decoder._rerank(0, *(c[0] for c in candidates), levels, True))
+            clock.part(names["rerank"], lambda: decoder.rerank(0, *(c[0] for c in candidates), levels, True))
             drafter.cache.rollback(drafter.committed)
     seconds = {part: clock.medians()[name] for part, name in names.items()}
     return {"seconds": seconds, "depth": settings["depth"], "top_k": k, "accepted": accepted,
@@ -164,7 +164,7 @@ def draft_lm_split(model, runner: ModelRunner, context: BuildContext, config, cl
         clock.evict()
         out = clock.part("draft LM forward", lambda: draft_runner.forward([0], logits_for=None))
         with draft_runner.linear.active():
-            logits = clock.part("draft LM lm head", lambda: draft_runner._logits(out.hidden, slice(-1, None)))
+            logits = clock.part("draft LM lm head", lambda: draft_runner.head_logits(out.hidden, slice(-1, None)))
         clock.part("draft LM top-1", lambda: torch.topk(logits, 1))
         draft_runner.rollback(256)
     medians = clock.medians()

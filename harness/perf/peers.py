@@ -36,7 +36,7 @@ from harness.running.prompts import ChatTemplate
 from methods.ar import AutoregressiveDecoder
 from methods.engine.runner import ModelRunner
 from methods.engine.storage import cache_root
-from methods.models.loading import _gguf_source, load_draft_lm
+from methods.models.loading import gguf_source, load_draft_lm
 from methods.models.specs import ModelSpec
 from methods.pld import UPSTREAM_DRAFT, PLDSettings, PromptLookupDecoder
 from methods.sps import SpeculativeSamplingDecoder
@@ -259,7 +259,7 @@ def run_peers(args, model, tokenizer, config, device, result: dict, profile) -> 
 
         if device.type != "cpu":
             say(f"note: llama.cpp runs on the CPU here (the extra is a CPU build); ours on {device}")
-        source = _gguf_source(ModelSpec.from_mapping(config))
+        source = gguf_source(ModelSpec.from_mapping(config))
         start = time.perf_counter()
         path = requantized_gguf(source, dtype)
         say(f"llama.cpp {llama_cpp.__version__}: {path.name} ({time.perf_counter() - start:.1f} s to find/make)")

@@ -186,7 +186,7 @@ def truncate_middle(text: str, tokenizer, max_tokens: int) -> str:
 
 
 NEEDLE_TOKENS_PER_SENTENCE = 12  # SmolLM2's tokenizer on the filler sentences, with some margin
-_FILLER = (
+FILLER = (
     "The river bends twice before it reaches the old mill.", "Farmers in the valley plant barley in early spring.",
     "A narrow road climbs the hill behind the village church.", "The library opens at nine and closes at six.",
     "Most of the houses on the square have red tile roofs.", "In winter the lake freezes near the northern shore.",
@@ -210,7 +210,7 @@ def needle(cfg) -> list[Question]:
         sentences = max(8, int(length) // NEEDLE_TOKENS_PER_SENTENCE)
         for index in range(int(cfg.per_length)):
             number = str(rng.randrange(100000, 1000000))
-            haystack = [rng.choice(_FILLER) for _ in range(sentences)]
+            haystack = [rng.choice(FILLER) for _ in range(sentences)]
             haystack.insert(rng.randrange(len(haystack) + 1), f"The special magic number is {number}.")
             prompt = (" ".join(haystack) + "\n\nWhat is the special magic number mentioned in the text above? "
                       "Answer with the number only.")

@@ -17,8 +17,8 @@ import torch
 import transformers
 
 from harness import REPO
+from methods.engine.hardware import cpu_isa, cpu_model
 from methods.machine import threads
-from methods.machine.identity import cpu_isa, cpu_model
 
 DECODING_CODE = REPO / "methods"
 

@@ -29,8 +29,8 @@ the measured teacher-forced acceptance on held-out prompts.
   hidden states first), trained with Hydra's teacher loss (the target's distribution as the label)
   over the reduced draft vocabulary.
 
-The corpus (`data`): ~9,000 prompts (`harness/training/distill.py`: its own subjects and templates, `prompts.yaml`, the
-Python language reference and standard-library docstrings; checked disjoint from every evaluation set on the machine,
-13-word overlap included), 80% answered greedily and 20% sampled at T = 1, batched and journalled (an interrupted run
-resumes); `drafts/<model>/corpus.json` records its recipe and checksum.
-"""
+The corpus (`data`): ~9,000 prompts (`methods/models/corpus.py`: its own subjects and templates,
+`corpus_prompts.yaml`, the Python language reference and standard-library docstrings;
+`harness/training/distill.py` checks them disjoint from every evaluation set on the machine, 13-word overlap
+included), 80% answered greedily and 20% sampled at T = 1, batched and journalled (an interrupted run
+resumes); `drafts/<model>/corpus.json` records its recipe and checksum."""

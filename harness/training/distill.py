@@ -1,8 +1,9 @@
 """Training prompts for the suite's own drafts, and the target's answers to them (self-distillation).
 
-The prompts share nothing with any evaluation set: they are generated, seeded, from templates
-written for this suite (`prompts.yaml`) and from text that ships with Python itself (the language reference in
-`pydoc_data.topics` and the first lines of standard-library docstrings). They cover the kinds of
+The prompts (`methods/models/corpus.py`, `training_prompts`) share nothing with any evaluation set: they are
+generated, seeded, from templates written for this suite (`methods/models/corpus_prompts.yaml`) and from text
+that ships with Python itself (the language reference in `pydoc_data.topics` and the first lines of
+standard-library docstrings). They cover the kinds of
 requests Spec-Bench asks (open writing, explanation, reasoning, arithmetic word problems, code,
 extraction, summarization, question answering over a passage) so a draft sees the target's style on
 each, but never a benchmark question. `check_disjoint` proves the last point against a question
@@ -15,112 +16,25 @@ answer are the training data (`answer_start` marks where the target's own tokens
 from __future__ import annotations
 
 import hashlib
-import importlib
-import inspect
 import json
 import random
 import re
 import time
 import zlib
 from pathlib import Path
-from pydoc_data.topics import topics
 from typing import Iterable
 
 import torch
-import yaml
 from tqdm import tqdm
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from harness.running.datasets import _FILLER
+from harness.running.datasets import FILLER
 from harness.running.prompts import ChatTemplate, Message
 from harness.running.results import read_jsonl, rewrite_jsonl
-from harness.training.loop import ROOT, _machine, load_target
-from methods.machine.identity import native_bf16
-
-# the subjects and templates the prompts are drawn from (data, written for this suite; order matters)
-MATERIAL = yaml.safe_load((Path(__file__).parent / "prompts.yaml").read_text(encoding="utf-8"))
-SUBJECTS, OPEN_TEMPLATES, MATH_TEMPLATES = MATERIAL["subjects"], MATERIAL["open_templates"], MATERIAL["math_templates"]
-NAMES, ITEMS, LANGUAGES = MATERIAL["names"], MATERIAL["items"], MATERIAL["languages"]
-CODE_TEMPLATES, PASSAGE_TEMPLATES = MATERIAL["code_templates"], MATERIAL["passage_templates"]
-SAMPLED_SHARE = 0.2  # prompts answered by sampling at T = 1 (diversity); the rest greedily
-
-
-def _math_prompt(rng: random.Random) -> str:
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    a, b, c = rng.randint(3, 60), rng.randint(2, 12), rng.randint(1, 9)
-    return rng.choice(MATH_TEMPLATES).format(name=name, item=item, a=a, b=b, c=c, ac=a * c, c7=c * 7, abc=a * b + c,
-                                             a20=a + 20, bc=b + c, goal=a + b * (c + 3))
-
-
-def _stdlib_functions() -> list[tuple[str, str]]:
-    """(qualified name, first docstring line) of public standard-library functions."""
-    found = []
-    for module_name in ("string", "textwrap", "statistics", "itertools", "functools", "os.path", "shutil",
-                        "json", "math", "random", "bisect", "heapq", "difflib", "fnmatch", "calendar",
-                        "base64", "colorsys", "operator", "zlib", "glob", "html", "urllib.parse"):
-        module = importlib.import_module(module_name)
-        for name, obj in sorted(vars(module).items()):
-            if name.startswith("_") or not callable(obj):
-                continue
-            doc = inspect.getdoc(obj) or ""
-            line = doc.strip().splitlines()[0] if doc.strip() else ""
-            if 20 <= len(line) <= 160 and not line.startswith(name + "("):
-                found.append((f"{module_name}.{name}", line))
-    return found
-
-
-def _passages(min_chars: int = 250, max_chars: int = 650) -> list[str]:
-    """Paragraph groups from the Python language reference that ships with CPython."""
-    passages = []
-    for text in topics.values():
-        chunk = ""
-        for paragraph in re.split(r"\n\s*\n", text):
-            paragraph = " ".join(paragraph.split())
-            if len(chunk) + len(paragraph) > max_chars and len(chunk) >= min_chars:
-                passages.append(chunk.strip())
-                chunk = ""
-            chunk += paragraph + "\n"
-        if len(chunk) >= min_chars:
-            passages.append(chunk.strip()[:max_chars])
-    return passages
-
-
-KINDS = {"open": 30, "math": 12, "code": 16, **{k: 7 for k in PASSAGE_TEMPLATES}}  # weights (percent)
-
-
-def training_prompts(n: int, seed: int = 0) -> list[dict]:
-    """`n` distinct prompts (id, kind, text, mode), seeded, across the kinds of `KINDS`; `mode` is
-    "sample" for a `SAMPLED_SHARE` of them (answered at T = 1) and "greedy" otherwise."""
-    rng = random.Random(seed)
-    functions, passages = _stdlib_functions(), _passages()
-    kinds, weights = list(KINDS), list(KINDS.values())
-    prompts, seen, misses = [], set(), 0
-    while len(prompts) < n:
-        kind = rng.choices(kinds, weights)[0]
-        if kind == "open":
-            s, t = rng.sample(SUBJECTS, 2)
-            text = rng.choice(OPEN_TEMPLATES).format(s=s, t=t)
-        elif kind == "math":
-            text = _math_prompt(rng)
-        elif kind == "code":
-            qualified, line = rng.choice(functions)
-            text = rng.choice(CODE_TEMPLATES).format(q=qualified, line=line)
-        else:
-            passage = rng.choice(passages)
-            if kind == "translate":  # a short piece: the model translates a paragraph, not a page
-                passage = passage.split("\n")[0][:500]
-            text = PASSAGE_TEMPLATES[kind].format(p=passage, lang=rng.choice(LANGUAGES))
-        mode = "sample" if rng.random() < SAMPLED_SHARE else "greedy"
-        if text in seen:
-            misses += 1
-            if misses > 50 * n:
-                raise ValueError(f"only {len(prompts)} distinct prompts could be made; asked for {n}")
-            continue
-        seen.add(text)
-        prompts.append({"id": f"p{len(prompts):05d}", "kind": kind, "text": text, "mode": mode})
-    return prompts
-
+from harness.training.loop import ROOT, load_target, machine_label
+from methods.engine.hardware import native_bf16
+from methods.models.corpus import KINDS, training_prompts
 
 NGRAM = 13  # words: the contamination check of GPT-3 and its successors
 
@@ -132,7 +46,7 @@ def _words(text: str) -> list[str]:
 def evaluation_texts(question_files: Iterable[Path]) -> list[str]:
     """Every turn (and reference) of the question files that exist, plus the needle set's filler: the
     texts a training prompt must not share."""
-    texts = list(_FILLER)
+    texts = list(FILLER)
     for file in question_files:
         if not file.is_file():
             continue
@@ -326,10 +240,10 @@ def corpus(args, data_file: Path, manifest_file: Path | None = None) -> None:
         "modes": {m: sum(r["mode"] == m for r in records) for m in ("greedy", "sample")},
         "answer_tokens_by_mode": {m: sum(len(r["ids"]) - r["answer_start"] for r in records if r["mode"] == m)
                                   for m in ("greedy", "sample")},
-        "dtype": str(dtype).removeprefix("torch."), "machine": _machine(device),
+        "dtype": str(dtype).removeprefix("torch."), "machine": machine_label(device),
         "hours_this_run": round((time.perf_counter() - started) / 3600, 2),
         "disjoint_from": [str(f) for f in files] + ["needle filler (harness/running/datasets.py)"],
-        "sources": {"templates": "harness/training/prompts.yaml (this suite, Apache-2.0)",
+        "sources": {"templates": "methods/models/corpus_prompts.yaml (this suite, Apache-2.0)",
                     "passages": "the Python language reference shipped as pydoc_data.topics (PSF License)",
                     "code": "first lines of standard-library docstrings (PSF License)"},
     }

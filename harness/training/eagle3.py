@@ -46,7 +46,7 @@ from methods.engine.runner import layer_inputs
 from methods.models.heads.eagle3 import Eagle3Head, eagle3_head_config, feature_layers
 from methods.models.heads.random_init import eagle3_config
 
-from .examples import Example, _attach_from, attach_states, offset_mask, pad_batch
+from .examples import Example, attach_from, attach_states, offset_mask, pad_batch
 
 
 def _feature_rows(layers: tuple[int, ...]):
@@ -78,7 +78,7 @@ def attach_cached_features(target, examples: list[Example], layers: tuple[int, .
     """Attach an existing `attach_features` cache of exactly these examples and layers (its rows hold
     the last hidden state too, so EAGLE, Medusa and Hydra train from it without a second target
     pass); False, computing nothing, when there is none."""
-    return _attach_from(cache, examples, *reversed(_feature_fields(target, layers)))
+    return attach_from(cache, examples, *reversed(_feature_fields(target, layers)))
 
 
 class Eagle3Recipe:

@@ -60,7 +60,7 @@ _DTYPES = {"float16": (torch.float16, np.float16), "bfloat16": (torch.bfloat16, 
 _HIDDEN = "hidden"  # the kind of attach_hidden's cache (an index without a `kind` is one)
 
 
-def _attach_from(cache: Path, examples: list[Example], kind: str, fields: dict[str, int]) -> bool:
+def attach_from(cache: Path, examples: list[Example], kind: str, fields: dict[str, int]) -> bool:
     """Attach memory-mapped views of the cache when it holds exactly these examples and fields. A missing cache, or
     one torch cannot read back (truncated, not a torch archive, a pickle it refuses), is recomputed; any other error
     propagates."""
@@ -123,7 +123,7 @@ def attach_states(target, examples: list[Example], compute, fields: dict[str, in
     target's argmax, from the last hidden state). `kind` names what `compute` computes: a cache of
     another kind, or of other examples, is recomputed. In RAM as float32 without a `cache`."""
     ctx = distributed.context()
-    if cache is not None and _attach_from(cache, examples, kind, fields):
+    if cache is not None and attach_from(cache, examples, kind, fields):
         return
     width_d = sum(fields.values())
     lengths = [len(e.ids) for e in examples]
@@ -184,7 +184,7 @@ def attach_states(target, examples: list[Example], compute, fields: dict[str, in
         torch.save(index, cache)
     distributed.barrier()
     journal.remove()
-    if not _attach_from(cache, examples, kind, fields):
+    if not attach_from(cache, examples, kind, fields):
         raise RuntimeError(f"{cache}: the cache just written does not read back")
 
 

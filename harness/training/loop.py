@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from methods.machine.identity import cpu_isa, cpu_model
+from methods.engine.hardware import cpu_isa, cpu_model
 from methods.models.loading import load_model, load_tokenizer
 from methods.models.specs import ModelSpec, model_config
 
@@ -194,7 +194,7 @@ def _save_checkpoint(file: Path, ctx, params, optimizer, schedule, step, steps, 
 
 def model_card(out: Path, kind: str, args, data_file: Path, n_train: int, n_val: int, result: dict, before: dict,
                machine: str | None = None) -> None:
-    machine = machine or _machine(getattr(args, "device", "cpu"))
+    machine = machine or machine_label(getattr(args, "device", "cpu"))
     acc = ", ".join(f"{k.replace('acc_', 'position ')}: {v:.3f}" for k, v in result["held_out_acceptance"].items())
     acc_before = ", ".join(f"{k.replace('acc_', 'position ')}: {v:.3f}" for k, v in before.items())
     command = recipe_command(args)
@@ -253,7 +253,7 @@ def _corpus_summary(data_file: Path, model: str) -> str:
             f"{modes.get('sample', 0):,} sampled at T = 1, in {m.get('dtype')}; manifest `drafts/{model}/corpus.json`")
 
 
-def _machine(device: torch.device | str = "cpu") -> str:
+def machine_label(device: torch.device | str = "cpu") -> str:
     if torch.device(device).type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda}), torch {torch.__version__}"
     return f"{cpu_model()} {cpu_isa()} ({torch.get_num_threads()} threads), torch {torch.__version__}"

@@ -11,14 +11,14 @@ Every running sequence's head KV (its committed (token, feature) pairs) sits in 
     pairs and its path causally; `commit_batch` moves each path to its sequence's length, and each
     root is its path's last row;
   * the levels: the decoder's draft loop runs for the batch at once, with a leading batch dimension
-    (EAGLE-2's expansion, `Eagle2Decoder._expand`: top-k, cumulative values and frontier masks;
+    (EAGLE-2's expansion, `Eagle2Decoder.expand`: top-k, cumulative values and frontier masks;
     EAGLE-1's template, `EagleDecoder._fill`), each level one forward of B × (the level's nodes)
     rows (`feed`): a node sees its sequence's committed pairs, its ancestors among the tree slots
     drafted so far and itself; the tree slots are dropped after the step.
 
 A sequence's rows are computed from exactly what they compute from alone (its own pairs, its own
 frontier), so a sequence drafts the candidates it drafts alone; its tree is then cut to its own
-budget (EAGLE-2: reranked alone, `Eagle2Decoder._rerank`; EAGLE-1: the template cut at its depth).
+budget (EAGLE-2: reranked alone, `Eagle2Decoder.rerank`; EAGLE-1: the template cut at its depth).
 On a CPU a head forward streams the head's weights once whatever its rows (to ~30 rows), so B
 sequences draft for about the cost of one.
 """

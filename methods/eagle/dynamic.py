@@ -58,13 +58,13 @@ class Eagle2Decoder(EagleBase):
         return trees
 
     def draft_batch(self, states, budgets, roots_hidden, roots_draft, feed) -> list[Tree]:
-        """Every level for the batch at once (`_expand`), then each sequence's candidates cut to its own
+        """Every level for the batch at once (`expand`), then each sequence's candidates cut to its own
         levels and reranked alone."""
         levels = [min(self.depth + 1, budget) for budget in budgets]
         deepest = max(levels)
         if deepest <= 0:
             return [Tree(torch.tensor([state.tokens[-1]]), [-1]) for state in states]
-        tokens, parents, values = self._expand(roots_hidden, roots_draft, deepest, feed, states[0].draft)
+        tokens, parents, values = self.expand(roots_hidden, roots_draft, deepest, feed, states[0].draft)
         k = self.branching()
         trees = []
         for b, (state, depth) in enumerate(zip(states, levels)):
@@ -74,7 +74,7 @@ class Eagle2Decoder(EagleBase):
                 continue
             count = k + (depth - 1) * k * k  # the candidates of its own levels: a prefix
             greedy = state.sampling.greedy
-            trees.append(self._rerank(root, tokens[b, :count], parents[b, :count], values[b, :count], depth, greedy,
+            trees.append(self.rerank(root, tokens[b, :count], parents[b, :count], values[b, :count], depth, greedy,
                                       state.batch if greedy else 1))
         return trees
 
@@ -83,7 +83,7 @@ class Eagle2Decoder(EagleBase):
             self.draft_seconds += 0.1 * (seconds - self.draft_seconds)
 
     def draft_levels(self, root_hidden, root_draft, key, feed):
-        expanded = self._expand(root_hidden[None], root_draft[None], key, one_sequence(feed), self.drafter)
+        expanded = self.expand(root_hidden[None], root_draft[None], key, one_sequence(feed), self.drafter)
         return tuple(t[0] for t in expanded)
 
     def drafted_entries(self, key: int) -> int:
@@ -105,12 +105,12 @@ class Eagle2Decoder(EagleBase):
             tokens, parents, values = static.run(levels)
         else:
             drafter = state.draft
-            tokens, parents, values = (t[0] for t in self._expand(
+            tokens, parents, values = (t[0] for t in self.expand(
                 drafter.root_hidden[None], drafter.root_draft[None], levels, one_sequence(drafter.feed_level), drafter))
         greedy = state.sampling.greedy
-        return self._rerank(root, tokens, parents, values, levels, greedy, state.batch if greedy else 1)
+        return self.rerank(root, tokens, parents, values, levels, greedy, state.batch if greedy else 1)
 
-    def _expand(self, root_hidden: torch.Tensor, root_draft: torch.Tensor, levels: int, feed,
+    def expand(self, root_hidden: torch.Tensor, root_draft: torch.Tensor, levels: int, feed,
                 drafter) -> tuple[torch.Tensor, ...]:
         """EAGLE-2's expansion for B sequences at once (each its own tree; B = 1 alone): the top-k
         children of the root, then per level the top-k children of the k best frontier nodes, of which
@@ -154,7 +154,7 @@ class Eagle2Decoder(EagleBase):
             frontier_hidden = hidden.gather(1, parent[..., None].expand(-1, -1, width))
         return torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(values, 1)
 
-    def _rerank(self, root: int, tokens: torch.Tensor, parents: torch.Tensor, values: torch.Tensor,
+    def rerank(self, root: int, tokens: torch.Tensor, parents: torch.Tensor, values: torch.Tensor,
                 levels: int, greedy: bool, batch: int = 1) -> Tree:
         """Keep the best `total_tokens - 1` candidates; ties go to the earlier candidate (a stable
         sort), so a kept node's ancestors (never worth less) are kept too; the kept candidates in

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from ..machine.identity import cpu_flags, profile_dir
+from .hardware import cpu_flags, profile_dir
 
 SOURCE = Path(__file__).with_name("native.c")
 # -ffp-contract=off: products and sums round on their own, as torch's eager ops do (no implicit FMA)

@@ -270,7 +270,7 @@ class ModelRunner:
                     use_cache=True,
                 )
                 hidden = out.last_hidden_state[0]  # [n, H]
-            logits = self._logits(hidden, logits_for)
+            logits = self.head_logits(hidden, logits_for)
             layers = torch.cat([captured[i][0] for i in self.feature_layers], -1) if self.feature_layers else None
         self.forward_passes += 1
         return ForwardOutput(logits=logits, hidden=hidden, layers=layers)
@@ -332,9 +332,9 @@ class ModelRunner:
                 hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=mask,
                                       past_key_values=cache, use_cache=True).last_hidden_state
             if logits_at is None:
-                logits = self._logits(hidden.flatten(0, 1), slice(None)).view(batch, width, -1)
+                logits = self.head_logits(hidden.flatten(0, 1), slice(None)).view(batch, width, -1)
             else:
-                logits = self._logits(hidden[torch.arange(batch, device=device), logits_at], slice(None))[:, None]
+                logits = self.head_logits(hidden[torch.arange(batch, device=device), logits_at], slice(None))[:, None]
             layers = torch.cat([captured[i] for i in self.feature_layers], -1) if self.feature_layers else None
         self.forward_passes += 1
         return ForwardOutput(logits=logits, hidden=hidden, layers=layers)
@@ -343,12 +343,14 @@ class ModelRunner:
         depths, visible = rows
         with self.linear.active():
             hidden, captured = self.static.step(ids.shape[1]).run(ids, depths, visible, start)
-            logits = self._logits(hidden, logits_for)
+            logits = self.head_logits(hidden, logits_for)
         layers = torch.cat([captured[i] for i in self.feature_layers], -1) if self.feature_layers else None
         self.forward_passes += 1
         return ForwardOutput(logits=logits, hidden=hidden, layers=layers)
 
-    def _logits(self, hidden: torch.Tensor, logits_for) -> torch.Tensor | None:
+    def head_logits(self, hidden: torch.Tensor, logits_for) -> torch.Tensor | None:
+        """The LM head over the rows `logits_for` selects of `hidden` (in the draft vocabulary where one is set;
+        None selects none)."""
         if logits_for is None:
             return None
         if self.vocabulary is not None:

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ..engine.hardware import auto_dtype, config_key, cpu_isa
 from ..engine.runner import ModelRunner
-from ..models.loading import DTYPES, _from_pretrained, load_model, local_folder
+from ..models.loading import DTYPES, from_pretrained, load_model, local_folder
 from ..models.specs import ModelSpec
-from .identity import auto_dtype, config_key, cpu_isa
 
 BF16_CLEARLY_FASTER = 0.8  # on a CPU, bf16 only where its forward takes at most this share of fp32's
 
@@ -36,7 +36,7 @@ def choose_dtype(profile, name: str, spec: ModelSpec | None = None,
     dtype, reason = auto_dtype(device)
     if device.type != "cpu" or dtype != torch.bfloat16 or spec is None:
         return dtype, reason
-    config = _from_pretrained(AutoConfig, local_folder(spec), "config")
+    config = from_pretrained(AutoConfig, local_folder(spec), "config")
     file = profile.folder / f"dtype-{model_name}-{config_key(config)}.json"  # one per machine and model shape
     ratios = _stored_ratios(profile, file)
     if ratios is None:

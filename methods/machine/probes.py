@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from .identity import l3_bytes
+from ..engine.hardware import l3_bytes
 
 
 def read_bandwidth(megabytes: int | None = None, repeats: int = 7, device: torch.device | str = "cpu") -> float:

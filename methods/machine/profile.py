@@ -34,11 +34,11 @@ from typing import Sequence
 import torch
 
 from ..engine import native
+from ..engine.hardware import config_key, machine, profile_dir
 from ..engine.linear import KERNELS, LinearPath, LinearPlan, linear_shapes
 from ..engine.runner import STOCK, ModelRunner
 from . import load
 from .curves import CURVE_METHOD, forward_latency
-from .identity import config_key, machine, profile_dir
 from .plan import measure_plan
 
 # The sizes a curve is measured at: every size a verification on a CPU holds (its budget: 4 to 12

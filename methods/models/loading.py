@@ -60,7 +60,7 @@ def _package_dir(package: str) -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def _from_pretrained(loader, spec: ModelSpec, what: str, **kwargs):
+def from_pretrained(loader, spec: ModelSpec, what: str, **kwargs):
     """Call `loader.from_pretrained` for a Hub id or folder with fast, clear offline failures."""
     path = spec.path
     if path is None:
@@ -84,7 +84,7 @@ def _from_pretrained(loader, spec: ModelSpec, what: str, **kwargs):
 # GGUF: dequantize once, cache as safetensors
 
 
-def _gguf_source(spec: ModelSpec) -> Path:
+def gguf_source(spec: ModelSpec) -> Path:
     folder = _package_dir(spec.gguf_package) if spec.gguf_package else Path(spec.path or ".").expanduser()
     source = folder / spec.gguf_file
     if not source.is_file():
@@ -94,7 +94,7 @@ def _gguf_source(spec: ModelSpec) -> Path:
 
 def dequantized_gguf_dir(spec: ModelSpec) -> Path:
     """Folder with config, fp32 safetensors and tokenizer for a GGUF model, made on first use."""
-    source = _gguf_source(spec)
+    source = gguf_source(spec)
     stat = source.stat()
     target = cache_root() / "gguf" / f"{source.stem}-{stat.st_size}"
     marker = target / "source.json"
@@ -132,12 +132,12 @@ def local_folder(spec: ModelSpec) -> ModelSpec:
 
 
 def load_tokenizer(spec: ModelSpec):
-    return _from_pretrained(AutoTokenizer, local_folder(spec), "tokenizer")
+    return from_pretrained(AutoTokenizer, local_folder(spec), "tokenizer")
 
 
 def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device):
     """A causal LM in eval mode on `device`, weights in `dtype`."""
-    model = _from_pretrained(AutoModelForCausalLM, local_folder(spec), "model", dtype=dtype)
+    model = from_pretrained(AutoModelForCausalLM, local_folder(spec), "model", dtype=dtype)
     return model.to(device).eval().requires_grad_(False)
 
 

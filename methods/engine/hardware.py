@@ -1,5 +1,5 @@
 """What this machine is: its CPU (model, flags, ISA class), or its GPU, and the key under which
-its measurements are kept (`profile_dir`). No measurement here: `profile.py` measures; the native
+its measurements are kept (`profile_dir`). No measurement here: `machine/profile.py` measures; the native
 kernels (`native.py`) read the CPU's flags to choose their build."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.storage import cache_root
+from .storage import cache_root
 
 
 def cpu_flags() -> set[str]:
