@@ -426,7 +426,7 @@ def test_a_sweep_says_what_each_job_answers_and_an_empty_limit_means_all(target,
         return said, " ".join(run.split())
 
     said, run = dry_run()
-    assert f"answers {'3' if target == 'sweep' else '16'} questions ({limit}=" in said and f"{limit}= for all" in said
+    assert f"answers {'5' if target == 'sweep' else '16'} questions ({limit}=" in said and f"{limit}= for all" in said
     assert "limit=null" not in run and "max_new_tokens=64 " in run
     said, run = dry_run(f"{limit}=", f"{tokens}=")
     assert f"all questions ({limit}=) with the dataset's max_new_tokens ({tokens}=)" in said

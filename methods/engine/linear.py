@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import native
+from .hardware import cpu_flags
 
 KERNELS = ("f_linear", "w_xt", "onednn", "native")
 BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -58,9 +59,15 @@ def onednn_available(device: torch.device) -> bool:
     )
 
 
+# oneDNN's bf16 weight reorder needs these (its own error otherwise: "bf16 path needs the cpu support ...")
+ONEDNN_BF16_FLAGS = ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_ne_convert"})
+
+
 def kernel_available(kernel: str, weight: torch.Tensor) -> bool:
     """Whether `kernel` can compute linears with this weight on this machine."""
     if kernel == "onednn":
+        if weight.dtype == torch.bfloat16 and not any(need <= cpu_flags() for need in ONEDNN_BF16_FLAGS):
+            return False
         return onednn_available(weight.device)
     if kernel == "native":
         return native.available(weight.device, weight.dtype)
