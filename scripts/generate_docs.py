@@ -251,20 +251,20 @@ def block_models(_sets) -> str:
     header = " | ".join(f"{name} ({', '.join(users[kind])})" for kind, name in DRAFT_COLUMNS.items())
     lines = [f"| `model=` | target | {header} |", "|" + "---|" * (2 + len(DRAFT_COLUMNS))]
     without = []  # models that name no draft: one line under the table
-    models = [path.stem for path in sorted((REPO / "conf" / "model").glob("*.yaml"))]
-    for path in sorted((REPO / "conf" / "model").glob("*.yaml")):
-        config = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    models = {path.stem: OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+              for path in sorted((REPO / "conf" / "model").glob("*.yaml"))}
+    for name, config in models.items():
         drafts = config.get("drafts") or {}
         if not any((drafts.get(kind) or {}).get("path") for kind in DRAFT_COLUMNS):
-            without.append((path.stem, config.get("path") or "embedded"))
+            without.append((name, config.get("path") or "embedded"))
             continue
         cells = [config.get("path") or "embedded"]
         for kind in DRAFT_COLUMNS:
             spec = (drafts.get(kind) or {}).get("path")
             cells.append("–" if not spec else "ours" if (REPO / spec).is_dir() else spec)
-        lines.append(f"| `{path.stem}` | " + " | ".join(cells) + " |")
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     free = [m for m in methods if method_settings(m).draft_kind is None]
-    needs = {m: refused_models(m) for m in free}
+    needs = {m: refused_models(m, models) for m in free}
     anywhere = ", ".join(f"`{m}`" for m in free if not needs[m])
     built = ", ".join(f"`{m}`" for m in free if needs[m])
     served = sorted(set(models) - set().union(*needs.values())) if any(needs.values()) else []
@@ -276,15 +276,14 @@ def block_models(_sets) -> str:
                                + "\n")
 
 
-def refused_models(method: str) -> set[str]:
-    """The model configs a method's default settings refuse (REST and SAM without a datastore)."""
+def refused_models(method: str, models: dict[str, dict]) -> set[str]:
+    """The model configs (name: config) a method's default settings refuse (REST and SAM without a datastore)."""
     refused = set()
-    for path in sorted((REPO / "conf" / "model").glob("*.yaml")):
-        config = {**OmegaConf.to_container(OmegaConf.load(path), resolve=True), "name": path.stem}
+    for name, config in models.items():
         try:
-            method_settings(method)().check_model(config)
+            method_settings(method)().check_model({**config, "name": name})
         except ConfigError:
-            refused.add(path.stem)
+            refused.add(name)
     return refused
 
 
