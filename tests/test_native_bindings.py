@@ -144,3 +144,17 @@ def test_the_avx512_and_avx2_builds_compute_the_same_bits():
                     results.append(y)
         half = len(results) // 2
         assert all(torch.equal(a, b) for a, b in zip(results[:half], results[half:]))
+
+
+def test_the_stream_read_sums_every_float_and_refuses_what_it_cannot_read():
+    # sizes below one chunk, at a chunk's edge and past it with a tail: every float counted once
+    for n in (0, 1, 8 * native.panel_width() * 256 - 1, 8 * native.panel_width() * 256 * 3 + 17):
+        x = torch.rand(n)
+        assert native.stream_read(x) == pytest.approx(x.double().sum().item(), rel=1e-5, abs=1e-4)
+    x = torch.ones(8 * native.panel_width() * 256 * 2 + 5)
+    assert native.stream_read(x) == x.numel()  # exact in fp32: no float counted twice or skipped
+    for message, call in {"x must be float32": lambda: native.stream_read(x.double()),
+                          "x must be contiguous": lambda: native.stream_read(torch.rand(64)[::2]),
+                          "x must be a tensor": lambda: native.stream_read([1.0])}.items():
+        with pytest.raises(ValueError, match=message):
+            call()

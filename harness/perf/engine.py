@@ -139,23 +139,28 @@ def main(argv=None) -> dict:
     dtype_name = str(dtype).replace("torch.", "")
     print(f"{hardware}, {dtype_name} ({dtype_reason}), {torch.get_num_threads()} threads, torch {torch.__version__}")
 
-    bandwidth = read_bandwidth() if device.type == "cpu" else read_bandwidth(2048, device=device)
+    probe = read_bandwidth() if device.type == "cpu" else read_bandwidth(2048, device=device)
     weights = weight_bytes(model)
-    roofline = weights / bandwidth if bandwidth else None
     peak = native.fma_peak() if native.available(device, dtype) else None  # fp32 kernels
-    floors = verification_floors(weights, next(model.parameters()).element_size(), bandwidth, peak)
     print("measuring the linear path (once per machine; cached) ...", flush=True)
     runners = {"auto": ModelRunner(model, "auto", "auto", profile=profile),
                "transformers": ModelRunner(model, "auto", "transformers", profile=profile),
                "off": ModelRunner(model, "off", "transformers", profile=profile)}
     curves = forward_latencies(runners, SIZES, prefix_length=256, repeats=7)
     breakdown = {name: forward_breakdown(runners[name], weights) for name in ("auto", "transformers")}
+    streamed = engine_streamed(breakdown)
+    # the roofline's bandwidth: the probe's, or the engine's own GEMMs' where they streamed faster (then
+    # the probe is the wrong number, and `print_curves` says so)
+    bandwidth = max(probe or 0.0, streamed or 0.0) or None
+    roofline = weights / bandwidth if bandwidth else None
+    floors = verification_floors(weights, next(model.parameters()).element_size(), bandwidth, peak)
     context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True))
     split = draft_split(model, runners["auto"], context, config, curves["auto"])
     result = {
         "dtype": dtype_name, "dtype_reason": dtype_reason, "device": str(device), "hardware": hardware,
         "environment": env,
-        "read_bandwidth_bytes_per_second": bandwidth, "weight_bytes": weights, "roofline_seconds": roofline,
+        "read_bandwidth_bytes_per_second": probe, "engine_gemm_bytes_per_second": streamed,
+        "roofline_bandwidth_bytes_per_second": bandwidth, "weight_bytes": weights, "roofline_seconds": roofline,
         "fma_peak_flops_per_second": peak, "floor_seconds_by_tokens": floors,
         "forward_seconds_by_tokens": curves, "one_token_forward_breakdown": breakdown,
         "linear_kernels": runners["auto"].linear.describe(),
@@ -180,11 +185,37 @@ def verification_floors(weights: int, element_size: int, bandwidth: float | None
     return {n: max(weights / bandwidth, 2 * (weights // element_size) * n / peak) for n in SIZES}
 
 
+def engine_streamed(breakdown: dict) -> float | None:
+    """The fastest bytes per second the engine's own GEMMs streamed in a one-token forward (None on
+    a GPU, where the breakdown has no GEMM share)."""
+    streamed = [part["gemm_bytes_per_second"] for part in breakdown.values() if part.get("gemm_bytes_per_second")]
+    return max(streamed) if streamed else None
+
+
+def probe_shortfall(result: dict) -> str | None:
+    """Why the bandwidth probe is the wrong number for the roofline here, or None: the engine's
+    GEMMs streamed faster than the probe read (a forward cannot read faster than memory streams).
+    The roofline then uses the engine's rate, a lower bound of the machine's."""
+    probe, streamed = result.get("read_bandwidth_bytes_per_second"), result.get("engine_gemm_bytes_per_second")
+    if probe and streamed and streamed > probe:
+        return (f"the engine's GEMMs streamed {streamed / 1e9:.1f} GB/s, more than the probe's {probe / 1e9:.1f} "
+                "GB/s: the probe understates this machine's bandwidth, and the roofline uses the engine's rate")
+    return None
+
+
 def print_curves(result: dict) -> None:
     curves = result["forward_seconds_by_tokens"]
+    shortfall = probe_shortfall(result)
     if result["roofline_seconds"]:
-        print(f"read bandwidth {result['read_bandwidth_bytes_per_second'] / 1e9:.1f} GB/s; weights "
-              f"{result['weight_bytes'] / 1e6:.0f} MB -> roofline t(1) = {1000 * result['roofline_seconds']:.1f} ms")
+        streamed = result.get("engine_gemm_bytes_per_second")
+        rate = result["weight_bytes"] / result["roofline_seconds"]
+        print(f"read bandwidth: probe {result['read_bandwidth_bytes_per_second'] / 1e9:.1f} GB/s (every thread "
+              "streams a buffer past the last-level cache, best of 7)"
+              + (f", the engine's GEMMs {streamed / 1e9:.1f} GB/s" if streamed else "")
+              + f"; weights {result['weight_bytes'] / 1e6:.0f} MB -> roofline t(1) = "
+              f"{1000 * result['roofline_seconds']:.1f} ms at {rate / 1e9:.1f} GB/s")
+    if shortfall:
+        print(f"NOTE: {shortfall}")
     if result.get("fma_peak_flops_per_second"):
         print(f"FMA peak {result['fma_peak_flops_per_second'] / 1e9:.0f} GFLOP/s ({native.isa()} build, "
               f"{torch.get_num_threads()} threads, registers only)")
@@ -215,8 +246,8 @@ def print_curves(result: dict) -> None:
             )
             continue
         bandwidth = part["gemm_bytes_per_second"]
-        share = f", {bandwidth / result['read_bandwidth_bytes_per_second']:.0%} of the read bandwidth" \
-            if bandwidth and result["read_bandwidth_bytes_per_second"] else ""
+        roof = result["weight_bytes"] / result["roofline_seconds"] if result.get("roofline_seconds") else None
+        share = f", {bandwidth / roof:.0%} of the roofline's bandwidth" if bandwidth and roof else ""
         print(f"  {labels.get(name, name)}: t(1) {1000 * part['t1_seconds']:.1f} ms = GEMMs "
               f"{1000 * part['gemm_seconds']:.1f} ms ({(bandwidth or 0) / 1e9:.1f} GB/s{share}) + everything else "
               f"{1000 * part['without_gemms_seconds']:.1f} ms ({part['aten_calls']} aten calls)")

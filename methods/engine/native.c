@@ -194,6 +194,29 @@ long decodebench_fma_peak(long steps) {
     return total;
 }
 
+/* A STREAM-like read: every thread sums its share of `n` floats with 8 independent vector
+ * accumulators (no FMA chain limits it), so `make perf` reads the bandwidth a streaming GEMV can
+ * reach on this machine, not one single-threaded `sum` reaches. The sum is returned so the reads
+ * are not optimized away. */
+float decodebench_stream_read(const float *x, long n) {
+    const long block = 8 * PW, chunk = 256 * block, chunks = n / chunk;
+    float total = 0.0f;
+    #pragma omp parallel for schedule(static) reduction(+ : total)
+    for (long c = 0; c < chunks; c++) {
+        vec s0 = VZERO(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+        for (const float *p = x + c * chunk, *end = p + chunk; p < end; p += block) {
+            s0 = s0 + VLOAD(p); s1 = s1 + VLOAD(p + PW); s2 = s2 + VLOAD(p + 2 * PW);
+            s3 = s3 + VLOAD(p + 3 * PW); s4 = s4 + VLOAD(p + 4 * PW); s5 = s5 + VLOAD(p + 5 * PW);
+            s6 = s6 + VLOAD(p + 6 * PW); s7 = s7 + VLOAD(p + 7 * PW);
+        }
+        float t[PW];
+        VSTORE(t, ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)));
+        for (int i = 0; i < PW; i++) total += t[i];
+    }
+    for (long i = chunks * chunk; i < n; i++) total += x[i];
+    return total;
+}
+
 /* RMSNorm as `transformers`' LlamaRMSNorm computes it in fp32, given its statistic (variance =
  * mean(x^2) over the row, computed by torch so that its summation order is torch's own):
  * y = w * (x * (1 / sqrt(variance + eps))), each product rounded on its own (-ffp-contract=off). */

@@ -119,6 +119,8 @@ def _library(build: str | None = None) -> ctypes.CDLL:
     for name, argtypes in (("layer_scratch", [long] * 6), ("panel_width", []), ("fma_peak", [long])):
         function = getattr(lib, f"decodebench_{name}")
         function.restype, function.argtypes = long, argtypes
+    lib.decodebench_stream_read.restype = ctypes.c_float
+    lib.decodebench_stream_read.argtypes = [pointer, long]
     return lib
 
 
@@ -157,6 +159,14 @@ def fma_peak(seconds: float = 0.2) -> float:
         fmas = lib.decodebench_fma_peak(steps)
         best = max(best, 2 * lanes * fmas / (time.perf_counter() - start))
     return best
+
+
+def stream_read(x: torch.Tensor) -> float:
+    """The sum of a contiguous fp32 CPU tensor, read by every thread torch uses with independent
+    vector accumulators: the read bandwidth probe's stream (`machine/probes.py`). The order of
+    the additions is not `x.sum()`'s, so the value agrees with it only to rounding."""
+    _need(x, "x")
+    return float(_library().decodebench_stream_read(x.data_ptr(), x.numel()))
 
 
 # ------------------------------------------------------------------------------------------------
