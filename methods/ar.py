@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import DraftVerifyDecoder, register
+from .base import register
 from .engine.params import Settings
 from .engine.tree import Tree
+from .loop import DraftVerifyDecoder
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BuildContext, DraftVerifyDecoder, register
+from .base import BuildContext, register
 from .engine.acceptance import typical_accept
 from .engine.kv_cache import TreeKVCache
 from .engine.params import Settings, number, one_of, paths, setting
@@ -33,6 +33,7 @@ from .engine.sampling import logits_to_probs
 from .engine.static_trees import NAMED_TREES, StaticTree, template_tokens
 from .engine.tree import Tree, attention_mask
 from .engine.vocab import draft_vocab_setting
+from .loop import DraftVerifyDecoder
 from .models.heads.hydra import HydraHeads, load_hydra_heads
 from .models.heads.source import head_setting, head_spec
 from .models.specs import PROJECT_ROOT, ModelUnavailableError
@@ -46,6 +47,7 @@ class HydraSettings(Settings):
     the tokens drafted before it on its path; the static tree is drafted level by level, verified in one forward."""
 
     paper = "Ankner et al. 2024 (zankner/Hydra)"
+    batchable = True  # h and Hydra++'s prefix-layer cache are in each sequence's DecodeState
     draft_kind = "hydra"
     lossless = "yes (not `acceptance=typical`)"
     size_setting, size_recorded, size_label = "tree", "tree_nodes", "tree size (nodes)"
@@ -95,8 +97,6 @@ class HydraDecoder(DraftVerifyDecoder):
         self._bias: dict[int, torch.Tensor] = {}
         projections = [heads.projection(i) for i in range(heads.num_heads)]
         target.cover(heads, *([vocabulary.head(p.weight) for p in projections] if vocabulary else []))
-        self.cache = TreeKVCache()
-        self.committed = 0
 
     def describe(self):
         heads = self.heads
@@ -112,33 +112,34 @@ class HydraDecoder(DraftVerifyDecoder):
         return out.hidden if not self.offset else out.layers
 
     @torch.inference_mode()
-    def _follow(self, hidden: torch.Tensor) -> None:
-        """The accepted positions' target hidden states: through the prefix layer (its cache
-        extended by them) for Hydra++; h = the last one's."""
+    def _follow(self, state, hidden: torch.Tensor) -> None:
+        """The accepted positions' target hidden states: through the prefix layer (the sequence's
+        cache of it extended by them) for Hydra++; h = the last one's."""
+        values = state.values
         if self.heads.arch != "prefix-mlp":
-            self.h = hidden[-1]
+            values["h"] = hidden[-1]
             return
-        n = hidden.shape[0]
+        n, committed = hidden.shape[0], values["committed"]
         device, dtype = hidden.device, self.heads.hydra_mlp[0][1].linear.weight.dtype
-        positions = torch.arange(self.committed, self.committed + n, device=device)
+        positions = torch.arange(committed, committed + n, device=device)
         causal = torch.ones(n, n, dtype=torch.bool).tril_()
-        mask = attention_mask(causal, self.committed, dtype, device) if n > 1 else None
-        out = self.heads.base(hidden.to(dtype), positions, mask, self.cache)
-        self.committed += n
-        self.h = out[-1]
+        mask = attention_mask(causal, committed, dtype, device) if n > 1 else None
+        out = self.heads.base(hidden.to(dtype), positions, mask, values["cache"])
+        values["committed"] = committed + n
+        values["h"] = out[-1]
 
     def start(self, state, prefill) -> None:
-        self.cache = TreeKVCache()
-        self.committed = 0
-        self._follow(self.features(prefill))
+        # the sequence's prefix-layer cache (Hydra++), its committed length and the heads' input h
+        state.values.update(cache=TreeKVCache(), committed=0)
+        self._follow(state, self.features(prefill))
 
     def advance(self, state, tree, acceptance, verified) -> None:
-        self._follow(self.features(verified)[acceptance.path])
+        self._follow(state, self.features(verified)[acceptance.path])
 
-    def _accept(self, state, tree, logits, extra=None):
+    def accept(self, state, tree, logits, extra=None):
         if self.acceptance == "typical" and not state.sampling.greedy:
             return typical_accept(tree, logits_to_probs(logits, state.sampling), *self.typical, logits=logits)
-        return super()._accept(state, tree, logits, extra)
+        return super().accept(state, tree, logits, extra)
 
     # ---------------------------------------------------------------------------------------
     def _logits(self, i: int, features: torch.Tensor) -> torch.Tensor:
@@ -165,12 +166,12 @@ class HydraDecoder(DraftVerifyDecoder):
         if depth_limit <= 0:
             return Tree(torch.tensor([root]), [-1])
         if not self.heads.grounded:
-            return self._ungrounded(root, depth_limit, count)
+            return self._ungrounded(state, root, depth_limit, count)
         children = [[] for _ in range(count)]
         for node in range(1, count):
             children[parents[node]].append(node)
         embed = self.heads.embed
-        h = self.h.to(self.heads.hydra_mlp[0][0 if self.heads.arch == "mlp" else 1].linear.weight.dtype)
+        h = state.values["h"].to(self.heads.hydra_mlp[0][0 if self.heads.arch == "mlp" else 1].linear.weight.dtype)
         device = h.device
         # the tokens stay on the device: the verification's one read brings back the accepted ones
         tokens = torch.empty(count, dtype=torch.long, device=device)
@@ -192,11 +193,11 @@ class HydraDecoder(DraftVerifyDecoder):
                     inputs[child] = torch.cat([x[row], e])
         return Tree(tokens, parents)
 
-    def _ungrounded(self, root: int, depth: int, count: int) -> Tree:
+    def _ungrounded(self, state, root: int, depth: int, count: int) -> Tree:
         """Medusa's tree: head d-1's r-th candidate under every parent at depth d."""
         tree = self.tree
         dtype = self.heads.projection(0).weight.dtype
-        candidates = [torch.topk(self._logits(d, self.heads.features(d, self.h.to(dtype)[None]))[0],
+        candidates = [torch.topk(self._logits(d, self.heads.features(d, state.values["h"].to(dtype)[None]))[0],
                                  tree.top_k(d + 1)).indices
                       for d in range(depth)]
         return Tree(template_tokens(root, candidates, tree, count), tree.parents[:count])

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BuildContext, DraftVerifyDecoder, register
+from .base import BuildContext, register
 from .engine.params import Settings, integer, null, one_of, setting
 from .engine.sampling import SamplingConfig
 from .engine.tree import Tree
+from .loop import DraftVerifyDecoder
 
 # sequence: random tokens of the prompt and the output so far, as upstream's chat and speedup
 # scripts draw them (`random.choices(generation[0], k=n-1)`); prompt: of the prompt only

@@ -39,6 +39,10 @@ class LazyLLMSettings(Settings):
     paper = "Fu et al. 2024 (no official code)"
     lossless = "no: prunes the prefill"
 
+    def batch_problem(self) -> str | None:
+        return ("its runner keeps each layer's own subset of the prompt (the Aux Cache), which one cache "
+                "length per sequence cannot hold")
+
     schedule: list = setting(((0.25, 0.70), (0.50, 0.50), (0.75, 0.35)), Check(
         lambda v: len(v) > 0 and all(len(p) == 2 and 0 <= p[0] and 0 < p[1] <= 1 for p in v),
         "a list of [layer, keep] pairs: layer an index or a fraction of the depth, keep in (0, 1]"),

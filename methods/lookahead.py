@@ -37,11 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BuildContext, DraftVerifyDecoder, register
+from .base import BuildContext, register
 from .engine.params import BOOL, Settings, integer, one_of, setting
 from .engine.runner import ForwardOutput
-from .engine.sampling import SamplingConfig
 from .engine.tree import ExtraRows, Tree
+from .loop import DraftVerifyDecoder
 from .pld import trie
 
 AUTO = one_of("auto")
@@ -55,6 +55,7 @@ class LookaheadSettings(Settings):
     branch (up to G pool n-grams starting with the last token), with the paper's combined mask."""
 
     paper = "Fu et al. 2024 (hao-ai-lab)"
+    batchable = True  # the window, the pool and the counters are in each sequence's DecodeState
 
     level: int = setting(
         5, integer(3), "N (n-gram size); upstream's 7B setting (applications/run_mtbench.sh: LEVEL=5 WIN=15 GUESS=15)"
@@ -89,44 +90,44 @@ class LookaheadDecoder(DraftVerifyDecoder):
                 "pool_from_prompt": self.pool_from_prompt}
 
     # --------------------------------------------------------------------------------------
-    def generate(self, prompt, stop, sampling=None, generator=None):
-        self.pool: dict[int, list[tuple[int, ...]]] = {}
-        self.rows = self.candidates = self.with_guesses = 0
-        out = super().generate(prompt, stop, sampling or SamplingConfig(), generator)
-        steps = max(out.stats.steps - 1, 1)
-        out.stats.extra.update({
-            "window_rows_per_step": self.rows / steps,  # lookahead-branch rows besides the root
-            "candidate_rows_per_step": self.candidates / steps,  # verification-branch rows (trie nodes)
-            "steps_with_ngrams": self.with_guesses / steps,
-            "pool_ngrams": sum(len(v) for v in self.pool.values()),
-        })
-        return out
-
-    def prefill(self, prompt) -> ForwardOutput:
+    def prefill(self, state) -> ForwardOutput:
         """The prompt and level 0 of the window in one causal forward (upstream's first step); the
-        cache keeps the prompt only."""
+        cache keeps the prompt only. The sequence's pool, window and counters start here."""
+        prompt = state.prompt
         rng = torch.Generator().manual_seed(self.seed)
         picks = torch.randint(len(prompt), (self.window + self.level - 3,), generator=rng).tolist()
-        self.levels: list[list[int] | None] = [[prompt[i] for i in picks]] + [None] * (self.level - 2)
-        out = self.target.forward(list(prompt) + self.levels[0], logits_for=slice(len(prompt) - 1, None))
+        levels: list[list[int] | None] = [[prompt[i] for i in picks]] + [None] * (self.level - 2)
+        out = self.target.forward(list(prompt) + levels[0], logits_for=slice(len(prompt) - 1, None))
         self.target.rollback(len(prompt))
-        self._first_window = out.logits[1:].argmax(-1).tolist()
+        # the window's levels (the last filled one: `filled`), the n-gram pool, and the counters
+        state.values.update(levels=levels, first_window=out.logits[1:].argmax(-1).tolist(), filled=1, pool={},
+                            rows=0, candidates=0, with_guesses=0)
         if self.pool_from_prompt:
             for end in range(self.level, len(prompt) + 1):
-                self._remember(prompt[end - self.level], tuple(prompt[end - self.level + 1 : end]))
+                self._remember(state, prompt[end - self.level], tuple(prompt[end - self.level + 1 : end]))
         return ForwardOutput(logits=out.logits[:1], hidden=out.hidden[: len(prompt)])
 
     def start(self, state, prefill) -> None:
-        self.levels[0] = self.levels[0][1:]
-        self.levels[1] = self._first_window
-        self.filled = 1  # index of the last filled level
+        levels = state.values["levels"]
+        levels[0] = levels[0][1:]
+        levels[1] = state.values.pop("first_window")
+
+    def finish(self, state) -> None:
+        values = state.values
+        steps = max(state.stats.steps - 1, 1)
+        state.stats.extra.update({
+            "window_rows_per_step": values["rows"] / steps,  # lookahead-branch rows besides the root
+            "candidate_rows_per_step": values["candidates"] / steps,  # verification-branch rows (trie nodes)
+            "steps_with_ngrams": values["with_guesses"] / steps,
+            "pool_ngrams": sum(len(v) for v in values["pool"].values()),
+        })
 
     # --------------------------------------------------------------------------------------
-    def _remember(self, first: int, ngram: tuple[int, ...]) -> None:
-        """Upstream's LRU pool: at most G n-grams per first token, a repeated one moves to the end."""
+    def _remember(self, state, first: int, ngram: tuple[int, ...]) -> None:
+        """Upstream's LRU pool (the sequence's): at most G n-grams per first token, a repeated one moves to the end."""
         if self.guess <= 0:
             return
-        entries = self.pool.setdefault(first, [])
+        entries = state.values["pool"].setdefault(first, [])
         if ngram in entries:
             entries.remove(ngram)
         elif len(entries) >= self.guess:
@@ -155,28 +156,30 @@ class LookaheadDecoder(DraftVerifyDecoder):
         return self._masks[key]
 
     def propose(self, state, root: int, budget: int) -> Tree:
-        full = self.levels[-1] is not None
-        ngrams = self.pool.get(root, []) if full and self.guess > 0 else []
-        self.with_guesses += bool(ngrams and budget > 0)
+        values = state.values
+        levels, filled = values["levels"], values["filled"]
+        full = levels[-1] is not None
+        ngrams = values["pool"].get(root, []) if full and self.guess > 0 else []
+        values["with_guesses"] += bool(ngrams and budget > 0)
         tree = trie(root, [list(g[:budget]) for g in ngrams] if budget > 0 else [])
-        size0 = len(self.levels[0])
+        size0 = len(levels[0])
         width = size0 + 1
-        tokens = list(self.levels[0])
+        tokens = list(levels[0])
         depths = list(range(1, size0 + 1))
-        for level in range(1, self.filled + 1):
-            tokens += self.levels[level]
+        for level in range(1, filled + 1):
+            tokens += levels[level]
             depths += [level + k for k in range(width)]
         n, m = len(tree), len(tokens)
         limit = self.target.max_positions
         if limit and self.target.length + n + m > limit:  # no room for the window near the model's end
             return tree
-        window = self._window_mask(size0, self.filled)
+        window = self._window_mask(size0, filled)
         visible = torch.zeros(m, n + m, dtype=torch.bool)
         visible[:, 0] = window[:, 0]
         visible[:, n:] = window[:, 1:]
         tree.extra_rows = ExtraRows(torch.tensor(tokens, dtype=torch.long), depths, visible)  # the mask checked once
-        self.rows += m
-        self.candidates += n - 1
+        values["rows"] += m
+        values["candidates"] += n - 1
         return tree
 
     def advance(self, state, tree, acceptance, verified) -> None:
@@ -187,28 +190,30 @@ class LookaheadDecoder(DraftVerifyDecoder):
             text = state.sequence
             for end in range(len(text) - emitted + 1, len(text) + 1):
                 if end >= self.level:
-                    self._remember(text[end - self.level], tuple(text[end - self.level + 1 : end]))
+                    self._remember(state, text[end - self.level], tuple(text[end - self.level + 1 : end]))
 
     def _slide(self, state, tree, acceptance, verified) -> None:
         """The last level's argmax becomes a new level (warm-up) or, once warm, each column's
         trajectory goes to the pool and the window slides one column."""
-        width = len(self.levels[0]) + 1
+        values = state.values
+        levels = values["levels"]
+        width = len(levels[0]) + 1
         newest = acceptance.extra_argmax[len(tree.extra_rows) - width:]  # the last level's, read with the acceptance
-        if self.levels[-1] is None:  # warm-up: one more level
-            for level in range(self.filled + 1):
-                self.levels[level] = self.levels[level][1:]
-            self.filled += 1
-            self.levels[self.filled] = newest[1:]
+        if levels[-1] is None:  # warm-up: one more level
+            for level in range(values["filled"] + 1):
+                levels[level] = levels[level][1:]
+            values["filled"] += 1
+            levels[values["filled"]] = newest[1:]
         else:
             root = state.sequence[-len(acceptance.path) - 1]  # the step's root: the token before the emitted ones
             for column in range(self.window):
-                first = root if column == 0 else self.levels[0][column - 1]
-                self._remember(first, tuple(self.levels[row][column] for row in range(1, self.level - 1))
+                first = root if column == 0 else levels[0][column - 1]
+                self._remember(state, first, tuple(levels[row][column] for row in range(1, self.level - 1))
                                + (newest[column],))
-            self.levels[0] = self.levels[1][1:]
+            levels[0] = levels[1][1:]
             for level in range(1, self.level - 2):
-                self.levels[level] = self.levels[level + 1]
-            self.levels[-1] = newest
+                levels[level] = levels[level + 1]
+            levels[-1] = newest
 
 
 @register("lookahead", settings=LookaheadSettings)

@@ -15,10 +15,11 @@ from typing import Any, Sequence
 
 import torch
 
-from .base import BuildContext, DraftVerifyDecoder, register
+from .base import BuildContext, register
 from .engine.params import BOOL, Settings, int_list, integer, mapping, null, one_of, setting
 from .engine.tree import Tree
 from .engine.vocab import draft_vocab_setting
+from .loop import DraftVerifyDecoder
 from .models.draft_lm import BatchDraftLM, DraftLM
 from .models.loading import load_draft_lm
 

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BuildContext, DraftVerifyDecoder, register
+from .base import BuildContext, register
 from .engine.acceptance import typical_accept
 from .engine.params import Settings, number, one_of, paths, setting
 from .engine.sampling import logits_to_probs
 from .engine.static_trees import NAMED_TREES, StaticTree, template_tokens
 from .engine.tree import Tree
 from .engine.vocab import draft_vocab_setting
+from .loop import DraftVerifyDecoder
 from .models.heads.medusa import MedusaHeads, load_medusa_heads
 from .models.heads.source import head_setting, head_spec
 
@@ -31,6 +32,7 @@ class MedusaSettings(Settings):
     """Medusa: heads on the target's last hidden state propose a static tree, verified in one forward."""
 
     paper = "Cai et al. 2024 (FasterDecoding/Medusa)"
+    batchable = True  # the heads' input (the last accepted hidden state) is in each sequence's DecodeState
     draft_kind = "medusa"
     lossless = "yes (not `acceptance=typical`)"
     size_setting, size_recorded, size_label = "tree", "tree_nodes", "tree size (nodes)"
@@ -76,7 +78,7 @@ class MedusaDecoder(DraftVerifyDecoder):
                 "draft_vocab": len(self.vocabulary) if self.vocabulary else None}
 
     def start(self, state, prefill) -> None:
-        self.hidden = prefill.hidden[-1]
+        state.values["hidden"] = prefill.hidden[-1]  # the last accepted token's: the heads' input
 
     @torch.inference_mode()
     def propose(self, state, root: int, budget: int) -> Tree:
@@ -84,17 +86,17 @@ class MedusaDecoder(DraftVerifyDecoder):
         count = sum(1 for d in self.tree.depths if d <= depth)  # nodes are sorted by depth
         if depth == 0:
             return Tree(torch.tensor([root]), [-1])
-        logits = self.heads.draft_logits(self.hidden, depth, self.vocabulary)  # [depth, V]
+        logits = self.heads.draft_logits(state.values["hidden"], depth, self.vocabulary)  # [depth, V]
         candidates = [torch.topk(logits[d], self.tree.top_k(d + 1)).indices for d in range(depth)]
         return Tree(template_tokens(root, candidates, self.tree, count), self.tree.parents[:count])
 
     def advance(self, state, tree, acceptance, verified) -> None:
-        self.hidden = verified.hidden[acceptance.path[-1]]
+        state.values["hidden"] = verified.hidden[acceptance.path[-1]]
 
-    def _accept(self, state, tree, logits, extra=None):
+    def accept(self, state, tree, logits, extra=None):
         if self.acceptance == "typical" and not state.sampling.greedy:
             return typical_accept(tree, logits_to_probs(logits, state.sampling), *self.typical, logits=logits)
-        return super()._accept(state, tree, logits, extra)
+        return super().accept(state, tree, logits, extra)
 
 
 @register("medusa", settings=MedusaSettings)

@@ -24,9 +24,10 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from .base import DraftVerifyDecoder, register
+from .base import register
 from .engine.params import Settings, integer, one_of, setting
 from .engine.tree import Tree
+from .loop import DraftVerifyDecoder
 
 UPSTREAM_DRAFT = 10  # prompt-lookup-decoding's and Spec-Bench's draft_num_candidate_tokens
 

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BuildContext, DraftVerifyDecoder, register
+from .base import BuildContext, register
 from .engine.params import BOOL, Settings, integer, one_of, paths, setting
 from .engine.sampling import SamplingConfig
 from .engine.static_trees import StaticTree
 from .engine.tree import Tree
+from .loop import DraftVerifyDecoder
 
 # Luowaterbi/TokenRecycling, model/recycling/tree_template_.py, version "2.2.2" (verbatim): 80 nodes,
 # 8/21/25/15/8/3 per depth.

@@ -40,9 +40,10 @@ from pathlib import Path
 
 import torch
 
-from .base import DraftVerifyDecoder, register
+from .base import register
 from .engine.params import Check, ConfigError, Settings, integer, one_of, setting
 from .engine.tree import Tree
+from .loop import DraftVerifyDecoder
 from .models.corpus import configured_file, corpus_entries, corpus_file, manifest, resolve_path
 from .pld import draft_budget, trie
 

@@ -43,10 +43,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import BuildContext, DraftVerifyDecoder, register
+from .base import BuildContext, register
 from .engine.params import Check, ConfigError, Settings, integer, number, one_of, setting
 from .engine.tree import Tree
 from .engine.vocab import draft_vocab_setting
+from .loop import DraftVerifyDecoder
 from .models.corpus import configured_file, corpus_entries, corpus_file, manifest, resolve_path
 from .models.heads.source import head_setting
 from .pld import trie

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import DraftVerifyDecoder, register
+from .base import register
 from .engine.params import BOOL, Settings, integer, number, setting
 from .engine.sampling import SamplingConfig
 from .engine.tree import Tree
+from .loop import DraftVerifyDecoder
 
 
 @dataclass(frozen=True)

@@ -309,7 +309,8 @@ def block_methods(_sets) -> str:
         settings = method_settings(m)
         if not settings.__module__.startswith("methods."):
             continue
-        lines.append(f"| `{m}` | {settings.paper} | {settings.lossless} | {'yes' if settings.batchable else 'no'} |")
+        batches = "yes" if settings.batchable else f"no: {settings().batch_problem()}"
+        lines.append(f"| `{m}` | {settings.paper} | {settings.lossless} | {batches} |")
     return "\n".join(lines) + "\n"
 
 
@@ -417,7 +418,8 @@ def block_batchable(_sets) -> str:
     no = [m for m in methods if not method_settings(m).batchable]
     return (f"`batch_size` > 1 runs with {', '.join(f'`{m}`' for m in yes)}; a setting a batch cannot take "
             "(PLD's `branches` > 1) is refused in one line before the model loads.\n\n"
-            + (f"These refuse a batch size above 1 before the model loads: {', '.join(no)}.\n" if no else ""))
+            + "".join(f"`{m}` refuses a batch size above 1 before the model loads: "
+                      f"{method_settings(m)().batch_problem()}.\n" for m in no))
 
 
 BLOCKS = {"figure": block_figure, "batchable": block_batchable, "reference": block_reference, "latest": block_latest,

@@ -1,4 +1,4 @@
-"""Batch > 1 (`methods/batched.py`): each sequence of a batch decodes what it decodes alone.
+"""Batch > 1 (`methods/loop.py`): each sequence of a batch decodes what it decodes alone.
 
 Greedy tokens equal B = 1's token for token (prompts of different lengths, different stops); the
 cache rows of a batch hold each sequence's B = 1 KV; sampled at B = 4 the first tokens follow the
@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import functools
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from methods.ar import AutoregressiveDecoder
-from methods.batched import BatchedDecoder, batchable_methods
+from methods.base import batchable_methods
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
@@ -60,7 +61,7 @@ def test_greedy_batch_equals_each_prompt_alone(target, method, batch):
     stops[0] = StopCondition(stops[0].max_new_tokens, frozenset({eos}))
     alone[0] = DECODERS[method](target).generate(prompts[0], stops[0])
     assert alone[0].stats.stop_reason == "eos"
-    outs = BatchedDecoder(DECODERS[method](target)).generate(prompts, stops)
+    outs = DECODERS[method](target).generate_batch(prompts, stops)
     for out, reference in zip(outs, alone):
         assert out.tokens == reference.tokens
         assert out.stats.stop_reason == reference.stats.stop_reason
@@ -85,7 +86,7 @@ def test_an_auto_draft_is_cut_to_the_verify_budget_at_the_batch_size(target):
     drafted = []
     propose = decoder.propose
     decoder.propose = lambda state, root, budget: drafted.append((state.batch, budget)) or propose(state, root, budget)
-    outs = BatchedDecoder(decoder).generate(prompts, stops)
+    outs = decoder.generate_batch(prompts, stops)
     assert [out.tokens for out in outs] == [out.tokens for out in alone]
     assert all(budget <= decoder.batch_budget(batch) for batch, budget in drafted if batch > 1)
     assert {batch for batch, _ in drafted} >= {4, 2}  # the cut follows the batch as sequences leave
@@ -94,7 +95,7 @@ def test_an_auto_draft_is_cut_to_the_verify_budget_at_the_batch_size(target):
     alone = [DECODERS["pld"](target).generate(p, s, sampling, torch.Generator().manual_seed(b)).tokens
              for b, (p, s) in enumerate(zip(prompts, stops))]
     generators = [torch.Generator().manual_seed(b) for b in range(4)]
-    outs = BatchedDecoder(decoder).generate(prompts, stops, sampling, generators)
+    outs = decoder.generate_batch(prompts, stops, sampling, generators)
     assert [out.tokens for out in outs] == alone
 
 
@@ -104,7 +105,7 @@ def assert_batch_of_three_as_alone(make, statistic: str) -> None:
     temperature 0.8, the same tokens from generators seeded alike."""
     prompts, stops = prompts_and_stops(3, vocab=16)
     alone = [make().generate(p, s) for p, s in zip(prompts, stops)]
-    outs = BatchedDecoder(make()).generate(prompts, stops)
+    outs = make().generate_batch(prompts, stops)
     for out, reference in zip(outs, alone):
         assert out.tokens == reference.tokens
         assert out.stats.accepted_lengths == reference.stats.accepted_lengths
@@ -113,7 +114,7 @@ def assert_batch_of_three_as_alone(make, statistic: str) -> None:
     sampling = SamplingConfig(temperature=0.8)
     alone = [make().generate(p, s, sampling, torch.Generator().manual_seed(b)).tokens
              for b, (p, s) in enumerate(zip(prompts, stops))]
-    outs = BatchedDecoder(make()).generate(prompts, stops, sampling,
+    outs = make().generate_batch(prompts, stops, sampling,
                                            [torch.Generator().manual_seed(b) for b in range(3)])
     assert [out.tokens for out in outs] == alone
 
@@ -179,7 +180,7 @@ def test_qwen2_batch_on_the_fused_and_the_stock_forward(decoder, method):
                                                   k_config=(2, 2, 1))}[method]
     prompts, stops = prompts_and_stops(3)
     alone = [make().generate(p, s) for p, s in zip(prompts, stops)]
-    outs = BatchedDecoder(make()).generate(prompts, stops)
+    outs = make().generate_batch(prompts, stops)
     assert [out.tokens for out in outs] == [out.tokens for out in alone]
     # the same drafts accepted step by step (a draft from the wrong KV would accept differently)
     assert [out.stats.accepted_lengths for out in outs] == [out.stats.accepted_lengths for out in alone]
@@ -201,7 +202,7 @@ def test_batch_cache_rows_hold_each_sequence_alone(target, joined, kept):
     ]
     batched = ModelRunner(target)
     batched.reserve_batch(len(prompts), 64)
-    firsts = batched.prefill_rows(prompts)
+    firsts = batched.prefill_rows([SimpleNamespace(prompt=p) for p in prompts])
     cache = batched.cache
     keys, _ = cache.joined
     assert all(layer._keys.data_ptr() == keys[i].data_ptr() for i, layer in enumerate(cache.layers))
@@ -233,10 +234,12 @@ def test_batch_cache_rows_hold_each_sequence_alone(target, joined, kept):
 
 
 def test_batch_rejects_a_method_that_decodes_one_sequence(target):
-    from methods.jacobi import JacobiDecoder
+    from methods.lazyllm import LazyLLMDecoder
 
-    with pytest.raises(ValueError, match="methods that do: ar, eagle, eagle2, eagle3, mcsd, pld, sam, sps"):
-        BatchedDecoder(JacobiDecoder(ModelRunner(target)))
+    assert "lazyllm" not in batchable_methods()
+    with pytest.raises(ValueError, match="'lazyllm' does not decode at batch size > 1; methods that do: "
+                                         + ", ".join(batchable_methods())):
+        LazyLLMDecoder(ModelRunner(target)).generate_batch([[1, 2], [3]], [StopCondition(4)] * 2)
 
 
 @pytest.mark.parametrize("method", ["ar", "sps"])
@@ -247,7 +250,7 @@ def test_sampled_batch_draws_what_each_prompt_draws_alone(target, method):
     alone = [DECODERS[method](target).generate(p, s, sampling, torch.Generator().manual_seed(b)).tokens
              for b, (p, s) in enumerate(zip(prompts, stops))]
     generators = [torch.Generator().manual_seed(b) for b in range(4)]
-    outs = BatchedDecoder(DECODERS[method](target)).generate(prompts, stops, sampling, generators)
+    outs = DECODERS[method](target).generate_batch(prompts, stops, sampling, generators)
     assert [out.tokens for out in outs] == alone
 
 
@@ -263,19 +266,29 @@ def every_batchable(tmp_path_factory):
     from methods.eagle.eagle3 import Eagle3Decoder
     from methods.eagle.template import EagleDecoder
     from methods.engine.static_trees import StaticTree
+    from methods.hydra import HydraDecoder
+    from methods.lookahead import LookaheadDecoder
     from methods.mcsd import MultiCandidateDecoder
+    from methods.medusa import MedusaDecoder
     from methods.models.heads.eagle import load_eagle_head
     from methods.models.heads.eagle3 import load_eagle3_head
+    from methods.models.heads.hydra import load_hydra_heads
+    from methods.models.heads.medusa import load_medusa_heads
     from methods.models.specs import ModelSpec
     from tests.test_eagle3 import LAYERS, write_eagle3
-    from tests.test_tree_methods import adaptive, write_eagle
+    from tests.test_hydra import SMALL, write_hydra
+    from tests.test_tree_methods import adaptive, write_eagle, write_medusa
 
     model = tiny_model("llama", seed=45, vocab_size=32, layers=LAYERS)
     folder = tmp_path_factory.mktemp("batch-heads")
     write_eagle(folder / "eagle", model)
     write_eagle3(folder / "eagle3", model, None, seed=2)
+    write_medusa(folder / "medusa", model, heads=4, declared=4)
+    write_hydra(folder / "hydra", model, "prefix-mlp", seed=3)
     head = load_eagle_head(ModelSpec(path=str(folder / "eagle")), model)
     head3 = load_eagle3_head(ModelSpec(path=str(folder / "eagle3")), model)
+    medusa = load_medusa_heads(ModelSpec(path=str(folder / "medusa")), model)
+    hydra = load_hydra_heads(ModelSpec(path=str(folder / "hydra")), model)[0]
     draft = truncated_copy(model, 2)
     static = retrieval_corpus(model, folder)
     return {
@@ -285,7 +298,25 @@ def every_batchable(tmp_path_factory):
         "eagle2": lambda: adaptive(ModelRunner(model), head, CPU_CURVE, depth=5, top_k=10),
         "eagle3": lambda: adaptive(ModelRunner(model), head3, CPU_CURVE, Eagle3Decoder, depth=7, top_k=10),
         "mcsd": lambda: MultiCandidateDecoder(ModelRunner(model), draft, k_config=(3, 2, 1)),
+        "medusa": lambda: MedusaDecoder(ModelRunner(model), medusa, StaticTree.build("medusa_mc_sim_7b_63")),
+        "hydra": lambda: HydraDecoder(ModelRunner(model), hydra, StaticTree.build(SMALL)),
+        "lookahead": lambda: LookaheadDecoder(ModelRunner(model), window=3, level=3, guess=3),
     }
+
+
+@pytest.mark.parametrize("method", batchable_methods())
+def test_every_batchable_method_decodes_each_prompts_greedy_tokens_at_b2_and_b3(every_batchable, method):
+    """Greedy: each prompt decodes at B = 2 and B = 3 (prompts of 3, 30 and 11 tokens; the second
+    leaves the batch first) exactly the tokens it decodes alone, which are AR's."""
+    make = every_batchable[method]
+    prompts = prompts_and_stops(3)[0]
+    stops = [StopCondition(24), StopCondition(16), StopCondition(24)]
+    alone = [make().generate(p, s).tokens for p, s in zip(prompts, stops)]
+    ar = every_batchable["ar"]()
+    assert alone == [ar.generate(p, s).tokens for p, s in zip(prompts, stops)]
+    for batch in (2, 3):
+        outs = make().generate_batch(prompts[:batch], stops[:batch])
+        assert [out.tokens for out in outs] == alone[:batch], f"B = {batch}"
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.8),
@@ -302,7 +333,7 @@ def test_every_batchable_method_samples_each_prompts_own_tokens_at_b2_and_b3(eve
     alone = [make().generate(p, s, sampling, torch.Generator().manual_seed(b)).tokens
              for b, (p, s) in enumerate(zip(prompts, stops))]
     for batch in (2, 3):
-        outs = BatchedDecoder(make()).generate(prompts[:batch], stops[:batch], sampling,
+        outs = make().generate_batch(prompts[:batch], stops[:batch], sampling,
                                                [torch.Generator().manual_seed(b) for b in range(batch)])
         assert [out.tokens for out in outs] == alone[:batch], f"B = {batch}"
 
@@ -336,7 +367,7 @@ def test_eagle_drafts_a_batch_with_one_head_forward_per_level(every_batchable, m
         decoder.propose_batch = record
         generators = [torch.Generator().manual_seed(b) for b in range(3)]
         if batched:
-            BatchedDecoder(decoder).generate(prompts, stops, sampling, generators)
+            decoder.generate_batch(prompts, stops, sampling, generators)
         else:
             for prompt, stop, generator in zip(prompts, stops, generators):
                 decoder.generate(prompt, stop, sampling, generator)
@@ -379,7 +410,7 @@ def test_the_draft_lm_drafts_a_batch_with_one_forward_per_depth(every_batchable,
         decoder.propose_batch = record
         generators = [torch.Generator().manual_seed(b) for b in range(3)]
         if batched:
-            outs = BatchedDecoder(decoder).generate(prompts, stops, sampling, generators)
+            outs = decoder.generate_batch(prompts, stops, sampling, generators)
         else:
             outs = [decoder.generate(p, s, sampling, g) for p, s, g in zip(prompts, stops, generators)]
         drafted = [[(t.tokens.tolist(), list(t.parents)) for t in each] for each in trees.values()]
@@ -418,7 +449,7 @@ def largest_batch_trees(make, prepare) -> tuple:
             largest[len(states)] = max(largest.get(len(states), 0), *(len(tree) for tree in trees))
         return trees
     decoder.propose_batch = record
-    outs = BatchedDecoder(decoder).generate(prompts, stops)
+    outs = decoder.generate_batch(prompts, stops)
     assert [out.tokens for out in outs] == alone
     return decoder, largest
 
@@ -470,14 +501,14 @@ def test_every_batchable_method_is_in_the_sampled_batch_test(every_batchable):
 OTHER = [3, 2, 1, 0, 1, 2, 3, 0, 1]
 
 
-def draw_batched(decoder: BatchedDecoder, n: int, length: int = 3, seed: int = 0) -> list[tuple]:
+def draw_batched(decoder, n: int, length: int = 3, seed: int = 0) -> list[tuple]:
     """n samples of the first `length` tokens after PROMPT, three per batch of four."""
     generators = [torch.Generator().manual_seed(seed * 4 + b) for b in range(4)]
     prompts, stops = [PROMPT, OTHER, PROMPT, PROMPT], [StopCondition(length),
                                                        StopCondition(2 * length)] + [StopCondition(length)] * 2
     samples = []
     while len(samples) < n:
-        outs = decoder.generate(prompts, stops, TEMPERATURE_1, generators)
+        outs = decoder.generate_batch(prompts, stops, TEMPERATURE_1, generators)
         samples += [tuple(outs[b].tokens) for b in (0, 2, 3)]
     return samples[:n]
 
@@ -485,14 +516,14 @@ def draw_batched(decoder: BatchedDecoder, n: int, length: int = 3, seed: int = 0
 def test_ar_batch_sampling_matches_target_distribution(tiny_vocab_pair):
     target, _ = tiny_vocab_pair
     expected = exact_joint(target, PROMPT, 3, TEMPERATURE_1)
-    samples = draw_batched(BatchedDecoder(AutoregressiveDecoder(ModelRunner(target))), 1500)
+    samples = draw_batched(AutoregressiveDecoder(ModelRunner(target)), 1500)
     assert chi_square_pvalue(samples, expected) > 1e-3
 
 
 def test_sps_batch_sampling_preserves_target_distribution(tiny_vocab_pair):
     target, draft = tiny_vocab_pair
     expected = exact_joint(target, PROMPT, 3, TEMPERATURE_1)
-    samples = draw_batched(BatchedDecoder(SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2)), 1500,
+    samples = draw_batched(SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2), 1500,
                            seed=1)
     assert chi_square_pvalue(samples, expected) > 1e-3
 
@@ -504,6 +535,6 @@ def test_sps_batch_with_broken_residual_is_caught(tiny_vocab_pair):
     expected = exact_joint(target, PROMPT, 3, TEMPERATURE_1)
     sps = SpeculativeSamplingDecoder(ModelRunner(target), draft, gamma=2)
     sps.sample_pending = functools.partial(type(sps).sample_pending, residual=lambda p, q: p)
-    decoder = BatchedDecoder(sps)
+    decoder = sps
     samples = draw_batched(decoder, 1500, seed=1)
     assert chi_square_pvalue(samples, expected) < 1e-6

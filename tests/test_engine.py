@@ -120,8 +120,9 @@ def test_rollback_and_cache_growth():
 
 
 def test_per_position_counts_of_one_step():
-    from methods.base import DecodeStats, DraftVerifyDecoder
     from methods.engine.acceptance import Acceptance
+    from methods.loop import DraftVerifyDecoder
+    from methods.state import DecodeStats
 
     tree = Tree(torch.tensor([5, 6, 7, 8, 9]), [-1, 0, 0, 1, 3])  # depths 0, 1, 1, 2, 3
     stats = DecodeStats()

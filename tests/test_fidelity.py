@@ -17,8 +17,8 @@ from harness.reporting.text import format_summary
 from harness.running.results import read_jsonl
 from harness.running.run import run
 from harness.stats import NEAR_TIE, fidelity, fidelity_failure, summarize
-from methods.base import logit_margins
 from methods.engine.acceptance import greedy_accept
+from methods.loop import logit_margins
 from methods.sps import SpeculativeSamplingDecoder
 from tests.conftest import REPO
 from tests.test_harness import config, tiny_overrides

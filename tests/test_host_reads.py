@@ -46,9 +46,9 @@ def test_device_greedy_acceptance_is_the_host_rule_with_its_margins():
     token (the first matching child wins) and near-ties."""
     import random
 
-    from methods.base import logit_margins
     from methods.engine.acceptance import greedy_accept, greedy_accept_logits
     from methods.engine.tree import Tree
+    from methods.loop import logit_margins
 
     rng, vocab = random.Random(0), 5
     for trial in range(300):

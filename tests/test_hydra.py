@@ -175,7 +175,7 @@ def test_released_layout_loads_and_drafts_as_upstreams_modules(tmp_path, arch, g
     seq = decode_state(decoder, prompt, [5])
     decoder.start(seq, prefill)
     h = prefill.hidden[-1] if arch == "mlp" else reference_prefix(state, prefill.hidden, target.config)[-1]
-    torch.testing.assert_close(decoder.h, h, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(seq.values["h"], h, rtol=1e-4, atol=1e-4)
     tree = decoder.propose(seq, 5, budget=10)
     assert len(tree) == 64 and tree.parents == decoder.tree.parents
     assert tree.tokens.tolist() == reference_tree(state, arch, grounded, 3, h, embed, 5, decoder.tree, 64)
@@ -189,12 +189,15 @@ def test_prefix_layer_cache_follows_the_accepted_sequence(tmp_path):
     decoder = HydraDecoder(ModelRunner(target), load_hydra_heads(ModelSpec(path=str(tmp_path)), target)[0],
                            StaticTree.build(SMALL))
     prompt = [1, 5, 2, 7, 3]
+    finished = []  # the sequence's state as it stopped (the decoder keeps none)
+    decoder.finish = finished.append
     out = decoder.generate(prompt, StopCondition(30))
     assert out.stats.accepted_drafts > 0  # multi-token paths were followed
-    sequence = prompt + out.tokens
-    assert len(prompt) < decoder.committed < len(sequence)
-    hidden = ModelRunner(target).prefill(sequence[:decoder.committed]).hidden
-    torch.testing.assert_close(decoder.h, reference_prefix(state, hidden, target.config)[-1], rtol=1e-4, atol=1e-4)
+    sequence, values = prompt + out.tokens, finished[0].values
+    assert len(prompt) < values["committed"] < len(sequence)
+    hidden = ModelRunner(target).prefill(sequence[:values["committed"]]).hidden
+    torch.testing.assert_close(values["h"], reference_prefix(state, hidden, target.config)[-1], rtol=1e-4,
+                               atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,9 +411,11 @@ def test_hidden_state_offset_reads_an_earlier_layer(tmp_path):
     with torch.no_grad():
         expected = target(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states[-2][0]
     torch.testing.assert_close(prefill.layers, expected, rtol=1e-5, atol=1e-5)
-    decoder.start(decode_state(decoder, prompt), prefill)
+    sequence = decode_state(decoder, prompt)
+    decoder.start(sequence, prefill)
     state = torch.load(tmp_path / "hydra_lm_head.pt", weights_only=True)
-    torch.testing.assert_close(decoder.h, reference_prefix(state, expected, target.config)[-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(sequence.values["h"], reference_prefix(state, expected, target.config)[-1], rtol=1e-4,
+                               atol=1e-4)
 
 
 def test_auto_tree_is_hydras_cut_to_the_machines_budget(tmp_path, monkeypatch):

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.base import DraftVerifyDecoder, register
+from methods.base import register
+from methods.loop import DraftVerifyDecoder
 from methods.engine.params import Settings, integer, setting
 from methods.engine.tree import Tree
 

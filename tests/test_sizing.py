@@ -102,7 +102,7 @@ def test_auto_sizes_come_from_the_cached_profile_and_explicit_values_win(tmp_pat
     before = curves[0].stat().st_mtime_ns
     get_method(method)(ModelRunner(target), {"name": method, **params}, context)
     assert curves[0].stat().st_mtime_ns == before  # ... and reused
-    # the chains' `auto` sizes also cut each draft at batch size B > 1 (methods/batched.py), and MCSD's
+    # the chains' `auto` sizes also cut each draft at batch size B > 1 (methods/loop.py), and MCSD's
     # tree is chosen at B in nodes by the same cut (`batch_k_config`)
     assert (decoder.batch_curve is not None) == (method in ("sps", "pld", "sam", "mcsd"))
     assert decoder.batch_budget(1) is None

@@ -21,7 +21,7 @@ from harness.reporting.tables import OVERALL
 from harness.running.results import RECORDS_FORMAT, read_answers, read_jsonl, upgrade_record
 from harness.running.run import run
 from harness.stats import decoder_stats
-from methods.base import DecodeStats
+from methods.state import DecodeStats
 from tests.conftest import REPO
 from tests.test_harness import config, tiny_overrides
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from methods.ar import AutoregressiveDecoder
-from methods.base import DraftVerifyDecoder, check_method_params
+from methods.base import check_method_params
 from methods.engine.acceptance import greedy_accept_logits
 from methods.engine.params import ConfigError
 from methods.engine.runner import ModelRunner
@@ -21,6 +21,7 @@ from methods.engine.static_trees import StaticTree
 from methods.engine.stopping import StopCondition
 from methods.engine.tree import ExtraRows, Tree
 from methods.lookahead import LookaheadDecoder
+from methods.loop import DraftVerifyDecoder
 from methods.pld import PromptLookupDecoder, lookup_continuations
 from methods.recycling import TEMPLATE_2_2_2, TokenRecyclingDecoder
 from tests.conftest import decode_state, tiny_model

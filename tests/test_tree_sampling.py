@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from harness.perf.host_reads import counting_host_reads
-from methods.base import logit_margins
 from methods.engine.acceptance import residual_distribution, sample_accept, tree_decisions
 from methods.engine.tree import Tree
+from methods.loop import logit_margins
 
 
 def walk(tree: Tree, probs: torch.Tensor, draws: torch.Tensor) -> tuple[list[int], torch.Tensor]:

@@ -4,7 +4,7 @@
 The prompts: the first Spec-Bench question of each of `--categories` (by default writing, extraction,
 rag and summarization: prompts from tens to hundreds of tokens, each answered at length), in the
 embedded model's chat template. Each method decodes them together at B = len(prompts)
-(`methods/batched.py`: each prompt prefilled alone into its cache row, then one verification per step
+(`methods/loop.py`: each prompt prefilled alone into its cache row, then one verification per step
 for the whole batch) and one after another at B = 1, the two interleaved, `--repeats` times, greedy in
 fp32. Reported per method: the prompts' lengths; the median throughput of each way, whole (new tokens
 over the wall clock, prefills included) and decoding only (tokens after the first over the time after
@@ -31,7 +31,6 @@ from harness.running.datasets import load_questions
 from harness.running.environment import environment, hardware_name, hardware_slug
 from harness.running.prompts import ChatTemplate, Message
 from methods.base import BuildContext, check_method_params, get_method
-from methods.batched import BatchedDecoder
 from methods.engine.params import ConfigError
 from methods.engine.runner import ModelRunner
 from methods.machine.profile import MachineProfile
@@ -98,12 +97,11 @@ def main(argv=None) -> dict:
     for method in methods:
         decoder = get_method(method)(ModelRunner(model, profile=profile),
                                      {"name": method, **HEADLINE_TREES.get(method, {})}, context)
-        batched = BatchedDecoder(decoder)
         rates = {"batch": [], "alone": [], "batch decoding": [], "alone decoding": []}
         tokens = {}
 
         def together():
-            return batched.generate(prompts, stops)
+            return decoder.generate_batch(prompts, stops)
 
         def alone():
             return [decoder.generate(p, s) for p, s in zip(prompts, stops)]

@@ -44,7 +44,6 @@ from harness.running.results import (
 from harness.running.validate import check_group_choices, validate
 from harness.stats import fidelity_failure, summarize
 from methods.base import BuildContext, Decoder, get_method
-from methods.batched import BatchedDecoder
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.machine.profile import MachineProfile
@@ -138,7 +137,7 @@ class Benchmark:
                      progress: LiveCount | None = None) -> list[dict]:
         """All turns of these questions, one answer record each. At `batch_size` 1 one question,
         one `generate` per turn; above it, turn t of every question that has one is decoded in one
-        batch (`methods/batched.py`) and each record keeps, per turn, the size of its batch and the
+        batch (`methods/loop.py`) and each record keeps, per turn, the size of its batch and the
         batch's wall time (its `wall_time` and `ttft` are the request's own: latency and TTFT)."""
         limits = [max_new_tokens or self.max_new_tokens_for(q.category) for q in questions]
         messages: list[list[Message]] = [[] for _ in questions]
@@ -161,10 +160,7 @@ class Benchmark:
                                limits[group[0]])
                 stops[0] = dataclasses.replace(stops[0], progress=progress)
             try:
-                if self.batch_size > 1:
-                    outs = BatchedDecoder(decoder).generate(prompts, stops, self.sampling, generators)
-                else:
-                    outs = [decoder.generate(prompts[0], stops[0], self.sampling, generators[0])]
+                outs = decoder.generate_batch(prompts, stops, self.sampling, generators)
             except Exception as err:
                 ids = ", ".join(str(questions[i].question_id) for i in group)
                 raise RuntimeError(f"{decoder.name} failed on question {ids} turn {turn_index}: {err}") from err

@@ -25,8 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness import REPO
 from harness.running.environment import git_commit
 from harness.running.execution import require_sandbox
-from methods.base import check_method_params, method_settings
-from methods.batched import batchable_methods
+from methods.base import batchable_methods, check_method_params, method_settings
 from methods.engine.fused import DECODER_MODES
 from methods.engine.graphs import COMPILE_MODES, GRAPH_MODES
 from methods.engine.params import BOOL, Check, ConfigError, integer, null, number, one_of

@@ -1,4 +1,4 @@
-"""The EAGLE family's drafting for a batch (`methods/batched.py`): one head forward for every
+"""The EAGLE family's drafting for a batch (`methods/loop.py`): one head forward for every
 sequence at each step of the draft, instead of one per sequence (EAGLE-1's template, EAGLE-2's and
 EAGLE-3's dynamic trees).
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..base import DraftVerifyDecoder
 from ..engine.tree import Tree
+from ..loop import DraftVerifyDecoder
 from ..models.heads.eagle import EagleHead
 from .batch_draft import BatchDraft
 from .drafter import EagleDrafter

@@ -198,7 +198,7 @@ class Eagle2Decoder(EagleBase):
         seeded answer would depend on timing (on the run, and on the batch size: `batched.py`
         promises B = 1's tokens). The verify curve is measured once and kept: the size depends on
         the head's path probabilities and the curve only. Greedy output does not depend on the size.
-        `batch`: the sequences verified together (greedy at B > 1, `methods/batched.py`): each pays its
+        `batch`: the sequences verified together (greedy at B > 1, `methods/loop.py`): each pays its
         share of a forward over B times its rows, t(B n) / B, as if every sequence drafted as many."""
         draft = self.draft_seconds if greedy else 0.0
         seconds = self.verify_times(len(probabilities) + 1, batch)

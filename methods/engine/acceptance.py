@@ -52,7 +52,7 @@ class Acceptance:
 class PendingRead:
     """An acceptance decided on the device and not read yet: `values` [M] float64 there, and how
     their host copy becomes the `Acceptance`. `read()` is the step's one read; `read_together` reads
-    a batch's acceptances in one transfer (`methods/batched.py`)."""
+    a batch's acceptances in one transfer (`methods/loop.py`)."""
 
     values: torch.Tensor
     parse: Callable[[list[float]], Acceptance]
@@ -103,7 +103,7 @@ def greedy_pending(tree: Tree, logits: torch.Tensor, extra: torch.Tensor | None 
 def greedy_batch_pending(trees: Sequence[Tree], logits: torch.Tensor,
                          extra: torch.Tensor | None = None) -> PendingRead:
     """The greedy rule for B trees verified together in one pass over their logits [B, R, V] (tree b
-    on its first len(trees[b]) rows; `methods/batched.py`): argmax and top-2 margins over the whole
+    on its first len(trees[b]) rows; `methods/loop.py`): argmax and top-2 margins over the whole
     batch, then the path rule on the trees' structures padded to R rows (a padding node matches
     nothing and sees only itself), [B, R] tensors throughout; one tensor to read, whose parse gives
     each tree's `Acceptance`. A single tree (B = 1) uses its structures as they are. `extra`: one

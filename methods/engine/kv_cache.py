@@ -212,7 +212,7 @@ def rows_kept(previous: Sequence, current: Sequence) -> list[int] | None:
 
 
 class BatchKVCache(TreeKVCache):
-    """The cache of B sequences decoded together (`methods/batched.py`). Every layer's buffers are
+    """The cache of B sequences decoded together (`methods/loop.py`). Every layer's buffers are
     [B, kv_heads, capacity, head_dim] with one filled length L shared by the batch (the forward
     appends after it) and a length per sequence, `lengths[b]` <= L: sequence b's KV is slots
     0 .. lengths[b] - 1 of its row, slot = position. Its slots lengths[b] .. L - 1 hold another

@@ -115,7 +115,7 @@ class Settings:
     """A method without settings (subclasses: one `setting(...)` field per key; the docstring is the
     comment at the top of the method's YAML)."""
 
-    # whether `methods/batched.py` decodes the method at batch_size > 1: its drafts are chains and
+    # whether `methods/loop.py` decodes the method at batch_size > 1: its drafts are chains and
     # its drafter's state lives per sequence (`DecodeState.draft`, `DraftVerifyDecoder.draft_state`)
     batchable: ClassVar[bool] = False
     # the paper and upstream code the method follows (README's and docs/methods.md's tables)

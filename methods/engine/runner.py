@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -183,32 +183,57 @@ class ModelRunner:
             self.fused.rope.reserve(needed, self.dtype, self.device)  # (a table already that long is kept)
         return needed
 
-    def prefill_rows(self, prompts: Sequence[Sequence[int]]) -> list[ForwardOutput]:
-        """Prefill a batch (`reserve_batch` first) one prompt at a time: each prompt runs the batch-1
-        prefill (the same forward, the same bits as alone, no padding to the longest prompt) into a
-        scratch cache whose KV is then copied into its row of the batch cache
-        (`BatchKVCache.load_row`). Each output has its prompt's last logits and every position's hidden
-        state (and captured layers)."""
+    def reserve_batch(self, batch: int, positions: int, *, batch_cache: bool = False) -> None:
+        """Before decoding `batch` sequences together (the loop, `methods/loop.py`), each committing at
+        most `positions` positions. One sequence: the batch-1 cache (`reserve`: its buffers, static
+        steps and CUDA graphs kept for the next answer). More, or `batch_cache` (a drafter of a batch
+        that has drained to one sequence): a `BatchKVCache` allocated once at positions + ROOM, the
+        RoPE table as long."""
+        if batch == 1 and not batch_cache:
+            self.reset()
+            self.reserve(positions)
+            return
+        self.cache = BatchKVCache(batch, self._capacity(positions), len(self.decoder.layers))
+        self.forward_passes = 0
+
+    def prefill_rows(self, states: Sequence, prefill: Callable | None = None) -> list[ForwardOutput]:
+        """Prefill each sequence (`reserve_batch` first) with `prefill(state)` (default: the prompt,
+        `state.prompt`, through `prefill`), one at a time: alone into the batch-1 cache; in a batch, each
+        into a scratch cache whose KV is then copied into its row of the batch cache
+        (`BatchKVCache.load_row`): the same forward, the same bits as alone, no padding to the longest
+        prompt. Each output has its prompt's last logits and every position's hidden state (and
+        captured layers)."""
+        prefill = prefill or (lambda state: self.prefill(state.prompt))
         batch = self.cache
-        if not isinstance(batch, BatchKVCache) or len(prompts) != len(batch.lengths) or batch.get_seq_length():
+        if not isinstance(batch, BatchKVCache):
+            if len(states) != 1 or self.length:
+                raise RuntimeError("prefill_rows needs an empty cache with one row per prompt; call reserve_batch()")
+            return [prefill(states[0])]
+        if len(states) != len(batch.lengths) or batch.get_seq_length():
             raise RuntimeError("prefill_rows needs an empty BatchKVCache with one row per prompt; call reserve_batch()")
-        scratch, outputs = TreeKVCache(max(len(p) for p in prompts)), []
+        scratch, outputs = TreeKVCache(max(len(s.prompt) for s in states)), []
         try:
-            for row, prompt in enumerate(prompts):
+            for row, state in enumerate(states):
                 scratch.clear()
                 self.cache = scratch
-                outputs.append(self.forward(prompt, logits_for=slice(-1, None)))
+                outputs.append(prefill(state))
                 batch.load_row(row, scratch)
         finally:
             self.cache = batch
         return outputs
 
-    def reserve_batch(self, batch: int, positions: int) -> None:
-        """Before decoding `batch` sequences together (`methods/batched.py`), each committing at most
-        `positions` positions: a `BatchKVCache` allocated once at positions + ROOM, the RoPE table
-        as long. The B = 1 path (`reserve`) keeps its own cache for the next answer."""
-        self.cache = BatchKVCache(batch, self._capacity(positions), len(self.decoder.layers))
-        self.forward_passes = 0
+    def commit_batch(self, start: int, paths: Sequence[Sequence[int]]) -> None:
+        """After `forward_batch` at cache length `start`: sequence b keeps the KV of its rows `paths[b]`."""
+        if isinstance(self.cache, BatchKVCache):
+            self.cache.commit_batch(start, paths)
+        else:
+            self.commit(start, paths[0])
+
+    def keep_sequences(self, kept: Sequence[int]) -> None:
+        """Only the sequences of rows `kept` go on (in that order): the others left the batch."""
+        if not isinstance(self.cache, BatchKVCache):
+            raise RuntimeError("keep_sequences needs a batch cache (reserve_batch with more than one sequence)")
+        self.cache.keep_sequences(kept)
 
     def check_room(self, needed: int) -> None:
         if self.max_positions and needed > self.max_positions:
@@ -288,6 +313,9 @@ class ModelRunner:
         not read a long one's length). Logits [B, R, V], hidden [B, R, H] (and the captured layers'
         inputs [B, R, .]). Nothing is committed (`BatchKVCache.commit_batch`)."""
         cache, device = self.cache, self.device
+        if not isinstance(cache, BatchKVCache) and len(rows) == 1:  # one sequence: the batch-1 forward
+            out = self.verify_rows(*rows[0])
+            return ForwardOutput(out.logits[None], out.hidden[None], None if out.layers is None else out.layers[None])
         if not isinstance(cache, BatchKVCache) or len(rows) != len(cache.lengths):
             raise RuntimeError("forward_batch needs a BatchKVCache with one sequence per row set; call reserve_batch()")
         sizes = [len(tokens) for tokens, _, _ in rows]
@@ -366,7 +394,11 @@ class ModelRunner:
     def verify(self, tree: Tree) -> ForwardOutput:
         """One forward over all tree nodes; node i sees the prefix, its ancestors and itself. A tree's
         `extra_rows` follow its nodes in the same forward (their logits after the nodes')."""
-        tokens, depths, visible = tree.forward_rows()
+        return self.verify_rows(*tree.forward_rows())
+
+    def verify_rows(self, tokens, depths, visible: torch.Tensor) -> ForwardOutput:
+        """`verify` over rows as a tree's `forward_rows()` gives them: tokens, depths from the root and
+        their [T, T] visibility; padded to the next verify bucket where buckets are set (CUDA graphs)."""
         rows = len(tokens)
         padded = self._bucket(rows)
         if padded > rows:  # padding rows: token 0 at the root's position, each seeing only itself

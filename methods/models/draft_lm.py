@@ -158,7 +158,7 @@ class GrowingTree:
 
 
 class BatchDraftLM:
-    """The draft LM drafting for a batch (`methods/batched.py`): one draft forward for every sequence
+    """The draft LM drafting for a batch (`methods/loop.py`): one draft forward for every sequence
     at each step of the draft, instead of one per sequence.
 
     Every running sequence's draft KV sits in one row of a `BatchKVCache` on a runner of its own
@@ -240,7 +240,8 @@ class BatchDraftLM:
         if self.runner is None:
             self.runner = self.draft.another().runner
         runner = self.runner
-        runner.reserve_batch(len(states), max(len(s.prompt) + s.stop.max_new_tokens for s in states))
+        runner.reserve_batch(len(states), max(len(s.prompt) + s.stop.max_new_tokens for s in states),
+                             batch_cache=True)
         roots = []
         for row, state in enumerate(states):
             lane = state.draft

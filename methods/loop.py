@@ -1,0 +1,320 @@
+"""The loop every method shares, over a batch of sequences; B = 1 is a batch of one.
+
+    reserve(B)                                 the runner's cache for B sequences (one: the batch-1 cache)
+    firsts = prefill(state) for each sequence  each prompt's own prefill into its cache row (no padding:
+                                               `ModelRunner.prefill_rows`); every first token (TTFT ends here)
+    start(state, first)                        the drafter's own prefill
+    repeat until every sequence stopped:
+        trees  = propose_batch(states, ...)    each sequence's draft tree rooted at its last token (an `auto`
+                                               draft cut to the verify budget at B rows per token); the EAGLE
+                                               family drafts the batch with one head forward per level
+        out    = target.forward_batch(rows)    ONE forward over [B, R] rows, R the largest tree (with any
+                                               extra rows a drafter adds, a Lookahead window)
+        accept = accept_batch(states, ...)     greedy | speculative sampling (a method's own rule: `accept`),
+                                               decided on the device, ONE read for the batch
+        target.commit_batch(paths)             each sequence keeps its own accepted rows
+        state.emit(tokens)                     output, stopping rule, statistics
+        advance(state, tree, accept, out)      each drafter follows its own path
+        sequences that stopped leave the batch (`target.keep_sequences`); finish(state)
+
+`state` is the sequence's `DecodeState` (`state.py`): its prompt and output, sampling, generator,
+statistics and drafter. A method subclasses `DraftVerifyDecoder` and writes `propose` (and
+`start`/`advance`/`finish` when it keeps state, in the state); AR is the method that proposes nothing.
+
+The runner's batch API is the only way to the model and its cache. At one sequence it runs the
+batch-1 cache and forward (static steps, verify buckets, CUDA graphs): a prompt decoded alone is
+the same arithmetic whatever called it. At B > 1 the cache (`kv_cache.BatchKVCache`) holds every
+sequence in a row with its own length; positions and masks are per sequence, padding is masked out
+and never committed (`ModelRunner.forward_batch`), so a sequence decodes at B the tokens it decodes
+alone (greedy; sampled, from its own generator in the order it draws alone: the same tokens).
+
+Finished sequences: the batch DRAINS. A sequence that stops leaves the batch at the next step (its
+cache row is dropped, the forward shrinks to the sequences still running); no queued prompt joins
+in its place. The harness decodes its prompts B at a time, each group to the end (`batch_size`,
+docs/batching.md), so the last steps of a group run below B.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import abstractmethod
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from .base import Decoder, batchable_methods, method_settings
+from .engine.acceptance import (
+    Acceptance,
+    chosen_margins,
+    greedy_accept_logits,
+    greedy_batch_pending,
+    greedy_pending,
+    read_together,
+    sample_accept,
+    sample_pending,
+)
+from .engine.runner import ForwardOutput
+from .engine.sampling import SamplingConfig, logits_to_probs
+from .engine.sizing import batch_draft_tokens
+from .engine.stopping import StopCondition
+from .engine.tree import Tree
+from .state import DecodeOutput, DecodeState, DecodeStats
+
+
+class PhaseClock:
+    """Accumulates wall time per phase; synchronizes CUDA so GPU work lands in its phase."""
+
+    def __init__(self, device: torch.device, phases: dict[str, float]):
+        self.cuda = device.type == "cuda"
+        self.phases = phases
+        self.last = self.now()
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = self.now()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
+def logit_margins(rows: torch.Tensor, chosen: Sequence[int]) -> list[float]:
+    """Per logits row [n, V] and the token it chose: the chosen token's logit minus the best other
+    token's. When the row chose its argmax (greedy), this is the row's top-2 gap; a negative value
+    means the row preferred another token by that much. One topk(2) on rows already computed."""
+    return chosen_margins(rows, torch.as_tensor(list(chosen), device=rows.device)).tolist()
+
+
+def row_output(out: ForwardOutput, row: int, n: int) -> ForwardOutput:
+    """Sequence `row`'s first `n` rows of a batched forward, as its own forward's output."""
+    return ForwardOutput(out.logits[row, :n], out.hidden[row, :n], None if out.layers is None else out.layers[row, :n])
+
+
+class DraftVerifyDecoder(Decoder):
+    """The draft -> verify -> accept -> commit loop. Subclasses supply the drafter: `propose` and, when
+    it follows the accepted path, `start`/`advance`; each gets the sequence's `DecodeState`."""
+
+    # whether the prefill counts as a decoding step in the records (`DecodeStats.prefill_step`)
+    prefill_step: ClassVar[bool] = False
+    # the latency curve an `auto` draft length was read from (None: an explicit size, or no profile): at
+    # batch size B > 1 the loop cuts each greedy sequence's draft to `batch_budget(B)`
+    batch_curve: dict[int, float] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """Besides the settings: the cut each batch size took (`batch_budget`), when the run drafted at
+        batch sizes above 1 with an `auto` size (the record's own size is the batch-1 one)."""
+        described = super().describe()
+        budgets = self.__dict__.get("_batch_budgets")
+        if budgets:
+            described["batch_draft_tokens"] = {batch: budget for batch, (_, budget) in sorted(budgets.items())}
+        return described
+
+    def batch_budget(self, batch: int) -> int | None:
+        """The most draft tokens per path a sequence drafts when `batch` sequences verify together: the
+        machine's verify budget at B rows per draft token (`sizing.batch_draft_tokens`); None: no cut
+        (batch size 1, or a size that is not `auto`)."""
+        if batch <= 1 or self.batch_curve is None:
+            return None
+        # once per curve and batch size (the loop asks every step; the curve is set after construction)
+        budgets = self.__dict__.setdefault("_batch_budgets", {})
+        curve, budget = budgets.get(batch, (None, None))
+        if curve is not self.batch_curve:
+            budget = batch_draft_tokens(self.batch_curve, batch)
+            budgets[batch] = self.batch_curve, budget
+        return budget
+
+    def draft_state(self, index: int) -> Any:
+        """The drafter sequence `index` of a batch drafts with (`DecodeState.draft`): a method whose
+        drafter keeps per-sequence state (a draft LM's KV cache, a head's) gives each index its own, made
+        once and reused; index 0 is the one a single sequence uses."""
+        return None
+
+    def new_state(self, index: int, prompt: list[int], stop: StopCondition, sampling: SamplingConfig,
+                  generator: torch.Generator | None) -> DecodeState:
+        return DecodeState(index, prompt, stop, sampling, generator, DecodeStats(prefill_step=self.prefill_step),
+                           sequence=list(prompt), draft=self.draft_state(index))
+
+    def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
+        """Called once after the target's prefill and the first token (e.g. to prefill a draft model)."""
+
+    @abstractmethod
+    def propose(self, state: DecodeState, root: int, budget: int) -> Tree:
+        """A tree rooted at `root` (the last emitted token) with at most `budget` draft tokens
+        along any path (more would be cut by the stopping rule anyway)."""
+
+    def propose_batch(self, states: Sequence[DecodeState], budgets: Sequence[int]) -> list[Tree]:
+        """Every running sequence's draft of a step, `budgets[b]` its most
+        draft tokens along a path: `propose` for each, one after another, unless the method drafts
+        the batch at once (the EAGLE family's dynamic trees: one head forward for every sequence)."""
+        return [self.propose(state, state.tokens[-1], budget) for state, budget in zip(states, budgets)]
+
+    def advance(self, state: DecodeState, tree: Tree, acceptance: Acceptance, verified: ForwardOutput) -> None:
+        """Called after each commit, so the drafter can follow the accepted path."""
+
+    def finish(self, state: DecodeState) -> None:
+        """After the sequence stopped: the method's own statistics into `state.stats.extra`."""
+
+    def prefill(self, state: DecodeState) -> ForwardOutput:
+        """The sequence's prefill into the runner's cache (at B > 1 a scratch cache its row is copied
+        from): the target's, unless the method's own first forward differs (Lookahead's window)."""
+        return self.target.prefill(state.prompt)
+
+    def accept(self, state: DecodeState, tree: Tree, logits: torch.Tensor,
+               extra: torch.Tensor | None = None) -> Acceptance:
+        """The sequence's acceptance rule over its tree's rows of `logits` (and its extra rows' `extra`,
+        never accepted): greedy, or speculative sampling from its own generator. A method whose rule
+        differs (Medusa's typical acceptance) overrides it; the loop then asks it per sequence."""
+        if state.sampling.greedy:
+            return greedy_accept_logits(tree, logits, extra)
+        return self.sample_accept(tree, logits_to_probs(logits, state.sampling), state.generator, logits=logits,
+                                  extra=extra)
+
+    def accept_batch(self, states: Sequence[DecodeState], trees: Sequence[Tree], logits: torch.Tensor,
+                     extras: Sequence[torch.Tensor | None] | None = None) -> list[Acceptance]:
+        """Every sequence's rule on its own rows of `logits` [B, R, V] (`extras[b]`: its extra rows'),
+        decided on the device, then one read for the batch. One sequence, a method's own rule or extra
+        rows: `accept` per sequence. Else greedy (the batch shares its sampling): one vectorized pass
+        (`greedy_batch_pending`); sampled: each sequence's rule in turn, drawing from its own generator
+        as it draws alone."""
+        extras = extras or [None] * len(states)
+        if len(states) == 1 or type(self).accept is not DraftVerifyDecoder.accept or any(e is not None for e in extras):
+            return [self.accept(state, tree, logits[row, : len(tree)], extras[row])
+                    for row, (state, tree) in enumerate(zip(states, trees))]
+        return self.standard_accept_batch(states, trees, logits)
+
+    def standard_accept_batch(self, states: Sequence[DecodeState], trees: Sequence[Tree],
+                              logits: torch.Tensor) -> list[Acceptance]:
+        """Greedy or speculative sampling (never a method's own rule) for every sequence, one read."""
+        if len(states) == 1:
+            return [DraftVerifyDecoder.accept(self, states[0], trees[0], logits[0, : len(trees[0])])]
+        if all(state.sampling.greedy for state in states):
+            pending = greedy_batch_pending(trees, logits)
+            return pending.parse(pending.values.tolist())
+        pending = []
+        for row, (state, tree) in enumerate(zip(states, trees)):
+            rows = logits[row, : len(tree)]
+            pending.append(greedy_pending(tree, rows) if state.sampling.greedy else
+                           self.sample_pending(tree, logits_to_probs(rows, state.sampling), state.generator,
+                                               logits=rows))
+        return read_together(pending)
+
+    # --------------------------------------------------------------------------------------
+    def generate_batch(self, prompts, stops, sampling=SamplingConfig(), generators=None) -> list[DecodeOutput]:
+        """One output per prompt, in order; `stops[b]` and `generators[b]` are prompt b's. Each
+        output's `ttft` is the batch's prefill and its `total_time` the time until it stopped, from
+        the start of the call; its `phase_time` the batch's phases until then."""
+        prompts = [list(prompt) for prompt in prompts]
+        if not prompts or any(not prompt for prompt in prompts):
+            raise ValueError("empty prompt" if prompts else "no prompt to decode")
+        if len(stops) != len(prompts):
+            raise ValueError(f"{len(stops)} stop conditions for {len(prompts)} prompts")
+        if len(prompts) > 1 and not method_settings(self.name).batchable:
+            raise ValueError(f"method {self.name!r} does not decode at batch size > 1; "
+                             f"methods that do: {', '.join(batchable_methods())}")
+        generators = list(generators) if generators is not None else [None] * len(prompts)
+        states = [self.new_state(b, prompt, stop, sampling, generator)
+                  for b, (prompt, stop, generator) in enumerate(zip(prompts, stops, generators))]
+        with self.target.linear.active():  # draft heads and models run on the same linear path
+            return self._generate(states)
+
+    def _generate(self, states: list[DecodeState]) -> list[DecodeOutput]:
+        target = self.target
+        for state in states:
+            target.check_room(len(state.prompt) + state.stop.max_new_tokens)
+        target.reserve_batch(len(states), max(len(s.prompt) + s.stop.max_new_tokens for s in states))
+        phases: dict[str, float] = {}
+        clock = PhaseClock(target.device, phases)
+        begin = clock.last
+        outputs: list[DecodeOutput | None] = [None] * len(states)
+
+        firsts = target.prefill_rows(states, self.prefill)
+        roots = [Tree(torch.tensor([s.prompt[-1]]), [-1]) for s in states]  # the first token: a root's choice
+        chosen = self.standard_accept_batch(states, roots, torch.stack([first.logits[-1:] for first in firsts]))
+        ttft = clock.now() - begin
+        clock.lap("prefill")
+        done = {}
+        for b, state in enumerate(states):
+            state.stats.ttft = ttft
+            done[b] = state.emit([chosen[b].next_token], chosen[b].margins)
+            self.start(state, firsts[b])
+        clock.lap("draft")
+
+        def finish(b: int) -> None:
+            outputs[b] = states[b].conclude(done[b])
+            self.finish(states[b])
+            clock.lap("other")
+            states[b].stats.total_time = clock.last - begin
+            states[b].stats.phase_time = dict(phases)
+
+        rows = list(range(len(states)))  # the sequences in the cache, by row
+        together = len(states) > 1
+        for b in rows:
+            if done[b] is not None:
+                finish(b)
+        while True:
+            running = [b for b in rows if outputs[b] is None]
+            if not running:
+                break
+            if running != rows:  # sequences that stopped leave the batch
+                target.keep_sequences([rows.index(b) for b in running])
+                rows = running
+                clock.lap("commit")
+            # an `auto` draft at this batch size: each greedy sequence's cut to the verify budget at B rows per token
+            # (sampled drafts keep their batch-1 size: a seeded answer draws the same at any batch size)
+            cut = self.batch_budget(len(rows))
+            budgets = []
+            for b in rows:
+                state = states[b]
+                state.batch = len(rows)
+                budget = state.stop.max_new_tokens - len(state.tokens) - 1
+                if cut is not None and state.sampling.greedy:
+                    budget = min(budget, cut)
+                budgets.append(budget)
+            # a batch drafts together (one draft forward per level for all its sequences, to its end); a
+            # batch of one, with its sequence's own drafter
+            trees = self.propose_batch([states[b] for b in rows], budgets) if together else \
+                [self.propose(states[0], states[0].tokens[-1], budgets[0])]
+            clock.lap("draft")
+            start = target.length
+            verified = target.forward_batch([tree.forward_rows() for tree in trees])
+            clock.lap("verify")
+            # extra rows are never accepted; at temperature 0 their argmax comes back with the step's read
+            extras = [None if tree.extra_rows is None else verified.logits[row, len(tree):len(tree.forward_rows()[0])]
+                      for row, tree in enumerate(trees)]
+            acceptances = self.accept_batch([states[b] for b in rows], trees, verified.logits, extras)
+            clock.lap("accept")
+            target.commit_batch(start, [acceptance.path for acceptance in acceptances])
+            clock.lap("commit")
+            followed = []
+            for row, (b, tree, acceptance) in enumerate(zip(rows, trees, acceptances)):
+                # the row of each accepted node chose the token after it: its accepted child, or the next token
+                emitted = acceptance.emitted or tree.tokens[acceptance.path[1:]].tolist() + [acceptance.next_token]
+                margins = acceptance.margins or logit_margins(verified.logits[row, acceptance.path], emitted)
+                done[b] = states[b].emit(emitted, margins)
+                self.count_acceptance(states[b].stats, tree, acceptance)
+                if done[b] is None:
+                    followed.append((b, tree, acceptance, row))
+                else:
+                    finish(b)
+            clock.lap("other")  # emitting, stop checks, statistics: the loop's own overhead
+            for b, tree, acceptance, row in followed:
+                self.advance(states[b], tree, acceptance, row_output(verified, row, len(tree)))
+            clock.lap("draft")
+        return outputs
+
+    # Swappable so that tests can show a broken acceptor is caught.
+    sample_accept = staticmethod(sample_accept)
+    sample_pending = staticmethod(sample_pending)
+
+    @staticmethod
+    def count_acceptance(stats: DecodeStats, tree: Tree, acceptance: Acceptance) -> None:
+        stats.drafted_tokens += len(tree) - 1
+        stats.accepted_drafts += acceptance.accepted_drafts
+        # a tree whose structure stayed on the device: read with the acceptance
+        if acceptance.path_children is not None:
+            stats.count_step(acceptance.tree_depth, acceptance.path_children, acceptance.accepted_drafts)
+        else:
+            stats.count_step(max(tree.depths), [bool(tree.children[n]) for n in acceptance.path],
+                             acceptance.accepted_drafts)
