@@ -23,6 +23,10 @@ draft is 150 Monte Carlo tree search rollouts of 4 tokens from the query's last 
 (`continuation`) are not read, and the drafts differ from run to run, and with them a seeded
 sampled answer (never the greedy tokens).
 
+Batch size B > 1: each sequence searches with its own text and keeps its counters in its
+`DecodeState`; the reader is the decoder's one, as across prompts, so its table also learns from
+the sequences decoded beside it.
+
 The datastore (`method.datastore`):
 - `auto` on a model with a datastore in its config (`datastores.rest: <file>`): that file.
 - `auto` on the embedded model (a corpus manifest `drafts/<model>/corpus.json`): built once from the
@@ -76,6 +80,7 @@ class RestSettings(Settings):
     (python -m methods.rest --help)."""
 
     paper = "He et al. 2024 (FasterDecoding/REST)"
+    batchable = True  # each sequence's search reads its own text; its counters are in its DecodeState
     size_setting, size_recorded, size_label = "num_draft", "draft_nodes", "draft tree nodes"
 
     datastore: str = setting("auto", Check(file_value, "auto or a draftretriever datastore file"),
