@@ -1,19 +1,31 @@
 """REST: retrieval-based speculative decoding (He et al., NAACL 2024; FasterDecoding/REST,
 `rest/model/utils.py` `generate_candidates_and_draft_buffer`, `llm_judge/gen_model_answer_rest.py`).
 
-A datastore of token sequences (a suffix array over a corpus, REST's Rust library `draftretriever`,
-pinned) is searched with the last `span` tokens of prompt + output, `span` = `max_token_span`
-(16) down to 2, the first span with any match winning. For every match the library reads the `long`
-(10) tokens that follow it (at most `k` = 5000 matches per chunk), counts every prefix of those
-continuations, keeps the `num_draft` (64) most frequent prefixes (a trie: a prefix's count is at
-least its extensions'), and cuts paths until the trie has at most `num_draft` nodes (the library's
-cut is best effort: the trie is cut to `num_draft` here). `num_draft: auto` is this machine's verify
-budget less the root (upstream's 64 without a machine profile). The kept
-prefixes are merged into a draft tree rooted at the last token and verified by the shared loop:
-greedy match, or rejection sampling with the draft as point masses (lossless at any temperature).
-Nothing retrieved: the step is an AR step (upstream then guesses token id 100 as a one-token draft;
-that guess is left out here). Ties at the count threshold are broken by the library's hash order,
-as upstream's.
+Upstream's calls: a datastore built from a corpus (`draftretriever.Writer`, one entry per tokenized
+message) is searched (`Reader.search`) with the last `span` tokens of prompt + output, `span` =
+`max_token_span` (16) down to 2, the first span with any draft winning, asking for `num_draft` (64)
+nodes; the returned paths are merged into a draft tree rooted at the last token (cut to `num_draft`
+nodes: the library's own cut is best effort) and verified by the shared loop: greedy match, or
+rejection sampling with the draft as point masses (lossless at any temperature). `num_draft: auto`
+is this machine's verify budget less the root (upstream's 64 without a machine profile). Nothing
+retrieved: the step is an AR step (upstream then guesses token id 100 as a one-token draft; that
+guess is left out here).
+
+The library is PyPI's `draftretriever` 0.1.1 (pinned; 0.1.0 is the same design), published by ADED
+(liuxukun2000/ADED) from REST's: NOT REST's suffix array over the corpus (REST's
+`DraftRetriever/src/lib.rs` counts the `long` tokens after up to `k` matches and keeps the most
+frequent prefixes). Its sdist's `src/lib.rs`: the Writer stores, per pair of tokens, the
+probabilities of the token after them in the corpus (entries under 3 tokens add nothing); the
+Reader keeps each pair's 12 likeliest successors and, at every search, adds 0.04 to each trigram of
+the query's last 16 tokens (so the reader learns the decoded text, for the decoder's lifetime); the
+draft is 150 Monte Carlo tree search rollouts of 4 tokens from the query's last two tokens
+(`src/mcts_sub.rs`), drawn from an unseeded random generator: `k` (`matches`) and `long`
+(`continuation`) are not read, and the drafts differ from run to run, and with them a seeded
+sampled answer (never the greedy tokens).
+
+Batch size B > 1: each sequence searches with its own text and keeps its counters in its
+`DecodeState`; the reader is the decoder's one, as across prompts, so its table also learns from
+the sequences decoded beside it.
 
 The datastore (`method.datastore`):
 - `auto` on a model with a datastore in its config (`datastores.rest: <file>`): that file.
@@ -61,13 +73,15 @@ def file_value(value) -> bool:
 
 @dataclass(frozen=True)
 class RestSettings(Settings):
-    """REST: drafts retrieved from a datastore (draftretriever's suffix array over a corpus): the longest
-    suffix of the text (16 tokens down to 2) with a match, the continuations after its matches merged
-    into a trie, its most frequent num_draft prefixes the draft tree. The embedded model's datastore
+    """REST's calls (the text's last 16 tokens down to 2, num_draft nodes) on the pinned draftretriever
+    0.1.1, which is ADED's, not REST's suffix array: a trigram table of the corpus, which every search
+    also adds the text to, and Monte Carlo tree search rollouts of 4 tokens from an unseeded random
+    generator (drafts differ from run to run; greedy tokens do not). The embedded model's datastore
     is built on first use from the suite's draft-training corpus and cached; other models need one
     (python -m methods.rest --help)."""
 
     paper = "He et al. 2024 (FasterDecoding/REST)"
+    batchable = True  # each sequence's search reads its own text; its counters are in its DecodeState
     size_setting, size_recorded, size_label = "num_draft", "draft_nodes", "draft tree nodes"
 
     datastore: str = setting("auto", Check(file_value, "auto or a draftretriever datastore file"),
@@ -79,9 +93,9 @@ class RestSettings(Settings):
     max_token_span: int = setting(16, integer(MIN_TOKEN_SPAN),
                                   "upstream's --max-token-span 16: the longest suffix searched (then shorter, to 2)")
     continuation: int = setting(10, integer(1), "draftretriever's long (upstream keeps its 10): tokens read after "
-                                                "each match")
+                                                "each match; the pinned 0.1.1 does not read it")
     matches: int = setting(5000, integer(1), "draftretriever's k (upstream keeps its 5000): matches read per "
-                                             "datastore chunk")
+                                             "datastore chunk; the pinned 0.1.1 does not read it")
 
     def check_model(self, model: dict) -> None:
         if self.datastore != "auto":
@@ -109,7 +123,8 @@ def write_datastore(path: Path, entries) -> dict:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    writer = draftretriever.Writer(str(tmp), MAX_CHUNK_LEN)  # 0.1.1 takes no vocab_size (upstream's 0.1.0 did)
+    # upstream's max_chunk_len; 0.1.1's wrapper takes it as vocab_size, which its writer never reads
+    writer = draftretriever.Writer(str(tmp), MAX_CHUNK_LEN)
     count = tokens = 0
     for ids in entries:
         if ids:
@@ -137,8 +152,8 @@ def datastore_path(settings: RestSettings, model_name: str, model_config: dict) 
 
 
 def retrieve(reader, sequence, settings: RestSettings, num_draft: int | None = None) -> list[list[int]]:
-    """Upstream's retrieval: the longest span (max_token_span .. 2) of the text's end with a match;
-    its kept prefixes (draftretriever pads them with -2), padding stripped. `num_draft`: the nodes
+    """Upstream's retrieval: the longest span (max_token_span .. 2) of the text's end with a draft;
+    its paths (draftretriever pads them with -2), padding stripped. `num_draft`: the nodes
     kept (None: the settings' number, upstream's 64 for `auto`)."""
     choices = num_draft if num_draft is not None else \
         (settings.num_draft if isinstance(settings.num_draft, int) else UPSTREAM_DRAFT)

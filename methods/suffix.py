@@ -17,7 +17,18 @@ rejection sampling with the draft as point masses (lossless at any temperature).
 
 The cache PERSISTS ACROSS PROMPTS (vLLM keeps one for the engine's lifetime): answers of earlier
 questions draft later ones, the harness's untimed warm-up answer included (as Token Recycling's
-matrix). `persist: false` starts every prompt from an empty cache; `reset()` clears it.
+matrix). `persist: false` starts every prompt from an empty cache of its own; `reset()` clears the
+shared one.
+
+Batch size B > 1: each sequence is one request of the shared cache, as vLLM runs concurrent requests
+(one request id per sequence, `start_request` when it starts, `add_active_response` before each of
+its drafts, `stop_request` when it stops; its counters are in its `DecodeState`). A running answer
+extends the global tree as it grows (arctic's `add_active_response` extends the request's own tree
+and its slot in the global one), so a sequence also drafts from the answers decoded beside it: its
+drafts, and with them its accepted lengths and a seeded sampled answer, depend on its batch, as in
+vLLM; its greedy tokens do not, and sampled it keeps the target's distribution (lossless). With
+`persist: false` each sequence drafts from its own empty cache, so it drafts at any batch size
+what it drafts alone.
 
 Defaults are vLLM's `SpeculativeConfig`: `suffix_decoding_max_tree_depth=24`,
 `suffix_decoding_max_cached_requests=10000`, `suffix_decoding_max_spec_factor=1.0`,
@@ -33,7 +44,6 @@ import torch
 
 from .base import register
 from .engine.params import BOOL, Settings, integer, number, setting
-from .engine.sampling import SamplingConfig
 from .engine.tree import Tree
 from .loop import DraftVerifyDecoder
 
@@ -43,9 +53,11 @@ class SuffixSettings(Settings):
     """Suffix Decoding as vLLM runs it (method: suffix), on arctic-inference's SuffixDecodingCache: suffix
     trees over this prompt + output and over earlier answers; the longest suffix match of the last
     max_tree_depth tokens is expanded by counts into the draft. The global tree of earlier answers
-    PERSISTS ACROSS PROMPTS, as vLLM's cache does for the engine's lifetime."""
+    PERSISTS ACROSS PROMPTS, as vLLM's cache does for the engine's lifetime; at batch size > 1 it also
+    holds the answers running beside a sequence, as vLLM's does for concurrent requests."""
 
     paper = "Oliaro et al. 2025 (snowflakedb/ArcticInference; vLLM method: suffix)"
+    batchable = True  # one request of the cache per sequence, its counters in the sequence's DecodeState
 
     max_tree_depth: int = setting(24, integer(1),
                                   "vLLM's suffix_decoding_max_tree_depth: depth of the suffix trees (match + draft "
@@ -65,7 +77,7 @@ class SuffixSettings(Settings):
                                        "(FIFO); 0 = no global tree, -1 = no limit")
     tree: bool = setting(False, BOOL,
                          "false = a chain (vLLM's: use_tree_spec off); true = ArcticInference's tree speculation")
-    persist: bool = setting(True, BOOL, "false = an empty cache for every prompt")
+    persist: bool = setting(True, BOOL, "false = an empty cache for every prompt (and every sequence of a batch)")
 
 
 def draft_tree(root: int, token_ids, parents) -> Tree:
@@ -94,58 +106,66 @@ class SuffixDecoder(DraftVerifyDecoder):
     def __init__(self, target, settings: SuffixSettings = SuffixSettings()):
         super().__init__(target)
         self.settings = settings
-        self.requests = 0
+        self.requests = 0  # the next request id: every sequence of every call gets its own
         self.reset()
 
-    def reset(self) -> None:
+    def new_cache(self):
         """An empty cache: no prompt trees, an empty global tree."""
         # lazy: arctic-inference's C++ cache, only when a decoder is built
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
-        self.cache = SuffixDecodingCache(max_tree_depth=self.settings.max_tree_depth,
-                                         max_cached_requests=self.settings.max_cached_requests)
+        return SuffixDecodingCache(max_tree_depth=self.settings.max_tree_depth,
+                                   max_cached_requests=self.settings.max_cached_requests)
+
+    def reset(self) -> None:
+        """Empties the shared cache (the one every prompt drafts from when the cache persists)."""
+        self.cache = self.new_cache()
 
     def describe(self):
         return {**super().describe(), **self.settings.to_dict(), "cache": "arctic_inference SuffixDecodingCache"}
 
-    def generate(self, prompt, stop, sampling=None, generator=None):
-        if not self.settings.persist:
-            self.reset()
-        cached_before = len(self.cache.cached_requests)
-        self.request, self.requests = self.requests, self.requests + 1
-        prompt = list(prompt)
-        self.cache.start_request(self.request, prompt)
-        self.added, self.speculated, self.matched, self.match_lengths = len(prompt), 0, 0, 0
-        try:
-            out = super().generate(prompt, stop, sampling or SamplingConfig(), generator)
-            rest = out.tokens[self.added - len(prompt):]  # the answer's last tokens (after the last draft)
-            if rest:
-                self.cache.add_active_response(self.request, rest)
-        finally:
-            self.cache.stop_request(self.request)
-        out.stats.extra.update({
-            "cache_persists": self.settings.persist, "cached_answers_before": cached_before,
-            "match_rate": self.matched / self.speculated if self.speculated else 0.0,
-            "mean_match_length": self.match_lengths / self.matched if self.matched else 0.0})
-        return out
+    def start(self, state, prefill) -> None:
+        """The sequence's request: in the shared cache (vLLM's), or, `persist: false`, in a cache of its own."""
+        cache = self.cache if self.settings.persist else self.new_cache()
+        request, self.requests = self.requests, self.requests + 1
+        finished = sum(1 for cached in cache.cached_requests if cached not in cache.active_requests)
+        cache.start_request(request, state.prompt)
+        state.values.update(cache=cache, request=request, added=len(state.prompt), cached_before=finished,
+                            speculated=0, matched=0, match_lengths=0)
+
+    def finish(self, state) -> None:
+        """The answer's last tokens (after its last draft) into the cache, the request stopped (its answer
+        stays in the global tree), the sequence's statistics."""
+        values = state.values
+        cache, request = values["cache"], values["request"]
+        rest = state.tokens[values["added"] - len(state.prompt):]
+        if rest:
+            cache.add_active_response(request, rest)
+        cache.stop_request(request)
+        speculated, matched = values["speculated"], values["matched"]
+        state.stats.extra.update({
+            "cache_persists": self.settings.persist, "cached_answers_before": values["cached_before"],
+            "match_rate": matched / speculated if speculated else 0.0,
+            "mean_match_length": values["match_lengths"] / matched if matched else 0.0})
 
     def propose(self, state, root: int, budget: int) -> Tree:
-        sequence = state.sequence  # prompt + output, `root` last
-        if len(sequence) > self.added:  # what the last step emitted (vLLM: the sampled ids)
-            self.cache.add_active_response(self.request, sequence[self.added:])
-            self.added = len(sequence)
+        values, sequence = state.values, state.sequence  # prompt + output, `root` last
+        cache, request = values["cache"], values["request"]
+        if len(sequence) > values["added"]:  # what the last step emitted (vLLM: the sampled ids)
+            cache.add_active_response(request, sequence[values["added"]:])
+            values["added"] = len(sequence)
         if budget <= 0:
             return Tree(torch.tensor([root]), [-1])
         s = self.settings
-        draft = self.cache.speculate(self.request, sequence[-s.max_tree_depth:],
-                                     max_spec_tokens=min(s.num_draft, budget), max_spec_factor=s.max_spec_factor,
-                                     max_spec_offset=s.max_spec_offset, min_token_prob=s.min_token_prob,
-                                     use_tree_spec=s.tree)
-        self.speculated += 1
+        draft = cache.speculate(request, sequence[-s.max_tree_depth:],
+                                max_spec_tokens=min(s.num_draft, budget), max_spec_factor=s.max_spec_factor,
+                                max_spec_offset=s.max_spec_offset, min_token_prob=s.min_token_prob,
+                                use_tree_spec=s.tree)
+        values["speculated"] += 1
         if not draft.token_ids:
             return Tree(torch.tensor([root]), [-1])
-        self.matched += 1
-        self.match_lengths += draft.match_len
+        values["matched"] += 1
+        values["match_lengths"] += draft.match_len
         return draft_tree(root, draft.token_ids, draft.parents)
 
 
