@@ -28,6 +28,14 @@ sequence in a row with its own length; positions and masks are per sequence, pad
 and never committed (`ModelRunner.forward_batch`), so a sequence decodes at B the tokens it decodes
 alone (greedy; sampled, from its own generator in the order it draws alone: the same tokens).
 
+What a batch shares: each sequence drafts with its own drafter and values (a draft LM's or head's KV,
+SAM's automaton, Lookahead's window and pool, Medusa's and Hydra's hidden state), so its drafts do
+not depend on the batch, with two exceptions that follow upstream. Suffix Decoding runs one request
+per sequence in one shared cache, as vLLM runs concurrent requests: running answers extend the global
+tree, so a sequence also drafts from the answers beside it (`persist: false` gives each sequence its
+own cache). REST's reader is shared, and draftretriever drafts at random, so its drafts differ from
+run to run at any batch size. Greedy tokens, and the sampled distribution, are every sequence's own.
+
 Finished sequences: the batch DRAINS. A sequence that stops leaves the batch at the next step (its
 cache row is dropped, the forward shrinks to the sequences still running); no queued prompt joins
 in its place. The harness decodes its prompts B at a time, each group to the end (`batch_size`,
