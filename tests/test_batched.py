@@ -304,7 +304,7 @@ def test_batch_rejects_a_method_that_decodes_one_sequence(target):
     assert "lazyllm" not in batchable_methods()
     with pytest.raises(ValueError, match="'lazyllm' does not decode at batch size > 1; methods that do: "
                                          + ", ".join(batchable_methods())):
-        LazyLLMDecoder(ModelRunner(target)).generate_batch([[1, 2], [3]], [StopCondition(4)] * 2)
+        LazyLLMDecoder(ModelRunner(target), [(0, 0.5)]).generate_batch([[1, 2], [3]], [StopCondition(4)] * 2)
 
 
 @pytest.mark.parametrize("method", ["ar", "sps"])
