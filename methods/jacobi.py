@@ -50,6 +50,8 @@ class JacobiSettings(Settings):
                                  "prompt (of the prompt only) | repeat (the last token) | pad")
     seed: int = setting(0, integer(), "for the random initial guesses")
 
+    batchable = True  # a block's guesses and random draws are in each sequence's DecodeState
+
 
 class JacobiDecoder(DraftVerifyDecoder):
     name = "jacobi"

@@ -74,6 +74,8 @@ class RecyclingSettings(Settings):
     top_k: int = setting(8, integer(1), "successors kept per token (upstream's --output-id-topk 8)")
     persist: bool = setting(True, BOOL, "false = a fresh (zero) matrix for every prompt")
 
+    batchable = True  # each answer drafts from its own copy of the matrix, merged back when it finishes
+
 
 class TokenRecyclingDecoder(DraftVerifyDecoder):
     name = "recycling"
