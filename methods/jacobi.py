@@ -10,6 +10,10 @@ tokens converge per iteration; they use this same decoder with their own block s
 
 Statistics: τ is tokens converged per iteration (= per target forward); `iterations_per_block`
 is recorded per block.
+
+Batches (`methods/batched.py`): a block's guesses and its random draws are the sequence's own
+(`DecodeState.values`; each sequence draws from its own `random.Random(seed)`), so a prompt
+converges the same blocks, with the same guesses, alone and in a batch.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import torch
 
 from .base import BuildContext, register
 from .engine.params import Settings, integer, null, one_of, setting
-from .engine.sampling import SamplingConfig
 from .engine.tree import Tree
 from .loop import DraftVerifyDecoder
 
@@ -48,6 +51,8 @@ class JacobiSettings(Settings):
                                  "prompt (of the prompt only) | repeat (the last token) | pad")
     seed: int = setting(0, integer(), "for the random initial guesses")
 
+    batchable = True  # a block's guesses and random draws are in each sequence's DecodeState
+
 
 class JacobiDecoder(DraftVerifyDecoder):
     name = "jacobi"
@@ -65,49 +70,53 @@ class JacobiDecoder(DraftVerifyDecoder):
     def describe(self):
         return {**super().describe(), "block_size": self.block_size, "initial_guess": self.initial_guess}
 
-    def generate(self, prompt, stop, sampling=SamplingConfig(), generator=None):
-        if not sampling.greedy:
+    def new_state(self, index, prompt, stop, sampling, generator):
+        if not sampling.greedy:  # before the prefill, alone and in a batch
             raise ValueError("jacobi decoding is greedy only; run it with temperature=0")
-        self.iterations_per_block: list[int] = []
-        self._rng = random.Random(self.seed)  # the host's: the guesses are drawn from the host's tokens
-        out = super().generate(prompt, stop, sampling, generator)
-        out.stats.extra["iterations_per_block"] = self.iterations_per_block
-        return out
+        return super().new_state(index, prompt, stop, sampling, generator)
 
     def start(self, state, prefill) -> None:
         # guesses for the positions after the root, in the current block: on the target's device, so
         # that the next iteration's block never comes back to the host
-        self.guess = torch.empty(0, dtype=torch.long, device=self.target.device)
-        self.remaining = 0  # unconverged positions of the current block after the root
+        state.values["guess"] = torch.empty(0, dtype=torch.long, device=self.target.device)
+        state.values["remaining"] = 0  # unconverged positions of the current block after the root
+        state.values["rng"] = random.Random(self.seed)  # the host's: the guesses are drawn from the host's tokens
+        state.values["iterations_per_block"] = []
+
+    def finish(self, state) -> None:
+        state.stats.extra["iterations_per_block"] = state.values.get("iterations_per_block", [])
 
     def _new_block(self, state, root: int) -> None:
-        self.iterations_per_block.append(0)
-        self.remaining = self.block_size - 1
+        values = state.values
+        values["iterations_per_block"].append(0)
+        remaining = values["remaining"] = self.block_size - 1
         if self.initial_guess in ("sequence", "prompt"):  # uniform draws, with replacement
-            pool = state.sequence if self.initial_guess == "sequence" else state.prompt
-            guess = [pool[self._rng.randrange(len(pool))] for _ in range(self.remaining)]
+            pool, rng = state.sequence if self.initial_guess == "sequence" else state.prompt, values["rng"]
+            guess = [pool[rng.randrange(len(pool))] for _ in range(remaining)]
         elif self.initial_guess == "repeat":
-            guess = [root] * self.remaining
+            guess = [root] * remaining
         else:
-            guess = [self.pad_token] * self.remaining
-        self.guess = torch.tensor(guess, dtype=torch.long, device=self.target.device)
+            guess = [self.pad_token] * remaining
+        values["guess"] = torch.tensor(guess, dtype=torch.long, device=self.target.device)
 
     def propose(self, state, root: int, budget: int) -> Tree:
-        if self.remaining <= 0:
+        values = state.values
+        if values["remaining"] <= 0:
             self._new_block(state, root)
-        self.iterations_per_block[-1] += 1
-        guess = self.guess[: min(self.remaining, budget)]
+        values["iterations_per_block"][-1] += 1
+        guess = values["guess"][: min(values["remaining"], budget)]
         return Tree.chain(torch.cat([guess.new_tensor([root]), guess]))
 
     def advance(self, state, tree, acceptance, verified) -> None:
+        values = state.values
         converged = acceptance.accepted_drafts + 1  # accepted guesses and the target's next token
-        self.remaining -= converged
+        remaining = values["remaining"] = values["remaining"] - converged
         # the target's argmax after each unaccepted node: the next guesses for the positions after
         # the new root (conditioned on the old guesses, as Jacobi iteration does)
-        guess = verified.logits.argmax(-1)[len(acceptance.path):][: max(self.remaining, 0)]
-        if len(guess) < self.remaining:  # the budget had cut the block short
-            guess = torch.cat([guess, guess.new_full((self.remaining - len(guess),), self.pad_token)])
-        self.guess = guess
+        guess = verified.logits.argmax(-1)[len(acceptance.path):][: max(remaining, 0)]
+        if len(guess) < remaining:  # the budget had cut the block short
+            guess = torch.cat([guess, guess.new_full((remaining - len(guess),), self.pad_token)])
+        values["guess"] = guess
 
 
 @register("jacobi", settings=JacobiSettings)

@@ -13,7 +13,16 @@ forward does.
 
 The matrix starts as zeros (upstream) and PERSISTS ACROSS PROMPTS (upstream keeps one matrix for
 the whole benchmark run, its warm-up included): `persist: false` resets it for every prompt, and
-`reset()` clears it. Results record `adjacency_persists` and, per prompt, the rows filled before it.
+`reset()` clears it. Results record `adjacency_persists` and, per prompt, the rows filled before it
+and after it (in the matrix it drafted from).
+
+In a batch (`methods/batched.py`) each answer drafts from its own copy of the matrix as it stood when
+the answer started, so no answer sees another's updates mid-answer (its drafts, and a seeded sampled
+answer, are the same at any batch size); when it finishes, the rows it wrote are merged into the
+shared matrix (a row two answers wrote keeps the one that finished last; at the same step, the later
+of the batch). Alone this is upstream's one matrix. The copy costs one device copy of the matrix per
+answer, (vocab + 1) x k int64 (9.7 MB for a 152k vocabulary at k = 8), and that much memory per
+sequence of the batch.
 
 Defaults: k = 8 (`--output-id-topk 8`, `topk(k=8)`), tree "2.2.2" (`--tree_version 2.2.2`).
 `tree: auto` keeps the template's first nodes (its own, level-by-level order) up to what this
@@ -28,7 +37,6 @@ import torch
 
 from .base import BuildContext, register
 from .engine.params import BOOL, Settings, integer, one_of, paths, setting
-from .engine.sampling import SamplingConfig
 from .engine.static_trees import StaticTree
 from .engine.tree import Tree
 from .loop import DraftVerifyDecoder
@@ -67,6 +75,8 @@ class RecyclingSettings(Settings):
     top_k: int = setting(8, integer(1), "successors kept per token (upstream's --output-id-topk 8)")
     persist: bool = setting(True, BOOL, "false = a fresh (zero) matrix for every prompt")
 
+    batchable = True  # each answer drafts from its own copy of the matrix, merged back when it finishes
+
 
 class TokenRecyclingDecoder(DraftVerifyDecoder):
     name = "recycling"
@@ -90,48 +100,68 @@ class TokenRecyclingDecoder(DraftVerifyDecoder):
         """Forget every recycled successor: the matrix of zeros upstream starts from. It lives on the
         target's device (drafting and recycling read nothing back); its extra last row takes the
         writes that a later occurrence of the same token overrides."""
+        self.adjacency, self.filled = self._zeros()
+
+    def _zeros(self) -> tuple[torch.Tensor, torch.Tensor]:
         vocab, device = self.target.vocab_size, self.target.device
-        self.adjacency = torch.zeros(vocab + 1, self.top_k, dtype=torch.long, device=device)
-        self.filled = torch.zeros(vocab + 1, dtype=torch.bool, device=device)
+        return (torch.zeros(vocab + 1, self.top_k, dtype=torch.long, device=device),
+                torch.zeros(vocab + 1, dtype=torch.bool, device=device))
 
     def describe(self):
         return {**super().describe(), "tree_nodes": len(self.tree), "tree_depth": self.tree.max_depth,
                 "top_k": self.top_k, "adjacency_persists": self.persist}
 
-    def generate(self, prompt, stop, sampling=None, generator=None):
-        if not self.persist:
-            self.reset()
-        rows_before = int(self.filled[:-1].sum())  # once per answer, for its statistics
-        out = super().generate(prompt, stop, sampling or SamplingConfig(), generator)
-        out.stats.extra.update({"adjacency_persists": self.persist, "adjacency_rows_before": rows_before,
-                                "adjacency_rows_after": int(self.filled[:-1].sum())})
-        return out
-
-    def _recycle(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    def _recycle(self, matrix: dict, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """Row of each token <- the top-k after it; for a repeated token the last node's wins (the
-        earlier occurrences write the spare last row instead): on the device, no read back."""
-        tokens = tokens.to(self.adjacency.device)
+        earlier occurrences write the spare last row instead): on the device, no read back.
+        `matrix`: the answer's copy (`adjacency`, `filled`) and the rows it wrote (`written`)."""
+        adjacency = matrix["adjacency"]
+        tokens = tokens.to(adjacency.device)
         successors = torch.topk(logits, self.top_k, dim=-1).indices
         same = tokens[:, None] == tokens[None, :]
         overridden = torch.triu(same, diagonal=1).any(dim=1)  # a later node holds the same token
-        rows = torch.where(overridden, self.adjacency.shape[0] - 1, tokens)
-        self.adjacency[rows] = successors
-        self.filled[rows] = True
+        rows = torch.where(overridden, adjacency.shape[0] - 1, tokens)
+        adjacency[rows] = successors
+        matrix["filled"][rows] = True
+        matrix["written"][rows] = True
+
+    def answer_matrix(self) -> dict[str, torch.Tensor]:
+        """The matrix an answer drafts from: a copy of the shared one as it stands now (zeros when the
+        matrix does not persist), and the rows the answer wrote (none yet)."""
+        adjacency, filled = (self.adjacency.clone(), self.filled.clone()) if self.persist else self._zeros()
+        return {"adjacency": adjacency, "filled": filled, "written": torch.zeros_like(filled)}
 
     def start(self, state, prefill) -> None:
-        self._recycle(torch.tensor(state.prompt[-1:]), prefill.logits[-1:])
+        matrix = state.values["matrix"] = self.answer_matrix()
+        state.values["rows_before"] = int(matrix["filled"][:-1].sum())  # once per answer, for its statistics
+        self._recycle(matrix, torch.tensor(state.prompt[-1:]), prefill.logits[-1:])
 
     def propose(self, state, root: int, budget: int) -> Tree:
+        adjacency = state.values["matrix"]["adjacency"]
         depth = min(self.tree.max_depth, budget)
         count = 1 + sum(len(level) for level in self.levels[:depth])  # nodes are sorted by depth
-        tokens = torch.empty(count, dtype=torch.long, device=self.adjacency.device)
+        tokens = torch.empty(count, dtype=torch.long, device=adjacency.device)
         tokens[0] = root
         for nodes in self.levels[:depth]:  # BFS: one gather per depth
-            tokens[nodes] = self.adjacency[tokens[self.parents[nodes - 1]], self.ranks[nodes - 1]]
+            tokens[nodes] = adjacency[tokens[self.parents[nodes - 1]], self.ranks[nodes - 1]]
         return Tree(tokens, self.tree.parents[:count])
 
     def advance(self, state, tree, acceptance, verified) -> None:
-        self._recycle(tree.tokens, verified.logits)
+        self._recycle(state.values["matrix"], tree.tokens, verified.logits)
+
+    def finish(self, state) -> None:
+        """The rows the answer wrote merged into the shared matrix (the next answers start from it)."""
+        matrix = state.values.get("matrix")
+        if matrix is None:
+            return
+        if not self.persist:
+            self.reset()
+        written = matrix["written"]
+        self.adjacency = torch.where(written[:, None], matrix["adjacency"], self.adjacency)
+        self.filled |= written
+        state.stats.extra.update({"adjacency_persists": self.persist,
+                                  "adjacency_rows_before": state.values["rows_before"],
+                                  "adjacency_rows_after": int(matrix["filled"][:-1].sum())})
 
 
 @register("recycling", settings=RecyclingSettings)

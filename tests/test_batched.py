@@ -8,6 +8,7 @@ target's distribution (chi-square), and a broken acceptor is caught.
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 from types import SimpleNamespace
 
@@ -18,10 +19,13 @@ from methods.ar import AutoregressiveDecoder
 from methods.base import batchable_methods
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
+from methods.engine.static_trees import StaticTree
 from methods.engine.stopping import StopCondition
 from methods.engine.tree import Tree
+from methods.jacobi import JacobiDecoder
 from methods.models.loading import truncated_copy
 from methods.pld import PromptLookupDecoder
+from methods.recycling import TEMPLATE_2_2_2, TokenRecyclingDecoder
 from methods.rest import RestDecoder, RestSettings, write_datastore
 from methods.sam import build_static
 from methods.sps import SpeculativeSamplingDecoder
@@ -371,6 +375,8 @@ def every_batchable(tmp_path_factory):
         "medusa": lambda: MedusaDecoder(ModelRunner(model), medusa, StaticTree.build("medusa_mc_sim_7b_63")),
         "hydra": lambda: HydraDecoder(ModelRunner(model), hydra, StaticTree.build(SMALL)),
         "lookahead": lambda: LookaheadDecoder(ModelRunner(model), window=3, level=3, guess=3),
+        "jacobi": lambda: JacobiDecoder(ModelRunner(model), block_size=4),
+        "recycling": lambda: recycling(model),
     }
 
 
@@ -395,10 +401,22 @@ UNSEEDED = {"rest": "draftretriever 0.1.1 drafts from an unseeded random generat
                     "repeats a seeded sampled answer"}
 
 
+# batchable methods that refuse sampling, and why: the sampled batch test skips them
+GREEDY_ONLY = {"jacobi": "Jacobi decoding is greedy only (it refuses sampling before the prefill: "
+                         "test_a_greedy_only_method_refuses_a_sampled_batch_before_the_prefill); its batch is "
+                         "tested greedy (test_jacobi_and_recycling_greedy_batch_equals_each_prompt_alone)"}
+
+
+def sampled_batchable() -> list:
+    """The batchable methods, each greedy-only or unseeded one skipped with its reason."""
+    skipped = {**GREEDY_ONLY, **UNSEEDED}
+    return [pytest.param(m, marks=pytest.mark.skip(reason=skipped[m])) if m in skipped else m
+            for m in batchable_methods()]
+
+
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.8),
                                       SamplingConfig(temperature=0.8, top_k=8, top_p=0.9)], ids=["T0.8", "top"])
-@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.skip(reason=UNSEEDED[m])) if m in UNSEEDED else m
-                                    for m in batchable_methods()])
+@pytest.mark.parametrize("method", sampled_batchable())
 def test_every_batchable_method_samples_each_prompts_own_tokens_at_b2_and_b3(every_batchable, method, sampling):
     """Seeded sampling does not depend on the batch: each prompt decodes at B = 2 and B = 3 the
     tokens it decodes alone from a generator seeded alike (its own draws, in B = 1's order and
@@ -570,6 +588,136 @@ def test_mcsd_auto_tree_is_chosen_at_the_batch_size(every_batchable):
 
 def test_every_batchable_method_is_in_the_sampled_batch_test(every_batchable):
     assert sorted(every_batchable) == batchable_methods()
+    assert set(GREEDY_ONLY) <= set(batchable_methods())  # a skip names a method that batches
+
+
+def test_a_greedy_only_method_refuses_a_sampled_batch_before_the_prefill(every_batchable):
+    """Jacobi refuses sampling in one line before any prefill, alone and in a batch (why the sampled
+    batch test skips it)."""
+    prompts, stops = prompts_and_stops(2)
+    for method in GREEDY_ONLY:
+        decoder = every_batchable[method]()
+        prefills = []
+        for name in ("prefill", "prefill_rows"):
+            real = getattr(decoder.target, name)
+            setattr(decoder.target, name, lambda *a, real=real, **kw: prefills.append(1) or real(*a, **kw))
+        generators = [torch.Generator().manual_seed(b) for b in range(2)]
+        with pytest.raises(ValueError, match="greedy only"):
+            decoder.generate_batch(prompts, stops, SamplingConfig(temperature=0.8), generators)
+        with pytest.raises(ValueError, match="greedy only"):
+            decoder.generate(prompts[0], stops[0], SamplingConfig(temperature=0.8), generators[0])
+        assert not prefills
+
+
+# ---------------------------------------------------------------------------------------------
+# Jacobi and Token Recycling: their per-answer state is the sequence's (`DecodeState.values`)
+
+
+def recycling(model, **kw):
+    """Token Recycling with upstream's template cut to its first 20 nodes (depth 3)."""
+    return TokenRecyclingDecoder(ModelRunner(model), StaticTree.build(TEMPLATE_2_2_2[:20]), **kw)
+
+
+@pytest.mark.parametrize("batch", [2, 3])
+@pytest.mark.parametrize("method", ["jacobi", "jacobi-repeat", "recycling"])
+def test_jacobi_and_recycling_greedy_batch_equals_each_prompt_alone(method, batch):
+    """Prompts of 3, 30 and 11 tokens with their own limits (the first also an EOS stop): each prompt
+    decodes in the batch the tokens it decodes alone and AR's greedy tokens, with the same accepted
+    lengths (the same drafts: Jacobi's random first guesses from the sequence's own generator) and
+    the same statistics of its own (Jacobi's iterations per block, the rows of Recycling's matrix)."""
+    model = tiny_model("llama", seed=45, vocab_size=16)
+    make = {"jacobi": lambda: JacobiDecoder(ModelRunner(model), block_size=5),
+            "jacobi-repeat": lambda: JacobiDecoder(ModelRunner(model), block_size=4, initial_guess="repeat"),
+            "recycling": lambda: recycling(model)}[method]
+    prompts, stops = prompts_and_stops(batch, vocab=16)
+    ar = AutoregressiveDecoder(ModelRunner(model))
+    eos = ar.generate(prompts[0], stops[0]).tokens[12]
+    stops[0] = StopCondition(stops[0].max_new_tokens, frozenset({eos}))
+    alone = [make().generate(p, s) for p, s in zip(prompts, stops)]
+    assert alone[0].stats.stop_reason == "eos"
+    outs = make().generate_batch(prompts, stops)
+    for prompt, stop, out, reference in zip(prompts, stops, outs, alone):
+        assert out.tokens == reference.tokens == ar.generate(prompt, stop).tokens
+        assert out.stats.stop_reason == reference.stats.stop_reason
+        assert out.stats.accepted_lengths == reference.stats.accepted_lengths
+        assert out.stats.extra == reference.stats.extra and out.stats.extra
+    assert len({out.stats.steps for out in outs}) > 1  # sequences left the batch at different steps
+    assert sum(out.stats.accepted_drafts for out in outs) > 0
+
+
+def recording(decoder) -> dict:
+    """The drafts `decoder` proposes from now on, by sequence (in the order each first drafts)."""
+    drafts, propose = {}, decoder.propose
+
+    def record(state, *args):
+        tree = propose(state, *args)
+        drafts.setdefault(id(state), []).append(tree.tokens.tolist())
+        return tree
+    decoder.propose = record
+    return drafts
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8)], ids=["greedy", "T0.8"])
+def test_recycling_batch_drafts_from_the_matrix_as_it_stood_at_the_start(target, sampling):
+    """A persisting matrix already filled by an earlier answer: each answer of a batch drafts from that
+    matrix and its own rows, never another answer's: the drafts, tokens and accepted lengths of each
+    prompt alone from the same matrix (sampled: from generators seeded alike)."""
+    prompts, stops = prompts_and_stops(3)
+
+    def warm():  # a persisting matrix after one answer
+        decoder = recycling(target)
+        decoder.generate([5, 6, 7, 8, 5, 6], StopCondition(30))
+        return decoder
+
+    def generator(b):
+        return None if sampling.greedy else torch.Generator().manual_seed(b)
+
+    alone = []
+    for b, (prompt, stop) in enumerate(zip(prompts, stops)):
+        decoder = warm()
+        drafts = recording(decoder)
+        alone.append((decoder.generate(prompt, stop, sampling, generator(b)), *drafts.values()))
+    decoder = warm()
+    drafts = recording(decoder)
+    outs = decoder.generate_batch(prompts, stops, sampling, [generator(b) for b in range(3)])
+    for out, (reference, trees), batch_trees in zip(outs, alone, drafts.values()):
+        assert out.tokens == reference.tokens
+        assert out.stats.accepted_lengths == reference.stats.accepted_lengths
+        assert out.stats.extra == reference.stats.extra and out.stats.extra["adjacency_rows_before"] > 0
+        assert batch_trees == trees
+    assert sum(out.stats.accepted_drafts for out in outs) > 0
+
+
+def test_recycling_merges_each_answers_rows_into_the_shared_matrix(target):
+    """After a batch the shared matrix holds every answer's rows, each as the answer wrote it (a row
+    several wrote: the last to finish's, at the same step the later of the batch), and the rows none
+    wrote as before; the next answer starts from it."""
+    decoder = recycling(target)
+    decoder.generate([5, 6, 7, 8, 5, 6], StopCondition(30))  # rows from an earlier answer
+    expected, filled = decoder.adjacency.clone(), decoder.filled.clone()
+    finished, finish = [], decoder.finish
+
+    def record(state):
+        matrix = state.values["matrix"]
+        finished.append((state.stats.steps, state.index, matrix["written"].clone(), matrix["adjacency"].clone()))
+        finish(state)
+    decoder.finish = record
+    prompts, stops = prompts_and_stops(3)
+    decoder.generate_batch(prompts, stops)
+    assert [(steps, b) for steps, b, *_ in finished] == sorted((steps, b) for steps, b, *_ in finished)
+    assert len({steps for steps, *_ in finished}) > 1  # they finished at different steps
+    for _, _, written, adjacency in finished:
+        expected = torch.where(written[:, None], adjacency, expected)
+        filled |= written
+    assert torch.equal(decoder.adjacency, expected) and torch.equal(decoder.filled, filled)
+    # each answer wrote rows no other did (a merge left out fails), and two wrote a row differently (the order counts)
+    counts = sum(written.long() for _, _, written, _ in finished)
+    assert all((written & (counts == 1)).any() for _, _, written, _ in finished)
+    assert any((wi & wj & (ai != aj).any(dim=1)).any()
+               for (_, _, wi, ai), (_, _, wj, aj) in itertools.combinations(finished, 2))
+    out = recycling(target).generate(prompts[0], stops[0])
+    assert decoder.generate(prompts[0], stops[0]).stats.extra["adjacency_rows_before"] == int(filled[:-1].sum())
+    assert out.stats.extra["adjacency_rows_before"] == 0
 
 
 # ---------------------------------------------------------------------------------------------

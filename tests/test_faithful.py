@@ -53,9 +53,9 @@ def test_jacobi_first_guesses_come_from_prompt_and_output():
         guesses = []
         new_block = decoder._new_block
 
-        def recording(state, root, new_block=new_block, decoder=decoder, guesses=guesses):
+        def recording(state, root, new_block=new_block, guesses=guesses):
             new_block(state, root)
-            guesses.append((decoder.guess.tolist(), set(state.sequence)))
+            guesses.append((state.values["guess"].tolist(), set(state.sequence)))
 
         decoder._new_block = recording
         out = decoder.generate(prompt, StopCondition(40))

@@ -244,16 +244,19 @@ def test_recycling_matrix_holds_the_targets_top_k_and_bfs_follows_it():
     target = tiny_model("llama", seed=66, vocab_size=64, layers=2)
     decoder = recycling(target)
     logits = torch.randn(4, 64)
-    decoder._recycle(torch.tensor([5, 9, 5, 11]), logits)
+    matrix = decoder.answer_matrix()
+    decoder._recycle(matrix, torch.tensor([5, 9, 5, 11]), logits)
     # every forwarded token's row is the top-8 after it; a repeated token keeps its last node's
-    assert decoder.adjacency[9].tolist() == torch.topk(logits[1], 8).indices.tolist()
-    assert decoder.adjacency[5].tolist() == torch.topk(logits[2], 8).indices.tolist()
-    assert decoder.filled[:-1].nonzero().flatten().tolist() == [5, 9, 11]  # the last row: the overridden write's
-    decoder.adjacency = torch.randint(0, 64, (64, 8), generator=torch.Generator().manual_seed(0))
+    assert matrix["adjacency"][9].tolist() == torch.topk(logits[1], 8).indices.tolist()
+    assert matrix["adjacency"][5].tolist() == torch.topk(logits[2], 8).indices.tolist()
+    assert matrix["filled"][:-1].nonzero().flatten().tolist() == [5, 9, 11]  # the last row: the overridden write's
+    assert matrix["written"].nonzero().flatten().tolist() == [5, 9, 11, 64]
+    assert not decoder.adjacency.any()  # the answer's copy, not the shared matrix
     state = decode_state(decoder, [1, 3])
+    adj = torch.randint(0, 64, (64, 8), generator=torch.Generator().manual_seed(0))
+    state.values["matrix"] = {**matrix, "adjacency": adj}
     tree = decoder.propose(state, 3, 100)
     assert len(tree) == 81 and max(tree.depths) == 6
-    adj = decoder.adjacency
     for node, path in enumerate(TEMPLATE_2_2_2, start=1):
         token = 3
         for rank in path:
