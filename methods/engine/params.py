@@ -115,8 +115,8 @@ class Settings:
     """A method without settings (subclasses: one `setting(...)` field per key; the docstring is the
     comment at the top of the method's YAML)."""
 
-    # whether `methods/loop.py` decodes the method at batch_size > 1: its drafts are chains and
-    # its drafter's state lives per sequence (`DecodeState.draft`, `DraftVerifyDecoder.draft_state`)
+    # whether `methods/loop.py` decodes the method at batch_size > 1: its per-call state lives in each
+    # sequence's `DecodeState` (`values`, `draft`: `DraftVerifyDecoder.draft_state`); else `batch_problem` says why
     batchable: ClassVar[bool] = False
     # the paper and upstream code the method follows (README's and docs/methods.md's tables)
     paper: ClassVar[str] = ""
