@@ -269,28 +269,14 @@ class DraftVerifyDecoder(Decoder):
                 target.keep_sequences([rows.index(b) for b in running])
                 rows = running
                 clock.lap("commit")
-            # an `auto` draft at this batch size: each greedy sequence's cut to the verify budget at B rows per token
-            # (sampled drafts keep their batch-1 size: a seeded answer draws the same at any batch size)
-            cut = self.batch_budget(len(rows))
-            budgets = []
-            for b in rows:
-                state = states[b]
-                state.batch = len(rows)
-                budget = state.stop.max_new_tokens - len(state.tokens) - 1
-                if cut is not None and state.sampling.greedy:
-                    budget = min(budget, cut)
-                budgets.append(budget)
-            # a batch drafts together (one draft forward per level for all its sequences, to its end); a
-            # batch of one, with its sequence's own drafter
-            trees = self.propose_batch([states[b] for b in rows], budgets) if together else \
-                [self.propose(states[0], states[0].tokens[-1], budgets[0])]
+            trees = self.draft_step([states[b] for b in rows], together)
             clock.lap("draft")
             start = target.length
             verified = target.forward_batch([tree.forward_rows() for tree in trees])
             clock.lap("verify")
             # extra rows are never accepted; at temperature 0 their argmax comes back with the step's read
-            extras = [None if tree.extra_rows is None else verified.logits[row, len(tree):len(tree.forward_rows()[0])]
-                      for row, tree in enumerate(trees)]
+            extras = [None if t.extra_rows is None else verified.logits[row, len(t):len(t) + len(t.extra_rows)]
+                      for row, t in enumerate(trees)]
             acceptances = self.accept_batch([states[b] for b in rows], trees, verified.logits, extras)
             clock.lap("accept")
             target.commit_batch(start, [acceptance.path for acceptance in acceptances])
@@ -311,6 +297,24 @@ class DraftVerifyDecoder(Decoder):
                 self.advance(states[b], tree, acceptance, row_output(verified, row, len(tree)))
             clock.lap("draft")
         return outputs
+
+    def draft_step(self, states: list[DecodeState], together: bool) -> list[Tree]:
+        """The running sequences' drafts for one step, each at most the tokens its stopping rule leaves
+        along a path. An `auto` draft at this batch size: each greedy sequence's cut to the verify
+        budget at B rows per token (sampled drafts keep their batch-1 size: a seeded answer draws the
+        same at any batch size). A batch drafts `together` (one draft forward per level for all its
+        sequences, to its end); a batch of one, with its sequence's own drafter."""
+        cut = self.batch_budget(len(states))
+        budgets = []
+        for state in states:
+            state.batch = len(states)
+            budget = state.stop.max_new_tokens - len(state.tokens) - 1
+            if cut is not None and state.sampling.greedy:
+                budget = min(budget, cut)
+            budgets.append(budget)
+        if together:
+            return self.propose_batch(states, budgets)
+        return [self.propose(states[0], states[0].tokens[-1], budgets[0])]
 
     # Swappable so that tests can show a broken acceptor is caught.
     sample_accept = staticmethod(sample_accept)

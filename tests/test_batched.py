@@ -777,6 +777,6 @@ def test_suffix_and_rest_batch_sampling_preserves_target_distribution(tiny_vocab
     decoder = sampling_decoder(method, target, tmp_path)
     samples = draw_batched(decoder, 1500, seed=2)
     assert chi_square_pvalue(samples, expected) > 1e-3
-    outs = decoder.generate([PROMPT] * 4, [StopCondition(3)] * 4, TEMPERATURE_1,
-                            [torch.Generator().manual_seed(b) for b in range(4)])
+    outs = decoder.generate_batch([PROMPT] * 4, [StopCondition(3)] * 4, TEMPERATURE_1,
+                                  [torch.Generator().manual_seed(b) for b in range(4)])
     assert sum(out.stats.drafted_tokens for out in outs) > 0

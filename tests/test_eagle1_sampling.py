@@ -195,8 +195,8 @@ def test_eagle1_with_a_draft_vocabulary_smaller_than_the_siblings_and_top_p(tiny
     decoder = decoder_for(tiny_target, tiny_head, vocabulary=DraftVocabulary(torch.tensor([0, 2]), 4))
     trees = recording(decoder)
     accepted = []
-    accept = decoder._accept
-    decoder._accept = lambda state, tree, logits, extra=None: accepted.append(
+    accept = decoder.accept
+    decoder.accept = lambda state, tree, logits, extra=None: accepted.append(
         (tree, accept(state, tree, logits, extra))) or accepted[-1][1]
     samples = draw(decoder, 1200, seed=3, sampling=sampling)
     assert chi_square_pvalue(samples, exact_joint(tiny_target, PROMPT, 3, sampling)) > 1e-3

@@ -110,7 +110,7 @@ def broken_accept(self, state, tree, logits, extra=None):
 
 def test_a_broken_acceptor_is_a_mismatch_and_fails_the_run(tiny_chat_model_dir, questions_file, tmp_path, monkeypatch,
                                                            capsys):
-    monkeypatch.setattr(SpeculativeSamplingDecoder, "_accept", broken_accept)
+    monkeypatch.setattr(SpeculativeSamplingDecoder, "accept", broken_accept)
     overrides = tiny_overrides(tiny_chat_model_dir, questions_file, tmp_path, "method=sps", "limit=2", "warmup=0")
     summary = run(config(*overrides))
     fid = summary["fidelity"]
@@ -122,7 +122,7 @@ def test_a_broken_acceptor_is_a_mismatch_and_fails_the_run(tiny_chat_model_dir, 
     assert json.loads((Path(summary["results"]) / "summary.json").read_text())["fidelity"]["mismatches"] == 2
     # `python -m harness.run` (what `make bench` runs) exits 1, with the same broken acceptor
     script = ("import runpy, sys; from methods.sps import SpeculativeSamplingDecoder as D; "
-              "from tests.test_fidelity import broken_accept; D._accept = broken_accept; "
+              "from tests.test_fidelity import broken_accept; D.accept = broken_accept; "
               "sys.argv = ['harness.run', *sys.argv[1:]]; runpy.run_module('harness.run', run_name='__main__')")
     # a results folder of its own: this process's thread count differs from the run above's, and a
     # run never mixes its answers with another setting's
@@ -137,7 +137,7 @@ def test_a_headline_with_a_mismatch_writes_its_report_and_fails(tiny_chat_model_
                                                                 monkeypatch):
     from harness.reporting.headline import main
 
-    monkeypatch.setattr(SpeculativeSamplingDecoder, "_accept", broken_accept)
+    monkeypatch.setattr(SpeculativeSamplingDecoder, "accept", broken_accept)
     results = tmp_path / "results"
     headline = tmp_path / "headline.yaml"
     headline.write_text(json.dumps({"model": "smollm2-135m", "dataset": "spec_bench", "limit": 2, "max_new_tokens": 12,

@@ -318,8 +318,10 @@ def test_bad_values_are_named():
     ("engine.decoder=fast", "engine.decoder='fast': valid: auto, transformers"),
     ("model.draft_vocabulary.dtype=float16", "model.draft_vocabulary.dtype='float16': valid: null or bfloat16"),
     ("batch_size=0", "batch_size=0: valid: an integer >= 1"),
-    ("method=medusa batch_size=4", "batch_size=4: valid: 1 for method medusa (it decodes one sequence at a time); "
-                                   "batch_size > 1 runs ar, eagle, eagle2, eagle3, mcsd, pld, sam, sps"),
+    ("method=lazyllm batch_size=4", "batch_size=4: valid: 1 for method lazyllm (its runner keeps each layer's own "
+                                    "subset of the prompt (the Aux Cache), which one cache length per sequence cannot "
+                                    "hold); batch_size > 1 runs ar, eagle, eagle2, eagle3, hydra, jacobi, lookahead, "
+                                    "mcsd, medusa, pld, recycling, rest, sam, sps, suffix"),
     ("method=pld method.branches=2 batch_size=2", "batch_size=2: valid: 1 for method pld (method.branches > 1"),
     ("method=eagle3 model=vicuna-7b", "model='vicuna-7b': valid: a model with drafts.eagle3 (method eagle3 drafts "
                                       "with it): deepseek-r1-distill-llama-8b, llama3.1-8b-instruct, "

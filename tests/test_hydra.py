@@ -331,9 +331,10 @@ def test_recipe_learns_and_its_files_load_through_the_loader(tiny_target_data, t
     # teacher forcing is what drafting computes: head 0 at position t, after the prefix ids[:t+1] and root ids[t+1]
     example, t = examples[1], examples[1].answer_start + 3
     step = HydraDecoder(ModelRunner(target), heads, StaticTree.build([[0]]))
-    step.start(None, step.target.prefill(example.ids[: t + 1].tolist()))
+    sequence = decode_state(step, example.ids[: t + 1].tolist())
+    step.start(sequence, step.target.prefill(example.ids[: t + 1].tolist()))
     with torch.no_grad():
-        x = torch.cat([step.h, target.get_input_embeddings().weight[example.ids[t + 1]]])
+        x = torch.cat([sequence.values["h"], target.get_input_embeddings().weight[example.ids[t + 1]]])
         forced = heads(example.hidden, target.get_input_embeddings()(example.ids))[0][t]
         torch.testing.assert_close(heads.logits(0, heads.features(0, x)), forced, rtol=1e-4, atol=1e-4)
     # decoding with them: exact, and (reduced) every drafted token from the draft vocabulary
