@@ -8,6 +8,8 @@ parameter schemas."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -150,12 +152,12 @@ def test_lookahead_drops_the_window_where_the_model_has_no_positions_left():
 def drive(decoder, prompt, steps):
     """The shared loop's steps by hand (greedy), leaving the decoder and target mid-generation; returns
     the next root and the sequence's state."""
-    decoder.pool = {}
-    decoder.rows = decoder.candidates = decoder.with_guesses = 0
     decoder.target.reset()
-    first = decoder.prefill(prompt)
+    state = decode_state(decoder, prompt)
+    first = decoder.prefill(state)
     root = int(first.logits[-1].argmax())
-    state = decode_state(decoder, prompt, [root])
+    state.tokens.append(root)
+    state.sequence.append(root)
     decoder.start(state, first)
     for _ in range(steps):
         tree = decoder.propose(state, root, 100)
@@ -179,7 +181,7 @@ def test_lookahead_window_rows_see_their_trajectory_and_the_commit_drops_them():
     decoder = LookaheadDecoder(ModelRunner(target), window=4, level=4, guess=4, pool_from_prompt=True)
     prompt = random_prompts(32, 1, seed=4, low=30, high=31)[0]
     root, state = drive(decoder, prompt, 6)
-    assert decoder.levels[-1] is not None  # warm
+    assert state.values["levels"][-1] is not None  # warm
     tree = decoder.propose(state, root, 100)
     assert len(tree) > 1 and len(tree.extra_rows) == 3 * 4 - 1
     prefix = state.sequence[:-1]
@@ -206,10 +208,10 @@ def test_lookahead_window_rows_see_their_trajectory_and_the_commit_drops_them():
 
 def test_lookahead_pool_is_an_lru_of_g_ngrams_per_token():
     decoder = LookaheadDecoder(None, window=2, level=3, guess=2)
-    decoder.pool = {}
+    state = SimpleNamespace(values={"pool": {}})  # the sequence's pool
     for ngram in [(1, 2), (3, 4), (1, 2), (5, 6)]:
-        decoder._remember(7, ngram)
-    assert decoder.pool == {7: [(1, 2), (5, 6)]}  # (1, 2) refreshed, (3, 4) the oldest evicted
+        decoder._remember(state, 7, ngram)
+    assert state.values["pool"] == {7: [(1, 2), (5, 6)]}  # (1, 2) refreshed, (3, 4) the oldest evicted
     with pytest.raises(ValueError):
         Tree(torch.tensor([1, 2]), [-1, 0],
              extra_rows=ExtraRows(torch.tensor([3]), [1], torch.ones(1, 2, dtype=torch.bool)))
