@@ -4,7 +4,7 @@ here is one method (its drafter only) and registers itself by name, and `eagle/`
 family's package (it registers `eagle`, `eagle2` and `eagle3`); `engine/` is the machinery they
 share (target forward + KV cache, trees, acceptance, sampling, stopping); `machine/` is the machine
 profile (everything that measures the machine, handed in); `models/` loads targets, draft LMs and
-draft heads."""
+draft heads; `settings/` is what a method is configured with (its typed settings and `auto` sizing)."""
 
 from .machine import threads as _threads
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from .base import register
-from .engine.params import Settings
 from .engine.tree import Tree
 from .loop import DraftVerifyDecoder
+from .settings.params import Settings
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,14 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-from .engine.params import ConfigError, Settings
 from .engine.runner import ModelRunner
 from .engine.sampling import SamplingConfig
-from .engine.sizing import VERIFY_BUDGET, relative, tree_budget
 from .engine.static_trees import NAMED_TREES, StaticTree
 from .engine.stopping import StopCondition
 from .engine.vocab import DraftVocabulary
 from .models.specs import ModelSpec
+from .settings.params import ConfigError, Settings
+from .settings.sizing import VERIFY_BUDGET, Sizing, relative, tree_budget
 from .state import DecodeOutput
 
 
@@ -32,9 +32,10 @@ class Decoder(ABC):
     name: ClassVar[str]
     lossless: ClassVar[bool] = True  # reproduces AR's greedy tokens and sampling distribution
 
-    def __init__(self, target: ModelRunner, sizing: dict | None = None):
+    def __init__(self, target: ModelRunner, sizing: Sizing | None = None):
         self.target = target
-        self.sizing = sizing  # how an `auto` size was derived from the machine profile (None: not `auto`)
+        # its size, settled when built: the value, where it came from, the cut for a batch (`Sizing`)
+        self.sizing = sizing or Sizing.fixed(None)
 
     @abstractmethod
     def generate_batch(
@@ -58,7 +59,8 @@ class Decoder(ABC):
 
     def describe(self) -> dict[str, Any]:
         """Method parameters for the results record."""
-        return {"method": self.name, "lossless": self.lossless, **({"sizing": self.sizing} if self.sizing else {})}
+        sizing = self.sizing.describe()
+        return {"method": self.name, "lossless": self.lossless, **({"sizing": sizing} if sizing else {})}
 
 
 # ------------------------------------------------------------------------------------------
@@ -95,27 +97,40 @@ class BuildContext:
         without a profile."""
         return self.profile.latency_curve(target, self.model_name) if self.profile is not None else None
 
-    def tree_budget(self, target, what: str, fixed: int) -> tuple[int, dict]:
-        """`auto` tree sizes: the most tokens one verification may hold on this machine; `fixed`
-        (upstream's size, in the same unit) without a machine profile."""
+    def sizing(self, target, what: str, setting: Any, fixed: int) -> Sizing:
+        """A size setting, settled: `setting` itself unless it is `auto`; `auto`, the most tokens one
+        verification may hold on this machine (root included), with the latency curve it was read from
+        (the rule for a batch: `Sizing.cut`); `fixed` (upstream's size, in the same unit) without a
+        machine profile. A method chooses its own unit's size within it (`Sizing.choose`)."""
+        if setting != "auto":
+            return Sizing.fixed(setting)
         curve = self.latency_curve(target)
         if curve is None:
-            return fixed, {what: "auto", "verify_tokens": fixed, "profile": "none: upstream's size"}
+            return Sizing(fixed, {what: "auto", "verify_tokens": fixed, "profile": "none: upstream's size"})
         budget = tree_budget(curve)
-        return budget, {what: "auto", "verify_tokens": budget, "verify_budget_t1": VERIFY_BUDGET,
-                        "curve_t1": {n: round(v, 3) for n, v in relative(curve).items()}}
+        return Sizing(budget, {what: "auto", "verify_tokens": budget, "verify_budget_t1": VERIFY_BUDGET,
+                               "curve_t1": {n: round(v, 3) for n, v in relative(curve).items()}}, curve)
+
+    def draft_tokens(self, target, what: str, setting: Any, upstream: int) -> Sizing:
+        """A draft size in draft tokens (nodes besides the root): `setting`, or for `auto` the machine's
+        verify budget less the root (`upstream` without a machine profile)."""
+        sizing = self.sizing(target, what, setting, upstream + 1)
+        if setting != "auto":
+            return sizing
+        return sizing.choose(sizing.value - 1, draft_tokens=sizing.value - 1, chosen=f"{sizing.value - 1} draft tokens")
 
     def static_tree(self, params: dict, target, published: str, max_depth: int | None = None):
         """`method.tree`: a built-in name or a list of paths; `auto` is the `published` tree (paths
         deeper than `max_depth` left out) cut, in its own order, to this machine's tree budget (whole
-        without a machine profile). Returns the tree and, for `auto`, how it was sized."""
+        without a machine profile). Returns the tree and its `Sizing` (its nodes besides the root)."""
         tree = params.get("tree", "auto")
         if tree != "auto":
-            return StaticTree.build(tree), None
+            chosen = StaticTree.build(tree)
+            return chosen, Sizing.fixed(len(chosen) - 1)
         paths = [p for p in NAMED_TREES[published] if max_depth is None or len(p) <= max_depth]
-        budget, sizing = self.tree_budget(target, "tree", len(paths) + 1)
-        chosen = StaticTree.build(paths, nodes=budget - 1)
-        return chosen, {**sizing, "chosen": f"{published}, first {len(chosen) - 1} nodes"}
+        sizing = self.sizing(target, "tree", "auto", len(paths) + 1)
+        chosen = StaticTree.build(paths, nodes=sizing.value - 1)
+        return chosen, sizing.choose(len(chosen) - 1, chosen=f"{published}, first {len(chosen) - 1} nodes")
 
     def draft_vocabulary(self, params: dict, projection_rows: int | None = None):
         """The FR-Spec subset a draft proposes from (`engine/vocab.py`), or None for the full vocabulary.
@@ -153,7 +168,7 @@ _SETTINGS: dict[str, type[Settings]] = {}
 
 
 def register(name: str, settings: type[Settings] = Settings) -> Callable[[DecoderFactory], DecoderFactory]:
-    """Register a method's factory by name, with the class of its settings (`engine/params.py`): the
+    """Register a method's factory by name, with the class of its settings (`settings/params.py`): the
     harness checks a run's `method.*` keys against it before loading any model, and the factory gets
     the checked settings, defaults filled in."""
     def wrap(factory: DecoderFactory) -> DecoderFactory:
@@ -185,8 +200,8 @@ ENTRY_POINTS = "decodebench.methods"  # the entry-point group of methods from ot
 def available_methods() -> list[str]:
     """Every registered method: each module or package beside this one registers the methods it holds
     on import (a method file; a family's package, `eagle/`, whose `__init__` imports its registering
-    modules; the shared machinery, `engine/`, `machine/` and `models/`, holds none), and so does each module an
-    installed distribution names in the entry-point group `decodebench.methods`."""
+    modules; the shared machinery, `engine/`, `machine/`, `models/` and `settings/`, holds none), and so
+    does each module an installed distribution names in the entry-point group `decodebench.methods`."""
     for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if module.name not in ("base", "loop", "state") and not module.name.startswith("_"):
             importlib.import_module(f"{__package__}.{module.name}")
@@ -199,6 +214,18 @@ def available_methods() -> list[str]:
                 f"(from {entry.dist.name if entry.dist else 'an installed package'}) fails to import: {err}"
             ) from err
     return sorted(_REGISTRY)
+
+
+def method_origin(name: str) -> str:
+    """The module a registered method's factory is defined in (`methods.<file>`, or a plugin's)."""
+    method_settings(name)  # (ConfigError for an unknown method)
+    return _REGISTRY[name].__module__
+
+
+def unregister(name: str) -> None:
+    """Take a registered method off the registry (a plugin's, e.g. once its package is unloaded)."""
+    method_settings(name)
+    del _REGISTRY[name], _SETTINGS[name]
 
 
 def batchable_methods() -> list[str]:
@@ -215,6 +242,6 @@ def get_method(name: str) -> DecoderFactory:
     factory, settings = _REGISTRY[name], _SETTINGS[name]
 
     def build(target, params: dict | None = None, context: BuildContext | None = None) -> Decoder:
-        return factory(target, settings.from_params(params or {}), context)
+        return factory(target, settings.from_params(params or {}), context or BuildContext(None, "", {}))
 
     return build

@@ -28,7 +28,6 @@ import torch
 from .base import BuildContext, register
 from .engine.acceptance import typical_accept
 from .engine.kv_cache import TreeKVCache
-from .engine.params import Settings, number, one_of, paths, setting
 from .engine.sampling import logits_to_probs
 from .engine.static_trees import NAMED_TREES, StaticTree, template_tokens
 from .engine.tree import Tree, attention_mask
@@ -37,6 +36,8 @@ from .loop import DraftVerifyDecoder
 from .models.heads.hydra import HydraHeads, load_hydra_heads
 from .models.heads.source import head_setting, head_spec
 from .models.specs import PROJECT_ROOT, ModelUnavailableError
+from .settings.params import Settings, number, one_of, paths, setting
+from .settings.sizing import Sizing
 
 ACCEPTANCE = ("exact", "typical")
 
@@ -75,8 +76,9 @@ class HydraDecoder(DraftVerifyDecoder):
 
     def __init__(self, target, heads: HydraHeads, tree: StaticTree, hidden_state_offset: int = 0, vocabulary=None,
                  acceptance: str = HydraSettings.acceptance, typical_epsilon: float = HydraSettings.typical_epsilon,
-                 typical_delta: float = HydraSettings.typical_delta, sizing: dict | None = None):
-        super().__init__(target, sizing)
+                 typical_delta: float = HydraSettings.typical_delta, sizing: Sizing | None = None):
+        """`sizing`: how the tree was sized (its rule for a batch: `Sizing.cut`); None: the tree as given."""
+        super().__init__(target, sizing or Sizing.fixed(len(tree) - 1))
         if acceptance not in ACCEPTANCE:
             raise ValueError(f"unknown hydra acceptance {acceptance!r}; valid: {', '.join(ACCEPTANCE)}")
         self.acceptance, self.lossless = acceptance, acceptance == "exact"
@@ -159,14 +161,14 @@ class HydraDecoder(DraftVerifyDecoder):
 
     @torch.inference_mode()
     def propose(self, state, root: int, budget: int) -> Tree:
-        tree = self.tree
+        tree = self.tree.cut(state.cut)
         depth_limit = min(tree.max_depth, budget)
         count = sum(1 for d in tree.depths if d <= depth_limit)  # nodes are sorted by depth
         parents = tree.parents[:count]
         if depth_limit <= 0:
             return Tree(torch.tensor([root]), [-1])
         if not self.heads.grounded:
-            return self._ungrounded(state, root, depth_limit, count)
+            return self._ungrounded(state, root, depth_limit, count, tree)
         children = [[] for _ in range(count)]
         for node in range(1, count):
             children[parents[node]].append(node)
@@ -193,9 +195,8 @@ class HydraDecoder(DraftVerifyDecoder):
                     inputs[child] = torch.cat([x[row], e])
         return Tree(tokens, parents)
 
-    def _ungrounded(self, state, root: int, depth: int, count: int) -> Tree:
+    def _ungrounded(self, state, root: int, depth: int, count: int, tree: StaticTree) -> Tree:
         """Medusa's tree: head d-1's r-th candidate under every parent at depth d."""
-        tree = self.tree
         dtype = self.heads.projection(0).weight.dtype
         candidates = [torch.topk(self._logits(d, self.heads.features(d, state.values["h"].to(dtype)[None]))[0],
                                  tree.top_k(d + 1)).indices

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from .base import BuildContext, register
-from .engine.params import Settings, integer, null, one_of, setting
 from .engine.tree import Tree
 from .loop import DraftVerifyDecoder
+from .settings.params import Settings, integer, null, one_of, setting
+from .settings.sizing import Sizing
 
 # sequence: random tokens of the prompt and the output so far, as upstream's chat and speedup
 # scripts draw them (`random.choices(generation[0], k=n-1)`); prompt: of the prompt only
@@ -57,10 +58,12 @@ class JacobiSettings(Settings):
 class JacobiDecoder(DraftVerifyDecoder):
     name = "jacobi"
 
-    def __init__(self, target, block_size: int = CLLM_BLOCK, initial_guess: str = JacobiSettings.initial_guess,
-                 pad_token: int = 0,
-                 seed: int = JacobiSettings.seed, sizing: dict | None = None):
-        super().__init__(target, sizing)
+    def __init__(self, target, block_size: int | Sizing = CLLM_BLOCK, initial_guess: str = JacobiSettings.initial_guess,
+                 pad_token: int = 0, seed: int = JacobiSettings.seed):
+        """`block_size`: n, the block's tokens with its root (`method.block_size` settled: a `Sizing`; under
+        a batch's cut a new block holds at most the cut's guesses)."""
+        super().__init__(target, Sizing.of(block_size))
+        block_size = int(self.sizing.value)
         if block_size < 2:
             raise ValueError(f"jacobi block_size must be >= 2, got {block_size}")
         if initial_guess not in INITIAL_GUESSES:
@@ -86,10 +89,11 @@ class JacobiDecoder(DraftVerifyDecoder):
     def finish(self, state) -> None:
         state.stats.extra["iterations_per_block"] = state.values.get("iterations_per_block", [])
 
-    def _new_block(self, state, root: int) -> None:
+    def new_block(self, state, root: int) -> None:
         values = state.values
         values["iterations_per_block"].append(0)
-        remaining = values["remaining"] = self.block_size - 1
+        remaining = values["remaining"] = self.block_size - 1 if state.cut is None else \
+            min(self.block_size - 1, state.cut)
         if self.initial_guess in ("sequence", "prompt"):  # uniform draws, with replacement
             pool, rng = state.sequence if self.initial_guess == "sequence" else state.prompt, values["rng"]
             guess = [pool[rng.randrange(len(pool))] for _ in range(remaining)]
@@ -102,7 +106,7 @@ class JacobiDecoder(DraftVerifyDecoder):
     def propose(self, state, root: int, budget: int) -> Tree:
         values = state.values
         if values["remaining"] <= 0:
-            self._new_block(state, root)
+            self.new_block(state, root)
         values["iterations_per_block"][-1] += 1
         guess = values["guess"][: min(values["remaining"], budget)]
         return Tree.chain(torch.cat([guess.new_tensor([root]), guess]))
@@ -122,11 +126,10 @@ class JacobiDecoder(DraftVerifyDecoder):
 @register("jacobi", settings=JacobiSettings)
 def build(target, settings: JacobiSettings, context: BuildContext) -> JacobiDecoder:
     # a CLLM's own block size wins over `auto` (it was trained for it); else the machine's verify budget
-    block, sizing = settings.block_size or context.model_config.get("jacobi_block_size") or "auto", None
+    block = settings.block_size or context.model_config.get("jacobi_block_size") or "auto"
+    sizing = context.sizing(target, "block_size", block, CLLM_BLOCK)
     if block == "auto":
-        block, sizing = context.tree_budget(target, "block_size", CLLM_BLOCK)
-        sizing["chosen"] = block
+        sizing = sizing.choose(sizing.value, chosen=sizing.value)
     pad = getattr(context.target_model.config, "pad_token_id", None) or 0
-    decoder = JacobiDecoder(target, block_size=int(block), initial_guess=settings.initial_guess,
-                            pad_token=int(pad), seed=settings.seed, sizing=sizing)
-    return decoder
+    return JacobiDecoder(target, block_size=sizing, initial_guess=settings.initial_guess, pad_token=int(pad),
+                         seed=settings.seed)

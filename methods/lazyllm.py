@@ -28,8 +28,8 @@ import torch
 
 from .ar import AutoregressiveDecoder
 from .base import BuildContext, register
-from .engine.params import Check, Settings, setting
 from .engine.runner import ForwardOutput, ModelRunner
+from .settings.params import Check, Settings, setting
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class LazyRunner(ModelRunner):
         self.revived = [0] * n_layers
 
     # ------------------------------------------------------------------------------------------
-    def _layer(self, index: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def run_layer(self, index: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Run layer `index` for queries `hidden` [q, H] at `positions` [q] (appended to its cache);
         each query sees the entries of that layer at positions up to its own."""
         keys = torch.cat([self.entry_positions[index], positions])
@@ -151,7 +151,7 @@ class LazyRunner(ModelRunner):
         active = torch.arange(n)
         for index in range(len(self.layers)):
             query_input = self.aux_hidden[n - 1].clone()  # the last token's input to this layer
-            self.aux_hidden[active.to(self.device)] = self._layer(index, self.aux_hidden[active.to(self.device)],
+            self.aux_hidden[active.to(self.device)] = self.run_layer(index, self.aux_hidden[active.to(self.device)],
                                                                   active)
             self.last_layer[active] = index
             self.prompt_computed[index] += active.numel()
@@ -175,7 +175,7 @@ class LazyRunner(ModelRunner):
         for index in range(len(self.layers)):
             query_input = hidden[0]
             queries = torch.cat([self.aux_hidden[revive.to(self.device)], hidden])
-            out = self._layer(index, queries, torch.cat([revive, torch.tensor([position])]))
+            out = self.run_layer(index, queries, torch.cat([revive, torch.tensor([position])]))
             if revive.numel():
                 self.aux_hidden[revive.to(self.device)] = out[:-1]
                 self.last_layer[revive] = index

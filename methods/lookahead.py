@@ -38,11 +38,12 @@ from dataclasses import dataclass
 import torch
 
 from .base import BuildContext, register
-from .engine.params import BOOL, Settings, integer, one_of, setting
 from .engine.runner import ForwardOutput
 from .engine.tree import ExtraRows, Tree
 from .loop import DraftVerifyDecoder
 from .pld import trie
+from .settings.params import BOOL, Settings, integer, one_of, setting
+from .settings.sizing import Sizing
 
 AUTO = one_of("auto")
 UPSTREAM_WINDOW = UPSTREAM_GUESS = 15  # upstream's 7B setting; `auto`'s budget without a machine profile
@@ -77,7 +78,9 @@ class LookaheadDecoder(DraftVerifyDecoder):
 
     def __init__(self, target, window: int = LookaheadSettings.window, level: int = LookaheadSettings.level,
                  guess: int = LookaheadSettings.guess, pool_from_prompt: bool = LookaheadSettings.pool_from_prompt,
-                 seed: int = LookaheadSettings.seed, sizing: dict | None = None):
+                 seed: int = LookaheadSettings.seed, sizing: Sizing | None = None):
+        """`sizing`: how `auto` shared the verify budget between the window and the n-grams; the window is
+        each sequence's state from its prefill on, so a batch keeps the batch-1 size (no cut)."""
         super().__init__(target, sizing)
         if level < 3 or window < 1 or guess < 0:
             raise ValueError(f"lookahead needs level >= 3, window >= 1, guess >= 0; got {level}, {window}, {guess}")
@@ -104,7 +107,7 @@ class LookaheadDecoder(DraftVerifyDecoder):
                             rows=0, candidates=0, with_guesses=0)
         if self.pool_from_prompt:
             for end in range(self.level, len(prompt) + 1):
-                self._remember(state, prompt[end - self.level], tuple(prompt[end - self.level + 1 : end]))
+                self.remember(state, prompt[end - self.level], tuple(prompt[end - self.level + 1 : end]))
         return ForwardOutput(logits=out.logits[:1], hidden=out.hidden[: len(prompt)])
 
     def start(self, state, prefill) -> None:
@@ -123,7 +126,7 @@ class LookaheadDecoder(DraftVerifyDecoder):
         })
 
     # --------------------------------------------------------------------------------------
-    def _remember(self, state, first: int, ngram: tuple[int, ...]) -> None:
+    def remember(self, state, first: int, ngram: tuple[int, ...]) -> None:
         """Upstream's LRU pool (the sequence's): at most G n-grams per first token, a repeated one moves to the end."""
         if self.guess <= 0:
             return
@@ -190,7 +193,7 @@ class LookaheadDecoder(DraftVerifyDecoder):
             text = state.sequence
             for end in range(len(text) - emitted + 1, len(text) + 1):
                 if end >= self.level:
-                    self._remember(state, text[end - self.level], tuple(text[end - self.level + 1 : end]))
+                    self.remember(state, text[end - self.level], tuple(text[end - self.level + 1 : end]))
 
     def _slide(self, state, tree, acceptance, verified) -> None:
         """The last level's argmax becomes a new level (warm-up) or, once warm, each column's
@@ -208,7 +211,7 @@ class LookaheadDecoder(DraftVerifyDecoder):
             root = state.sequence[-len(acceptance.path) - 1]  # the step's root: the token before the emitted ones
             for column in range(self.window):
                 first = root if column == 0 else levels[0][column - 1]
-                self._remember(state, first, tuple(levels[row][column] for row in range(1, self.level - 1))
+                self.remember(state, first, tuple(levels[row][column] for row in range(1, self.level - 1))
                                + (newest[column],))
             levels[0] = levels[1][1:]
             for level in range(1, self.level - 2):
@@ -221,11 +224,12 @@ def build(target, settings: LookaheadSettings, context: BuildContext) -> Lookahe
     level, window, guess, sizing = settings.level, settings.window, settings.guess, None
     if "auto" in (window, guess):
         # auto: the window and the n-grams share this machine's verify budget, (N-1)(W + G) rows
-        budget, sizing = context.tree_budget(target, "window/guess", (level - 1) * (UPSTREAM_WINDOW + UPSTREAM_GUESS))
-        share = max(1, budget // (2 * (level - 1)))
+        budget = context.sizing(target, "window/guess", "auto", (level - 1) * (UPSTREAM_WINDOW + UPSTREAM_GUESS))
+        share = max(1, budget.value // (2 * (level - 1)))
         window = share if window == "auto" else window
         guess = share if guess == "auto" else guess
-        sizing["chosen"] = {"window": window, "guess": guess, "level": level}
-    decoder = LookaheadDecoder(target, window=int(window), level=level, guess=int(guess),
-                               pool_from_prompt=settings.pool_from_prompt, seed=settings.seed, sizing=sizing)
-    return decoder
+        chosen = {"window": window, "guess": guess, "level": level}
+        sizing = Sizing(chosen, {**budget.source, "chosen": chosen,
+                                 "batch": "the batch-1 window at every batch size (each sequence's state)"})
+    return LookaheadDecoder(target, window=int(window), level=level, guess=int(guess),
+                            pool_from_prompt=settings.pool_from_prompt, seed=settings.seed, sizing=sizing)

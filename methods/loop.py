@@ -63,7 +63,6 @@ from .engine.acceptance import (
 )
 from .engine.runner import ForwardOutput
 from .engine.sampling import SamplingConfig, logits_to_probs
-from .engine.sizing import batch_draft_tokens
 from .engine.stopping import StopCondition
 from .engine.tree import Tree
 from .state import DecodeOutput, DecodeState, DecodeStats
@@ -106,33 +105,6 @@ class DraftVerifyDecoder(Decoder):
 
     # whether the prefill counts as a decoding step in the records (`DecodeStats.prefill_step`)
     prefill_step: ClassVar[bool] = False
-    # the latency curve an `auto` draft length was read from (None: an explicit size, or no profile): at
-    # batch size B > 1 the loop cuts each greedy sequence's draft to `batch_budget(B)`
-    batch_curve: dict[int, float] | None = None
-
-    def describe(self) -> dict[str, Any]:
-        """Besides the settings: the cut each batch size took (`batch_budget`), when the run drafted at
-        batch sizes above 1 with an `auto` size (the record's own size is the batch-1 one)."""
-        described = super().describe()
-        budgets = self.__dict__.get("_batch_budgets")
-        if budgets:
-            described["batch_draft_tokens"] = {batch: budget for batch, (_, budget) in sorted(budgets.items())}
-        return described
-
-    def batch_budget(self, batch: int) -> int | None:
-        """The most draft tokens per path a sequence drafts when `batch` sequences verify together: the
-        machine's verify budget at B rows per draft token (`sizing.batch_draft_tokens`); None: no cut
-        (batch size 1, or a size that is not `auto`)."""
-        if batch <= 1 or self.batch_curve is None:
-            return None
-        # once per curve and batch size (the loop asks every step; the curve is set after construction)
-        budgets = self.__dict__.setdefault("_batch_budgets", {})
-        curve, budget = budgets.get(batch, (None, None))
-        if curve is not self.batch_curve:
-            budget = batch_draft_tokens(self.batch_curve, batch)
-            budgets[batch] = self.batch_curve, budget
-        return budget
-
     def draft_state(self, index: int) -> Any:
         """The drafter sequence `index` of a batch drafts with (`DecodeState.draft`): a method whose
         drafter keeps per-sequence state (a draft LM's KV cache, a head's) gives each index its own, made
@@ -300,18 +272,17 @@ class DraftVerifyDecoder(Decoder):
 
     def draft_step(self, states: list[DecodeState], together: bool) -> list[Tree]:
         """The running sequences' drafts for one step, each at most the tokens its stopping rule leaves
-        along a path. An `auto` draft at this batch size: each greedy sequence's cut to the verify
-        budget at B rows per token (sampled drafts keep their batch-1 size: a seeded answer draws the
-        same at any batch size). A batch drafts `together` (one draft forward per level for all its
+        along a path. At this batch size each greedy sequence's draft is cut to `Sizing.cut(B)` (`state.cut`:
+        a chain's length, a tree's nodes; sampled drafts keep their batch-1 size: a seeded answer draws
+        the same at any batch size). A batch drafts `together` (one draft forward per level for all its
         sequences, to its end); a batch of one, with its sequence's own drafter."""
-        cut = self.batch_budget(len(states))
+        cut = self.sizing.cut(len(states))
         budgets = []
         for state in states:
             state.batch = len(states)
+            state.cut = cut if state.sampling.greedy else None
             budget = state.stop.max_new_tokens - len(state.tokens) - 1
-            if cut is not None and state.sampling.greedy:
-                budget = min(budget, cut)
-            budgets.append(budget)
+            budgets.append(budget if state.cut is None else min(budget, state.cut))
         if together:
             return self.propose_batch(states, budgets)
         return [self.propose(states[0], states[0].tokens[-1], budgets[0])]

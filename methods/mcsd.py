@@ -16,12 +16,13 @@ from typing import Any, Sequence
 import torch
 
 from .base import BuildContext, register
-from .engine.params import BOOL, Settings, int_list, integer, mapping, null, one_of, setting
 from .engine.tree import Tree
 from .engine.vocab import draft_vocab_setting
 from .loop import DraftVerifyDecoder
 from .models.draft_lm import BatchDraftLM, DraftLM
 from .models.loading import load_draft_lm
+from .settings.params import BOOL, Settings, int_list, integer, mapping, null, one_of, setting
+from .settings.sizing import Sizing
 
 PAPER_K_CONFIG = (4, 2, 1)  # the paper's; `auto` without a machine profile
 
@@ -54,27 +55,27 @@ class MCSDSettings(Settings):
 class MultiCandidateDecoder(DraftVerifyDecoder):
     name = "mcsd"
 
-    def __init__(self, target, draft_model, k_config: Sequence[int] = PAPER_K_CONFIG,
-                 replacement: bool = MCSDSettings.replacement,
-                 vocabulary=None, sizing: dict | None = None):
-        super().__init__(target, sizing)
-        k_config = tuple(int(k) for k in k_config)
+    def __init__(self, target, draft_model, k_config: Sequence[int] | Sizing = PAPER_K_CONFIG,
+                 replacement: bool = MCSDSettings.replacement, vocabulary=None):
+        """`draft_model`: the draft LM (a model, or a `DraftLM` the factory built to time it); `k_config`:
+        children per depth (`method.k_config` settled: a `Sizing`, whose batch rule picks a smaller one)."""
+        super().__init__(target, Sizing.of(k_config))
+        k_config = tuple(int(k) for k in self.sizing.value)
         if not k_config or min(k_config) < 1:
             raise ValueError(f"k_config must be a non-empty list of positive integers, got {list(k_config)}")
         self.k_config, self.replacement = k_config, replacement
-        self.draft = DraftLM(draft_model, target.vocab_size, vocabulary, **target.engine_settings())
+        self.draft = draft_model if isinstance(draft_model, DraftLM) else \
+            DraftLM(draft_model, target.vocab_size, vocabulary, **target.engine_settings())
         self.vocabulary = vocabulary
         self.lane_drafts = [self.draft]  # sequence i of a batch drafts with lane_drafts[i] (`draft_state`)
         self.batch_draft = BatchDraftLM(self.draft)  # a batch's drafts, one draft forward per depth (`propose_batch`)
-        # `k_config: auto` keeps the curve it was chosen by (`batch_curve`), so that a batch's tree is chosen
-        # at B rows per node (`batch_k_config`); the configurations chosen, by batch size
-        self.batch_k_configs: dict[int, tuple[int, ...]] = {}
+        self.batch_k_configs: dict[int, tuple[int, ...]] = {}  # a batch's cut (`batch_k_config`), by nodes
 
     def describe(self):
         described = {**super().describe(), "k_config": list(self.k_config), "replacement": self.replacement,
                      "draft_vocab": len(self.vocabulary) if self.vocabulary else None}
         if self.batch_k_configs:
-            described["batch_k_configs"] = {b: list(k) for b, k in sorted(self.batch_k_configs.items())}
+            described["batch_k_configs"] = {n: list(k) for n, k in sorted(self.batch_k_configs.items())}
         return described
 
     def draft_state(self, index: int) -> DraftLM:
@@ -87,22 +88,19 @@ class MultiCandidateDecoder(DraftVerifyDecoder):
         state.draft.reset()
 
     def k_config_of(self, state) -> tuple[int, ...]:
-        """Children per depth of this sequence's next tree: the decoder's, or, with `k_config: auto`, a
-        greedy sequence of a batch gets the batch size's (`batch_k_config`). A sampled one keeps the
-        batch-1 tree: a seeded answer draws the same at any batch size."""
-        if state.batch > 1 and state.sampling.greedy and self.batch_curve is not None:
-            return self.batch_k_config(state.batch)
-        return self.k_config
+        """Children per depth of this sequence's next tree: the decoder's, or, under a batch's cut
+        (`state.cut`, set for greedy sequences only: a seeded answer draws the same at any batch size),
+        the largest that fits it (`batch_k_config`)."""
+        return self.k_config if state.cut is None else self.batch_k_config(state.cut)
 
-    def batch_k_config(self, batch: int) -> tuple[int, ...]:
-        """`auto`'s choice at `batch` sequences: the largest of `AUTO_K_CONFIGS` whose nodes fit the
-        verify budget at B rows per node (`batch_budget`, the chains' cut, in nodes), at most the
-        batch-1 tree; made once per batch size."""
-        if batch not in self.batch_k_configs:
-            nodes = min(tree_nodes(self.k_config), self.batch_budget(batch))
-            fitting = [k for k in AUTO_K_CONFIGS if tree_nodes(k) <= nodes] or AUTO_K_CONFIGS[:1]
-            self.batch_k_configs[batch] = fitting[-1]
-        return self.batch_k_configs[batch]
+    def batch_k_config(self, nodes: int) -> tuple[int, ...]:
+        """The largest of `AUTO_K_CONFIGS` with at most `nodes` nodes (a batch's cut, `Sizing.cut`),
+        at most the batch-1 tree; made once per cut."""
+        if nodes not in self.batch_k_configs:
+            nodes_at_most = min(tree_nodes(self.k_config), nodes)
+            fitting = [k for k in AUTO_K_CONFIGS if tree_nodes(k) <= nodes_at_most] or AUTO_K_CONFIGS[:1]
+            self.batch_k_configs[nodes] = fitting[-1]
+        return self.batch_k_configs[nodes]
 
     def propose(self, state, root: int, budget: int) -> Tree:
         k_config = self.k_config_of(state)[:budget]
@@ -148,18 +146,13 @@ def tree_nodes(k_config) -> int:
 @register("mcsd", settings=MCSDSettings)
 def build(target, settings: MCSDSettings, context: BuildContext) -> MultiCandidateDecoder:
     spec = settings.draft or context.draft_spec("sps", "mcsd")
-    choice, sizing = settings.k_config, None
-    if choice == "auto":
-        budget, sizing = context.tree_budget(target, "k_config", tree_nodes(PAPER_K_CONFIG) + 1)
-        fitting = [k for k in AUTO_K_CONFIGS if tree_nodes(k) + 1 <= budget] or AUTO_K_CONFIGS[:1]
-        choice = fitting[-1]
-        sizing["chosen"] = list(choice)
+    if settings.k_config == "auto":  # (the paper's tree without a profile)
+        sizing = context.sizing(target, "k_config", "auto", tree_nodes(PAPER_K_CONFIG) + 1)
+        fitting = [k for k in AUTO_K_CONFIGS if tree_nodes(k) + 1 <= sizing.value] or AUTO_K_CONFIGS[:1]
+        sizing = sizing.choose(fitting[-1], chosen=list(fitting[-1]))
+    else:
+        sizing = Sizing.fixed(parse_k_config(settings.k_config))
     draft = load_draft_lm(spec, context.target_model)
-    decoder = MultiCandidateDecoder(target, draft, k_config=parse_k_config(choice),
-                                    replacement=settings.replacement,
-                                    vocabulary=context.draft_vocabulary(settings.to_dict(),
-                                                                        draft.get_output_embeddings().out_features),
-                                    sizing=sizing)
-    if settings.k_config == "auto":
-        decoder.batch_curve = context.latency_curve(target)  # (None without a profile: the paper's tree)
-    return decoder
+    return MultiCandidateDecoder(target, draft, k_config=sizing, replacement=settings.replacement,
+                                 vocabulary=context.draft_vocabulary(settings.to_dict(),
+                                                                     draft.get_output_embeddings().out_features))

@@ -15,7 +15,6 @@ import torch
 
 from .base import BuildContext, register
 from .engine.acceptance import typical_accept
-from .engine.params import Settings, number, one_of, paths, setting
 from .engine.sampling import logits_to_probs
 from .engine.static_trees import NAMED_TREES, StaticTree, template_tokens
 from .engine.tree import Tree
@@ -23,6 +22,8 @@ from .engine.vocab import draft_vocab_setting
 from .loop import DraftVerifyDecoder
 from .models.heads.medusa import MedusaHeads, load_medusa_heads
 from .models.heads.source import head_setting, head_spec
+from .settings.params import Settings, number, one_of, paths, setting
+from .settings.sizing import Sizing
 
 ACCEPTANCE = ("exact", "typical")
 
@@ -58,8 +59,9 @@ class MedusaDecoder(DraftVerifyDecoder):
     def __init__(self, target, heads: MedusaHeads, tree: StaticTree, acceptance: str = MedusaSettings.acceptance,
                  typical_epsilon: float = MedusaSettings.typical_epsilon,
                  typical_delta: float = MedusaSettings.typical_delta,
-                 vocabulary=None, sizing: dict | None = None):
-        super().__init__(target, sizing)
+                 vocabulary=None, sizing: Sizing | None = None):
+        """`sizing`: how the tree was sized (its rule for a batch: `Sizing.cut`); None: the tree as given."""
+        super().__init__(target, sizing or Sizing.fixed(len(tree) - 1))
         self.vocabulary = vocabulary
         target.cover(heads, *([vocabulary.head(heads[0][-1].weight)] if vocabulary else []))
         if acceptance not in ACCEPTANCE:
@@ -82,13 +84,14 @@ class MedusaDecoder(DraftVerifyDecoder):
 
     @torch.inference_mode()
     def propose(self, state, root: int, budget: int) -> Tree:
-        depth = min(self.tree.max_depth, budget)
-        count = sum(1 for d in self.tree.depths if d <= depth)  # nodes are sorted by depth
+        tree = self.tree.cut(state.cut)
+        depth = min(tree.max_depth, budget)
+        count = sum(1 for d in tree.depths if d <= depth)  # nodes are sorted by depth
         if depth == 0:
             return Tree(torch.tensor([root]), [-1])
         logits = self.heads.draft_logits(state.values["hidden"], depth, self.vocabulary)  # [depth, V]
-        candidates = [torch.topk(logits[d], self.tree.top_k(d + 1)).indices for d in range(depth)]
-        return Tree(template_tokens(root, candidates, self.tree, count), self.tree.parents[:count])
+        candidates = [torch.topk(logits[d], tree.top_k(d + 1)).indices for d in range(depth)]
+        return Tree(template_tokens(root, candidates, tree, count), tree.parents[:count])
 
     def advance(self, state, tree, acceptance, verified) -> None:
         state.values["hidden"] = verified.hidden[acceptance.path[-1]]

@@ -24,10 +24,11 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from .base import register
-from .engine.params import Settings, integer, one_of, setting
+from .base import BuildContext, register
 from .engine.tree import Tree
 from .loop import DraftVerifyDecoder
+from .settings.params import Settings, integer, one_of, setting
+from .settings.sizing import Sizing
 
 UPSTREAM_DRAFT = 10  # prompt-lookup-decoding's and Spec-Bench's draft_num_candidate_tokens
 
@@ -118,16 +119,16 @@ def trie(root: int, continuations: list[list[int]], nodes: int | None = None) ->
 class PromptLookupDecoder(DraftVerifyDecoder):
     name = "pld"
 
-    def __init__(self, target, max_ngram: int = PLDSettings.max_ngram, num_draft: int = UPSTREAM_DRAFT,
-                 branches: int = PLDSettings.branches, sizing: dict | None = None, setting: int | str | None = None):
-        """`num_draft`: the draft length in tokens; `setting`: what `method.num_draft` said (`auto`)."""
-        super().__init__(target, sizing)
-        self.max_ngram, self.num_draft, self.branches = max_ngram, int(num_draft), branches
-        self.setting = num_draft if setting is None else setting
+    def __init__(self, target, max_ngram: int = PLDSettings.max_ngram, num_draft: int | Sizing = UPSTREAM_DRAFT,
+                 branches: int = PLDSettings.branches):
+        """`num_draft`: the longest draft it copies, in tokens (`method.num_draft` settled: a `Sizing`)."""
+        super().__init__(target, Sizing.of(num_draft))
+        self.max_ngram, self.branches = max_ngram, branches
 
     def describe(self):
-        return {**super().describe(), "max_ngram": self.max_ngram, "num_draft": self.setting,
-                "draft_tokens": self.num_draft, "branches": self.branches}
+        setting = (self.sizing.source or {}).get("num_draft", self.sizing.value)  # `auto`, or the number given
+        return {**super().describe(), "max_ngram": self.max_ngram, "num_draft": setting,
+                "draft_tokens": self.sizing.value, "branches": self.branches}
 
     def finish(self, state) -> None:
         steps = state.stats.steps - 1  # verifications (the prefill proposes nothing)
@@ -137,27 +138,13 @@ class PromptLookupDecoder(DraftVerifyDecoder):
     def propose(self, state, root: int, budget: int) -> Tree:
         if budget <= 0:
             return Tree(torch.tensor([root]), [-1])
-        found = lookup_continuations(state.sequence, self.max_ngram, min(self.num_draft, budget),
+        found = lookup_continuations(state.sequence, self.max_ngram, min(self.sizing.value, budget),
                                      state.stop.eos_token_ids, self.branches)
         state.values["matched_steps"] = state.values.get("matched_steps", 0) + bool(found)
-        return trie(root, found)
+        return trie(root, found, nodes=state.cut)
 
 
 @register("pld", settings=PLDSettings)
-def build(target, settings: PLDSettings, context) -> PromptLookupDecoder:
-    num_draft, sizing = settings.num_draft, None
-    if num_draft == "auto":
-        num_draft, sizing = draft_budget(context, target, "num_draft", UPSTREAM_DRAFT)
-    decoder = PromptLookupDecoder(target, settings.max_ngram, num_draft, settings.branches, sizing, settings.num_draft)
-    if settings.num_draft == "auto" and context is not None:
-        decoder.batch_curve = context.latency_curve(target)
-    return decoder
-
-
-def draft_budget(context, target, what: str, upstream: int) -> tuple[int, dict]:
-    """An `auto` draft size in draft tokens (nodes besides the root): the machine's verify budget less
-    the root, or `upstream`'s without a machine profile (or a build context)."""
-    if context is None:
-        return upstream, {what: "auto", "draft_tokens": upstream, "profile": "none: upstream's size"}
-    tokens, sizing = context.tree_budget(target, what, upstream + 1)
-    return tokens - 1, {**sizing, "draft_tokens": tokens - 1, "chosen": f"{tokens - 1} draft tokens"}
+def build(target, settings: PLDSettings, context: BuildContext) -> PromptLookupDecoder:
+    sizing = context.draft_tokens(target, "num_draft", settings.num_draft, UPSTREAM_DRAFT)
+    return PromptLookupDecoder(target, settings.max_ngram, sizing, settings.branches)

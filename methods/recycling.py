@@ -26,7 +26,7 @@ sequence of the batch.
 
 Defaults: k = 8 (`--output-id-topk 8`, `topk(k=8)`), tree "2.2.2" (`--tree_version 2.2.2`).
 `tree: auto` keeps the template's first nodes (its own, level-by-level order) up to what this
-machine verifies nearly free (engine/sizing.py).
+machine verifies nearly free (settings/sizing.py).
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ from dataclasses import dataclass
 import torch
 
 from .base import BuildContext, register
-from .engine.params import BOOL, Settings, integer, one_of, paths, setting
 from .engine.static_trees import StaticTree
 from .engine.tree import Tree
 from .loop import DraftVerifyDecoder
+from .settings.params import BOOL, Settings, integer, one_of, paths, setting
+from .settings.sizing import Sizing
 
 # Luowaterbi/TokenRecycling, model/recycling/tree_template_.py, version "2.2.2" (verbatim): 80 nodes,
 # 8/21/25/15/8/3 per depth.
@@ -82,19 +83,28 @@ class TokenRecyclingDecoder(DraftVerifyDecoder):
     name = "recycling"
 
     def __init__(self, target, tree: StaticTree, top_k: int = RecyclingSettings.top_k,
-                 persist: bool = RecyclingSettings.persist, sizing: dict | None = None):
-        super().__init__(target, sizing)
+                 persist: bool = RecyclingSettings.persist, sizing: Sizing | None = None):
+        """`sizing`: how the tree was sized (its rule for a batch: `Sizing.cut`); None: the tree as given."""
+        super().__init__(target, sizing or Sizing.fixed(len(tree) - 1))
         if tree.top_k() > top_k:
             raise ValueError(f"tree template uses successor rank {tree.top_k() - 1}; the matrix keeps top_k={top_k}")
         if top_k > target.vocab_size:
             raise ValueError(f"recycling top_k={top_k} exceeds the vocabulary ({target.vocab_size} tokens)")
         self.tree, self.top_k, self.persist = tree, top_k, persist
-        device = target.device
-        self.parents = torch.tensor(tree.parents[1:], dtype=torch.long, device=device)
-        self.ranks = torch.tensor(tree.ranks[1:], dtype=torch.long, device=device)
-        self.levels = [torch.tensor([n for n in range(1, len(tree)) if tree.depths[n] == d], device=device)
-                       for d in range(1, tree.max_depth + 1)]
+        self.layouts: dict[StaticTree, tuple] = {}  # a template's parents, ranks and levels on the device
         self.reset()
+
+    def layout(self, tree: StaticTree) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The template's nodes' parents and successor ranks, and its nodes by depth, on the target's
+        device; made once per template (the tree, and a batch's cut of it)."""
+        if tree not in self.layouts:
+            device = self.target.device
+            self.layouts[tree] = (
+                torch.tensor(tree.parents[1:], dtype=torch.long, device=device),
+                torch.tensor(tree.ranks[1:], dtype=torch.long, device=device),
+                [torch.tensor([n for n in range(1, len(tree)) if tree.depths[n] == d], device=device)
+                 for d in range(1, tree.max_depth + 1)])
+        return self.layouts[tree]
 
     def reset(self) -> None:
         """Forget every recycled successor: the matrix of zeros upstream starts from. It lives on the
@@ -111,7 +121,7 @@ class TokenRecyclingDecoder(DraftVerifyDecoder):
         return {**super().describe(), "tree_nodes": len(self.tree), "tree_depth": self.tree.max_depth,
                 "top_k": self.top_k, "adjacency_persists": self.persist}
 
-    def _recycle(self, matrix: dict, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    def recycle(self, matrix: dict, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """Row of each token <- the top-k after it; for a repeated token the last node's wins (the
         earlier occurrences write the spare last row instead): on the device, no read back.
         `matrix`: the answer's copy (`adjacency`, `filled`) and the rows it wrote (`written`)."""
@@ -134,20 +144,22 @@ class TokenRecyclingDecoder(DraftVerifyDecoder):
     def start(self, state, prefill) -> None:
         matrix = state.values["matrix"] = self.answer_matrix()
         state.values["rows_before"] = int(matrix["filled"][:-1].sum())  # once per answer, for its statistics
-        self._recycle(matrix, torch.tensor(state.prompt[-1:]), prefill.logits[-1:])
+        self.recycle(matrix, torch.tensor(state.prompt[-1:]), prefill.logits[-1:])
 
     def propose(self, state, root: int, budget: int) -> Tree:
         adjacency = state.values["matrix"]["adjacency"]
-        depth = min(self.tree.max_depth, budget)
-        count = 1 + sum(len(level) for level in self.levels[:depth])  # nodes are sorted by depth
+        tree = self.tree.cut(state.cut)
+        parents, ranks, levels = self.layout(tree)
+        depth = min(tree.max_depth, budget)
+        count = 1 + sum(len(level) for level in levels[:depth])  # nodes are sorted by depth
         tokens = torch.empty(count, dtype=torch.long, device=adjacency.device)
         tokens[0] = root
-        for nodes in self.levels[:depth]:  # BFS: one gather per depth
-            tokens[nodes] = adjacency[tokens[self.parents[nodes - 1]], self.ranks[nodes - 1]]
-        return Tree(tokens, self.tree.parents[:count])
+        for nodes in levels[:depth]:  # BFS: one gather per depth
+            tokens[nodes] = adjacency[tokens[parents[nodes - 1]], ranks[nodes - 1]]
+        return Tree(tokens, tree.parents[:count])
 
     def advance(self, state, tree, acceptance, verified) -> None:
-        self._recycle(state.values["matrix"], tree.tokens, verified.logits)
+        self.recycle(state.values["matrix"], tree.tokens, verified.logits)
 
     def finish(self, state) -> None:
         """The rows the answer wrote merged into the shared matrix (the next answers start from it)."""
@@ -168,10 +180,9 @@ class TokenRecyclingDecoder(DraftVerifyDecoder):
 def build(target, settings: RecyclingSettings, context: BuildContext) -> TokenRecyclingDecoder:
     choice, sizing = settings.tree, None
     if choice == "auto":  # upstream's template cut, in its own order, to this machine's verify budget
-        budget, sizing = context.tree_budget(target, "tree", len(TEMPLATE_2_2_2) + 1)
-        tree = StaticTree.build(TEMPLATE_2_2_2, nodes=budget - 1)
-        sizing["chosen"] = f"2.2.2, first {len(tree) - 1} nodes"
+        sizing = context.sizing(target, "tree", "auto", len(TEMPLATE_2_2_2) + 1)
+        tree = StaticTree.build(TEMPLATE_2_2_2, nodes=sizing.value - 1)
+        sizing = sizing.choose(len(tree) - 1, chosen=f"2.2.2, first {len(tree) - 1} nodes")
     else:
         tree = StaticTree.build(TEMPLATES[choice] if isinstance(choice, str) else choice)
-    decoder = TokenRecyclingDecoder(target, tree, top_k=settings.top_k, persist=settings.persist, sizing=sizing)
-    return decoder
+    return TokenRecyclingDecoder(target, tree, top_k=settings.top_k, persist=settings.persist, sizing=sizing)

@@ -52,12 +52,13 @@ from pathlib import Path
 
 import torch
 
-from .base import register
-from .engine.params import Check, ConfigError, Settings, integer, one_of, setting
+from .base import BuildContext, register
 from .engine.tree import Tree
 from .loop import DraftVerifyDecoder
 from .models.corpus import configured_file, corpus_entries, corpus_file, manifest, resolve_path
-from .pld import draft_budget, trie
+from .pld import trie
+from .settings.params import Check, ConfigError, Settings, integer, one_of, setting
+from .settings.sizing import Sizing
 
 UPSTREAM_DRAFT = 64  # upstream's --num-draft
 MIN_TOKEN_SPAN = 2  # upstream: token_spans = range(2, max_token_span + 1), longest first
@@ -169,29 +170,31 @@ class RestDecoder(DraftVerifyDecoder):
     name = "rest"
 
     def __init__(self, target, datastore: Path | str, settings: RestSettings = RestSettings(),
-                 num_draft: int | None = None, sizing: dict | None = None):
-        """`num_draft`: the draft's nodes (`method.num_draft` resolved; upstream's 64 when it says `auto`)."""
+                 num_draft: int | Sizing | None = None):
+        """`num_draft`: the draft's nodes (`method.num_draft` settled: a `Sizing`; None: the settings'
+        number, upstream's 64 when they say `auto`)."""
         import draftretriever  # lazy: draftretriever, only where a datastore is read
 
-        super().__init__(target, sizing)
+        if num_draft is None:
+            num_draft = settings.num_draft if isinstance(settings.num_draft, int) else UPSTREAM_DRAFT
+        super().__init__(target, Sizing.of(num_draft))
         self.settings, self.datastore = settings, Path(datastore)
-        self.num_draft = num_draft if num_draft is not None else \
-            (settings.num_draft if isinstance(settings.num_draft, int) else UPSTREAM_DRAFT)
         self.reader = draftretriever.Reader(str(self.datastore))
 
     def describe(self):
-        return {**super().describe(), **self.settings.to_dict(), "draft_nodes": self.num_draft,
+        return {**super().describe(), **self.settings.to_dict(), "draft_nodes": self.sizing.value,
                 "datastore_file": str(self.datastore),
                 "datastore_bytes": self.datastore.stat().st_size}
 
     def propose(self, state, root: int, budget: int) -> Tree:
         if budget <= 0:
             return Tree(torch.tensor([root]), [-1])
-        paths = retrieve(self.reader, state.sequence, self.settings, self.num_draft)
+        paths = retrieve(self.reader, state.sequence, self.settings, self.sizing.value)
         counts = state.values.setdefault("retrievals", [0, 0])  # this sequence's retrievals, and those that matched
         counts[0] += 1
         counts[1] += bool(paths)
-        return trie(root, [path[:budget] for path in paths], nodes=self.num_draft)
+        nodes = self.sizing.value if state.cut is None else min(self.sizing.value, state.cut)
+        return trie(root, [path[:budget] for path in paths], nodes=nodes)
 
     def finish(self, state) -> None:
         retrievals, hits = state.values.get("retrievals", (0, 0))
@@ -199,12 +202,10 @@ class RestDecoder(DraftVerifyDecoder):
 
 
 @register("rest", settings=RestSettings)
-def build(target, settings: RestSettings, context) -> RestDecoder:
-    path = datastore_path(settings, context.model_name if context else "", context.model_config if context else {})
-    num_draft, sizing = settings.num_draft, None
-    if num_draft == "auto":
-        num_draft, sizing = draft_budget(context, target, "num_draft", UPSTREAM_DRAFT)
-    return RestDecoder(target, path, settings, num_draft, sizing)
+def build(target, settings: RestSettings, context: BuildContext) -> RestDecoder:
+    path = datastore_path(settings, context.model_name, context.model_config)
+    return RestDecoder(target, path, settings, context.draft_tokens(target, "num_draft", settings.num_draft,
+                                                                    UPSTREAM_DRAFT))
 
 
 # ------------------------------------------------------------------------------------------

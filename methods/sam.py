@@ -43,8 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import BuildContext, register
-from .engine.params import Check, ConfigError, Settings, integer, number, one_of, setting
+from .base import BuildContext, get_method, register
 from .engine.tree import Tree
 from .engine.vocab import draft_vocab_setting
 from .loop import DraftVerifyDecoder
@@ -52,6 +51,8 @@ from .models.corpus import configured_file, corpus_entries, corpus_file, manifes
 from .models.heads.source import head_setting
 from .pld import trie
 from .rest import file_value, sharegpt_entries
+from .settings.params import Check, ConfigError, Settings, integer, number, one_of, setting
+from .settings.sizing import Sizing
 
 UPSTREAM_PREDICTS = {"none": 60, "eagle2": 40}  # samd_sam_only's max_predicts; samd's n_predicts
 AUXILIARIES = ("none", "eagle2")
@@ -329,12 +330,13 @@ class SamDecoder(DraftVerifyDecoder):
     name = "sam"
 
     def __init__(self, target, static: FrozenAutomaton | None, settings: SamSettings = SamSettings(),
-                 predicts: int = UPSTREAM_PREDICTS["none"], auxiliary=None, sizing: dict | None = None):
-        super().__init__(target, sizing)
+                 predicts: int | Sizing = UPSTREAM_PREDICTS["none"], auxiliary=None):
+        """`predicts`: the most tokens a draft holds with its root (`method.n_predicts` settled: a `Sizing`)."""
+        super().__init__(target, Sizing.of(predicts))
         if (auxiliary is None) != (settings.auxiliary == "none"):
             raise ValueError(f"method.auxiliary={settings.auxiliary} needs {'no' if auxiliary is None else 'an'} "
                              "auxiliary decoder")
-        self.static, self.settings, self.predicts, self.auxiliary = static, settings, int(predicts), auxiliary
+        self.static, self.settings, self.auxiliary = static, settings, auxiliary
 
     def describe(self):
         """SAM's settings, the auxiliary's only with one (EAGLE-2's own record: its draft vocabulary, its
@@ -345,8 +347,9 @@ class SamDecoder(DraftVerifyDecoder):
         else:
             settings.update({k: v for k, v in self.auxiliary.describe().items() if k in AUXILIARY_KEYS})
         static = {"tokens": len(self.static), "states": len(self.static.link)} if self.static is not None else None
-        sizing = {"auxiliary_sizing": self.auxiliary.sizing} if self.auxiliary and self.auxiliary.sizing else {}
-        return {**super().describe(), **settings, "predicts": self.predicts, "static_automaton": static, **sizing}
+        auxiliary = self.auxiliary.sizing.describe() if self.auxiliary else None
+        sizing = {"auxiliary_sizing": auxiliary} if auxiliary else {}
+        return {**super().describe(), **settings, "predicts": self.sizing.value, "static_automaton": static, **sizing}
 
     def draft_state(self, index: int):
         return self.auxiliary.draft_state(index) if self.auxiliary else None
@@ -374,7 +377,9 @@ class SamDecoder(DraftVerifyDecoder):
             sam.static_cursor = cursor
             static_index, static_match = transfer(self.static, *cursor, root)
         static_match -= self.settings.len_bias
-        s, n = self.settings, self.predicts
+        s, n = self.settings, self.sizing.value
+        if state.cut is not None:  # a batch's cut, in nodes besides the root
+            n = min(n, 1 + state.cut)
         if budget <= 0:
             kind, tree = "none", Tree(torch.tensor([root]), [-1])
         elif self.auxiliary is not None:  # samd: the automaton from len_threshold on, else the auxiliary's tree
@@ -440,38 +445,25 @@ def embedded_static(model_name: str, model_config: dict, log=print) -> Path:
     return corpus_file("sam", ".npz", model_name, model_config, build, log, version=("sam-1",))
 
 
-def static_automaton(settings: SamSettings, context: BuildContext | None) -> FrozenAutomaton | None:
+def static_automaton(settings: SamSettings, context: BuildContext) -> FrozenAutomaton | None:
     if settings.static == "none":
         return None
-    name, config = (context.model_name, context.model_config) if context else ("", {})
-    settings.check_model({**config, "name": name})
-    return FrozenAutomaton.load(configured_file("sam", settings.static, name, config, embedded_static))
+    settings.check_model({**context.model_config, "name": context.model_name})
+    return FrozenAutomaton.load(configured_file("sam", settings.static, context.model_name, context.model_config,
+                                                embedded_static))
 
 
 @register("sam", settings=SamSettings)
-def build(target, settings: SamSettings, context: BuildContext | None) -> SamDecoder:
+def build(target, settings: SamSettings, context: BuildContext) -> SamDecoder:
     static = static_automaton(settings, context)
-    predicts, sizing = settings.n_predicts, None
-    if predicts == "auto":
-        fixed = UPSTREAM_PREDICTS[settings.auxiliary]
-        predicts, sizing = context.tree_budget(target, "n_predicts", fixed) if context else \
-            (fixed, {"n_predicts": "auto", "profile": "none: upstream's size"})
-        sizing["chosen"] = f"{predicts} tokens with the root"
+    predicts = context.sizing(target, "n_predicts", settings.n_predicts, UPSTREAM_PREDICTS[settings.auxiliary])
+    if settings.n_predicts == "auto":
+        predicts = predicts.choose(predicts.value, chosen=f"{predicts.value} tokens with the root")
     auxiliary = None
-    if settings.auxiliary == "eagle2":
-        # lazy: the EAGLE family, only for SAM's auxiliary drafter
-        from .eagle.dynamic import Eagle2Decoder, build_dynamic
-        from .models.heads.eagle import load_eagle_head
-        from .models.heads.source import head_spec
-
-        params = {"name": "sam", "head": settings.head, "draft_vocab": settings.draft_vocab}
-        head = load_eagle_head(head_spec(params, context, "eagle"), context.target_model)
-        auxiliary = build_dynamic(Eagle2Decoder, target, head, settings, context,
-                                  vocabulary=context.draft_vocabulary(params))
-    decoder = SamDecoder(target, static, settings, predicts, auxiliary, sizing)
-    if settings.n_predicts == "auto" and context is not None:
-        decoder.batch_curve = context.latency_curve(target)
-    return decoder
+    if settings.auxiliary == "eagle2":  # method=eagle2 with SAM's keys for it, from the registry
+        auxiliary = get_method("eagle2")(target, {"name": "eagle2", **{key: getattr(settings, key)
+                                                                      for key in AUXILIARY_KEYS}}, context)
+    return SamDecoder(target, static, settings, predicts, auxiliary)
 
 
 # ------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ distribution. A chain is the multi-candidate tree with k-config (1, ..., 1), so 
 code with that configuration.
 
 `gamma: auto` sizes the chain for the most expected tokens per unit of time on this machine
-(`engine/sizing.py`: the target's latency curve, the draft's measured cost per token) and keeps
+(`settings/sizing.py`: the target's latency curve, the draft's measured cost per token) and keeps
 doing so as the run goes: the acceptance estimate starts at the draft's model-card value (worth
 `PRIOR_TESTS` tested positions) and follows the positions actually tested and accepted, so a
 draft that accepts less on the benchmark than on its training answers gets shorter chains.
@@ -22,12 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import BuildContext, Decoder, register
-from .engine.params import Settings, integer, mapping, null, one_of, setting
-from .engine.sizing import chain_length, held_out_acceptance, relative
 from .engine.vocab import draft_vocab_setting
 from .mcsd import MultiCandidateDecoder
+from .models.draft_lm import DraftLM
 from .models.loading import load_draft_lm
 from .models.specs import ModelSpec
+from .settings.params import Settings, integer, mapping, null, one_of, setting
+from .settings.sizing import Sizing, chain_length, held_out_acceptance, relative
 
 PRIOR_TESTS = 20  # weight of the model card's acceptance in the running estimate, in tested positions
 HEURISTIC_START = 5  # transformers 4.37.1's num_assistant_tokens default (Spec-Bench's SpS)
@@ -60,16 +61,22 @@ class SpSSettings(Settings):
 class SpeculativeSamplingDecoder(MultiCandidateDecoder):
     name = "sps"
 
-    def __init__(self, target, draft_model, gamma: int = FIXED_GAMMA, vocabulary=None):
-        super().__init__(target, draft_model, k_config=(1,), replacement=True, vocabulary=vocabulary)
-        self.heuristic = gamma == "heuristic"
-        self.set_gamma(HEURISTIC_START if self.heuristic else gamma)
-        self.auto: dict | None = None  # gamma=auto: the curve, the draft's cost, the acceptance counts
+    def __init__(self, target, draft_model, gamma: int | str | Sizing = FIXED_GAMMA, vocabulary=None):
+        """`gamma`: the chain length, `heuristic`, or `auto`'s `Sizing` (`auto_gamma`: the latency curve, the
+        draft's cost per token and its acceptance prior, from which γ is chosen and then follows the run's
+        acceptance)."""
+        gamma = Sizing.of(gamma)
+        super().__init__(target, draft_model, k_config=Sizing((1,), None, gamma.curve), replacement=True,
+                         vocabulary=vocabulary)
+        self.sizing = gamma
+        self.heuristic = gamma.value == "heuristic"
+        self.set_gamma(HEURISTIC_START if self.heuristic else gamma.value)
+        source = gamma.source or {}
+        # gamma=auto: the curve, the draft's cost, the acceptance counts
+        self.auto = None if "draft_cost" not in source else \
+            {"curve": gamma.curve, "cost": source["draft_cost"], "prior": source["alpha_prior"], "tested": 0,
+             "accepted": 0}
         self.steps_by_gamma: dict[int, int] = {}
-
-    def size_automatically(self, curve: dict[int, float], cost: float, alpha: float) -> None:
-        self.auto = {"curve": curve, "cost": cost, "prior": alpha, "tested": 0, "accepted": 0}
-        self.set_gamma(chain_length(curve, cost, alpha)[0])
 
     def start(self, state, prefill) -> None:
         super().start(state, prefill)
@@ -117,7 +124,9 @@ class SpeculativeSamplingDecoder(MultiCandidateDecoder):
             described["sizing"] = {"gamma": "auto", "draft_cost": auto["cost"], "alpha_prior": auto["prior"],
                                    "alpha_measured": self.alpha_estimate(), "tested": auto["tested"],
                                    "steps_by_gamma": dict(sorted(self.steps_by_gamma.items())),
-                                   "curve_t1": {n: round(v, 3) for n, v in relative(auto["curve"]).items()}}
+                                   "curve_t1": {n: round(v, 3) for n, v in relative(auto["curve"]).items()},
+                                   **({"batch_draft_tokens": dict(sorted(self.sizing.cuts.items()))}
+                                      if self.sizing.cuts else {})}
         return described
 
 
@@ -126,16 +135,20 @@ def build(target, settings: SpSSettings, context: BuildContext) -> SpeculativeSa
     gamma = settings.gamma
     spec = settings.draft or context.draft_spec("sps", "sps")
     draft = load_draft_lm(spec, context.target_model)
+    vocabulary = context.draft_vocabulary(settings.to_dict(), draft.get_output_embeddings().out_features)
+    draft_lm = DraftLM(draft, target.vocab_size, vocabulary, **target.engine_settings())
     curve = context.latency_curve(target) if gamma == "auto" else None
-    decoder = SpeculativeSamplingDecoder(
-        target,
-        draft,
-        gamma=(1 if curve else FIXED_GAMMA) if gamma == "auto" else gamma,  # auto without a profile: fixed
-        vocabulary=context.draft_vocabulary(settings.to_dict(), draft.get_output_embeddings().out_features),
-    )
-    if curve:  # the chain length with the most expected tokens per second on this machine
-        token = context.profile.forward_latency(decoder.draft.runner, (1,), "the draft LM's token")[1]
-        decoder.size_automatically(curve, token / curve[min(curve)],
-                                   held_out_acceptance(ModelSpec.from_mapping(spec).path if spec.get("path") else None))
-        decoder.batch_curve = curve
-    return decoder
+    if gamma == "auto" and curve is None:
+        gamma = Sizing(FIXED_GAMMA, {"gamma": "auto", "profile": f"none: the fixed {FIXED_GAMMA}"})
+    elif gamma == "auto":  # the chain length with the most expected tokens per second on this machine
+        token = context.profile.forward_latency(draft_lm.runner, (1,), "the draft LM's token")[1]
+        gamma = auto_gamma(curve, token / curve[min(curve)],
+                           held_out_acceptance(ModelSpec.from_mapping(spec).path if spec.get("path") else None))
+    return SpeculativeSamplingDecoder(target, draft_lm, gamma=gamma, vocabulary=vocabulary)
+
+
+def auto_gamma(curve: dict[int, float], cost: float, alpha: float) -> Sizing:
+    """`gamma: auto` settled: the chain length with the most expected tokens per unit of time for a draft
+    costing `cost` one-token target forwards per token with acceptance `alpha` (`chain_length`)."""
+    return Sizing(chain_length(curve, cost, alpha)[0], {"gamma": "auto", "draft_cost": cost, "alpha_prior": alpha},
+                  curve)

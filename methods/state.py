@@ -96,6 +96,9 @@ class DecodeState:
     sequence: list[int] = field(default_factory=list)  # prompt and output; the last token is not in the target KV
     draft: Any = None  # the method's drafter for this sequence (`DraftVerifyDecoder.draft_state`): a draft LM, a head
     batch: int = 1  # the sequences verified together this step (the loop sets it)
+    # the most draft tokens (nodes besides the root) this step's draft may hold: the decoder's
+    # `Sizing.cut` at this batch size, for a greedy sequence; None: the batch-1 size (the loop sets it)
+    cut: int | None = None
     values: dict[str, Any] = field(default_factory=dict)  # the method's own per-sequence values (SpS's heuristic γ)
 
     def emit(self, emitted: Sequence[int], margins: Sequence[float]) -> tuple[int, str] | None:

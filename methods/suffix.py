@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import torch
 
 from .base import register
-from .engine.params import BOOL, Settings, integer, number, setting
 from .engine.tree import Tree
 from .loop import DraftVerifyDecoder
+from .settings.params import BOOL, Settings, integer, number, setting
 
 
 @dataclass(frozen=True)

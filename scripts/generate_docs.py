@@ -30,11 +30,11 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from harness.reporting.breakdown import breakdown_rows  # noqa: E402
 from harness.reporting.tables import build_tables, find_runs  # noqa: E402
-from harness.reporting.text import format_summary  # noqa: E402
 from harness.running.results import read_answers  # noqa: E402
 from harness.stats import decoder_stats  # noqa: E402
+from harness.stats.text import format_summary  # noqa: E402
 from methods.base import available_methods, method_settings  # noqa: E402
-from methods.engine.params import ConfigError  # noqa: E402
+from methods.settings.params import ConfigError  # noqa: E402
 
 REFERENCE = REPO / "results" / "reference"
 HEADLINE = REPO / "conf" / "headline" / "smollm2-135m.yaml"

@@ -4,7 +4,7 @@ of the suite and the settings table of docs/methods.md.
     make docs                                   # writes them (scripts/generate_docs.py)
     python scripts/generate_docs.py --check     # exit 1, naming the files, if any differs
 
-A method's settings are declared once, in its `Settings` class (`methods/engine/params.py`); these
+A method's settings are declared once, in its `Settings` class (`methods/settings/params.py`); these
 files are written from them, and tests/test_settings.py checks that they are up to date.
 """
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from methods.base import available_methods, method_settings  # noqa: E402
-from methods.engine.params import settings_table  # noqa: E402
+from methods.settings.params import settings_table  # noqa: E402
 
 DOCS = REPO / "docs" / "methods.md"
 BEGIN, END = "<!-- settings: written by scripts/method_configs.py -->", "<!-- end of settings -->"

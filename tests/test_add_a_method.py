@@ -14,9 +14,9 @@ from omegaconf import OmegaConf
 from harness.running.results import read_jsonl
 from harness.running.run import run
 from methods.base import available_methods, check_method_params, register
-from methods.engine.params import ConfigError, Settings, integer, setting
 from methods.engine.tree import Tree
 from methods.loop import DraftVerifyDecoder
+from methods.settings.params import ConfigError, Settings, integer, setting
 from tests.test_harness import config, tiny_overrides
 
 

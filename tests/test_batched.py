@@ -78,24 +78,26 @@ def test_greedy_batch_equals_each_prompt_alone(target, method, batch):
 
 
 def test_an_auto_draft_is_cut_to_the_verify_budget_at_the_batch_size(target):
-    """A draft sized `auto` (its curve kept, `batch_curve`) verifies at most `batch_budget(B)` tokens per
+    """A draft sized `auto` (its `Sizing` keeps the curve) verifies at most `Sizing.cut(B)` tokens per
     sequence at B > 1, greedy, and decodes the same tokens; sampled, it drafts as alone (seeded: the
     same tokens as alone)."""
+    from methods.settings.sizing import Sizing
+
     curve = {1: 1.0, 4: 1.0, 8: 1.1, 16: 2.0, 64: 8.0}
     prompts, stops = prompts_and_stops(4)
     alone = [DECODERS["pld"](target).generate(p, s) for p, s in zip(prompts, stops)]
-    decoder = DECODERS["pld"](target)
-    decoder.batch_curve = curve
-    cut = decoder.batch_budget(4)
-    assert cut == 1 and decoder.batch_budget(2) == 3 and max(max(out.stats.accepted_lengths) for out in alone) > 2
+    decoder = PromptLookupDecoder(ModelRunner(target), num_draft=Sizing(4, {"num_draft": "auto"}, curve))
+    cut = decoder.sizing.cut(4)
+    assert cut == 1 and decoder.sizing.cut(2) == 3 and decoder.sizing.cut(1) is None
+    assert max(max(out.stats.accepted_lengths) for out in alone) > 2
     drafted = []
     propose = decoder.propose
     decoder.propose = lambda state, root, budget: drafted.append((state.batch, budget)) or propose(state, root, budget)
     outs = decoder.generate_batch(prompts, stops)
     assert [out.tokens for out in outs] == [out.tokens for out in alone]
-    assert all(budget <= decoder.batch_budget(batch) for batch, budget in drafted if batch > 1)
+    assert all(budget <= decoder.sizing.cut(batch) for batch, budget in drafted if batch > 1)
     assert {batch for batch, _ in drafted} >= {4, 2}  # the cut follows the batch as sequences leave
-    assert decoder.describe()["batch_draft_tokens"] == {b: decoder.batch_budget(b) for b in (2, 3, 4)}
+    assert decoder.describe()["sizing"]["batch_draft_tokens"] == {b: decoder.sizing.cut(b) for b in (2, 3, 4)}
     sampling = SamplingConfig(temperature=0.8)
     alone = [DECODERS["pld"](target).generate(p, s, sampling, torch.Generator().manual_seed(b)).tokens
              for b, (p, s) in enumerate(zip(prompts, stops))]
@@ -274,7 +276,7 @@ def test_batch_cache_rows_hold_each_sequence_alone(target, joined, kept):
     firsts = batched.prefill_rows([SimpleNamespace(prompt=p) for p in prompts])
     cache = batched.cache
     keys, _ = cache.joined
-    assert all(layer._keys.data_ptr() == keys[i].data_ptr() for i, layer in enumerate(cache.layers))
+    assert all(layer.key_buffer.data_ptr() == keys[i].data_ptr() for i, layer in enumerate(cache.layers))
     if not joined:
         cache.regrowths = 1  # as after a layer grew past the joined buffers
     for step in steps:
@@ -284,7 +286,7 @@ def test_batch_cache_rows_hold_each_sequence_alone(target, joined, kept):
     # the middle sequence leaves (and, reordered, the others swap rows): each row then holds the KV of
     # the sequence it now holds (joined: still views of one tensor)
     cache.keep_sequences(kept)
-    assert (cache.joined is not None) == joined and len(cache.layers[0]._keys) == 2
+    assert (cache.joined is not None) == joined and len(cache.layers[0].key_buffer) == 2
     for row, b in enumerate(kept):
         prompt = prompts[b]
         alone = ModelRunner(target)
@@ -298,8 +300,8 @@ def test_batch_cache_rows_hold_each_sequence_alone(target, joined, kept):
         length = alone.length
         assert batched.cache.lengths[row] == length
         for mine, theirs in zip(batched.cache.layers, alone.cache.layers):
-            torch.testing.assert_close(mine._keys[row, :, :length], theirs.keys[0])
-            torch.testing.assert_close(mine._values[row, :, :length], theirs.values[0])
+            torch.testing.assert_close(mine.key_buffer[row, :, :length], theirs.keys[0])
+            torch.testing.assert_close(mine.value_buffer[row, :, :length], theirs.values[0])
 
 
 def test_batch_rejects_a_method_that_decodes_one_sequence(target):
@@ -528,14 +530,13 @@ def test_the_draft_lm_drafts_a_batch_with_one_forward_per_depth(every_batchable,
     assert max(steps) == 3 and min(steps) < 3  # the second sequence left the batch before the others
 
 
-def largest_batch_trees(make, prepare) -> tuple:
+def largest_batch_trees(make) -> tuple:
     """Three prompts (the second leaves first: B = 3, then 2) decoded greedily alone and then together by
-    a fresh decoder `prepare`d for the batch; asserts the same tokens. The decoder, and the largest tree
+    a fresh decoder; asserts the same tokens. The decoder, and the largest tree
     it drafted at each batch size above 1."""
     prompts, stops = prompts_and_stops(3)[0], [StopCondition(24), StopCondition(16), StopCondition(24)]
     alone = [make().generate(p, s).tokens for p, s in zip(prompts, stops)]
     decoder = make()
-    prepare(decoder)
     largest, propose_batch = {}, decoder.propose_batch
 
     def record(states, budgets):
@@ -551,34 +552,41 @@ def largest_batch_trees(make, prepare) -> tuple:
 
 def test_eagle_auto_template_is_cut_at_the_batch_size(every_batchable):
     """EAGLE-1 at `tree: auto`: at B > 1 a greedy step verifies the published tree cut to the verify
-    budget at B rows per node (`sizing.batch_draft_tokens`), a smaller prefix as the batch grows, and
-    decodes what each prompt decodes alone; the cuts are recorded. Sampled, the batch-1 tree."""
-    from methods.engine.sizing import batch_draft_tokens
-    from methods.engine.static_trees import NAMED_TREES
+    budget at B rows per node (`Sizing.cut`), a smaller prefix of the published order as the batch grows,
+    and decodes what each prompt decodes alone; the cuts are recorded. Sampled, the batch-1 tree."""
+    from methods.engine.static_trees import NAMED_TREES, StaticTree
+    from methods.settings.sizing import Sizing, batch_draft_tokens
 
-    def prepare(decoder):
-        decoder.auto_paths, decoder.batch_curve = list(NAMED_TREES["eagle_mc_sim_7b_63"]), CPU_CURVE
-    decoder, largest = largest_batch_trees(every_batchable["eagle"], prepare)
+    def make():
+        decoder = every_batchable["eagle"]()
+        tree = StaticTree.build("eagle_mc_sim_7b_63")
+        return type(decoder)(ModelRunner(decoder.target.model), decoder.drafter.head, tree,
+                             sizing=Sizing(len(tree) - 1, {"tree": "auto"}, CPU_CURVE))
+    decoder, largest = largest_batch_trees(make)
     nodes = {b: batch_draft_tokens(CPU_CURVE, b) + 1 for b in (2, 3)}
     assert nodes[3] < nodes[2] < len(decoder.tree)
     assert largest == nodes
-    assert decoder.describe()["batch_tree_nodes"] == nodes
-    assert decoder.template(3, greedy=False) is decoder.tree is decoder.template(1)
+    assert decoder.describe()["sizing"]["batch_draft_tokens"] == {b: n - 1 for b, n in nodes.items()}
+    published = [tuple(p) for p in NAMED_TREES["eagle_mc_sim_7b_63"]]
+    assert set(decoder.tree.cut(nodes[2] - 1).paths) == set(published[:nodes[2] - 1])  # the published order's prefix
+    assert decoder.tree.cut(None) is decoder.tree
 
 
 def test_mcsd_auto_tree_is_chosen_at_the_batch_size(every_batchable):
     """MCSD at `k_config: auto`: at B > 1 a greedy sequence drafts the largest `AUTO_K_CONFIGS` tree whose
     nodes fit the verify budget at B rows per node, smaller as the batch grows, and decodes what it
     decodes alone; the choices are recorded. Sampled, the batch-1 tree."""
-    from methods.engine.sizing import batch_draft_tokens
-    from methods.mcsd import AUTO_K_CONFIGS, tree_nodes
+    from methods.mcsd import AUTO_K_CONFIGS, MultiCandidateDecoder, tree_nodes
+    from methods.settings.sizing import Sizing, batch_draft_tokens
 
     curve = {1: 1.0, 2: 1.0, 4: 1.02, 8: 1.05, 16: 1.2, 32: 1.6, 64: 3.0}
 
-    def prepare(decoder):
-        decoder.batch_curve = curve
-    decoder, largest = largest_batch_trees(every_batchable["mcsd"], prepare)
-    chosen = {b: tuple(k) for b, k in decoder.describe()["batch_k_configs"].items()}
+    def make():
+        decoder = every_batchable["mcsd"]()
+        return MultiCandidateDecoder(ModelRunner(decoder.target.model), decoder.draft.runner.model,
+                                     k_config=Sizing(decoder.k_config, {"k_config": "auto"}, curve))
+    decoder, largest = largest_batch_trees(make)
+    chosen = {b: tuple(decoder.batch_k_config(n)) for b, n in decoder.sizing.cuts.items()}
     assert tree_nodes(chosen[3]) < tree_nodes(chosen[2]) < tree_nodes(decoder.k_config) == 15
     for b, k in chosen.items():  # the largest configuration that fits the budget at B rows per node
         bigger = AUTO_K_CONFIGS[AUTO_K_CONFIGS.index(k) + 1]

@@ -19,7 +19,6 @@ from methods.ar import AutoregressiveDecoder
 from methods.base import check_method_params
 from methods.eagle.template import EagleDecoder
 from methods.engine.acceptance import sample_accept
-from methods.engine.params import ConfigError
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig, logits_to_probs
 from methods.engine.static_trees import StaticTree
@@ -28,6 +27,7 @@ from methods.engine.tree import Tree
 from methods.engine.vocab import DraftVocabulary
 from methods.models.heads.eagle import load_eagle_head
 from methods.models.specs import ModelSpec
+from methods.settings.params import ConfigError
 from tests.conftest import tiny_model
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 from tests.test_tree_methods import write_eagle

@@ -14,7 +14,6 @@ import torch
 from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext, check_method_params, get_method
 from methods.eagle.eagle3 import Eagle3Decoder, Eagle3Drafter
-from methods.engine.params import ConfigError
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
@@ -22,6 +21,7 @@ from methods.engine.vocab import DraftVocabulary
 from methods.models.heads.eagle3 import load_eagle3_head
 from methods.models.heads.source import head_spec
 from methods.models.specs import ModelSpec
+from methods.settings.params import ConfigError
 from tests.conftest import tiny_config, tiny_model, write_checkpoint
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 from tests.test_tree_methods import assert_committed_cache_equals

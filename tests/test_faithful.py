@@ -51,13 +51,13 @@ def test_jacobi_first_guesses_come_from_prompt_and_output():
     for mode in ("sequence", "prompt"):
         decoder = JacobiDecoder(ModelRunner(target), block_size=4, initial_guess=mode)
         guesses = []
-        new_block = decoder._new_block
+        new_block = decoder.new_block
 
         def recording(state, root, new_block=new_block, guesses=guesses):
             new_block(state, root)
             guesses.append((state.values["guess"].tolist(), set(state.sequence)))
 
-        decoder._new_block = recording
+        decoder.new_block = recording
         out = decoder.generate(prompt, StopCondition(40))
         assert out.tokens == AutoregressiveDecoder(ModelRunner(target)).generate(prompt, StopCondition(40)).tokens
         assert all(set(guess) <= pool for guess, pool in guesses)

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.reporting.text import format_summary
 from harness.running.results import read_jsonl
 from harness.running.run import run
 from harness.stats import NEAR_TIE, fidelity, fidelity_failure, summarize
+from harness.stats.text import format_summary
 from methods.engine.acceptance import greedy_accept
 from methods.loop import logit_margins
 from methods.sps import SpeculativeSamplingDecoder

@@ -10,11 +10,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from harness.reporting.text import format_summary
 from harness.running.datasets import Question, select
 from harness.running.results import RunFolder, read_jsonl
 from harness.running.run import run
 from harness.stats import bootstrap_median_interval, speedup_stats, summarize
+from harness.stats.text import format_summary
 from methods.base import available_methods, get_method
 from methods.machine.profile import MachineProfile
 from methods.models.loading import load_model, resolve_device

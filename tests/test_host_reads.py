@@ -171,8 +171,8 @@ def test_a_fixed_size_dynamic_tree_reads_the_host_once(method, tmp_path, monkeyp
     context = method_context(target, tmp_path)
     device, host = (get_method(method)(ModelRunner(target), {"name": method, "total_tokens": 16}, context)
                     for _ in range(2))
-    on_device = host._device_tree
-    host._device_tree = lambda *args: Tree((tree := on_device(*args)).tokens, tree.parents)
+    on_device = host.device_tree
+    host.device_tree = lambda *args: Tree((tree := on_device(*args)).tokens, tree.parents)
     outputs = []
     for decoder in (device, host):
         decoder.generate(PROMPTS[0], StopCondition(8))

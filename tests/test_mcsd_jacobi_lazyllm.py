@@ -195,7 +195,7 @@ def test_lazyllm_aux_cache_and_revival_match_full_computation():
     torch.testing.assert_close(runner.aux_hidden[pruned], full.hidden_states[2][0, pruned], rtol=1e-4, atol=1e-5)
     first = int(pruned.min())
     with torch.inference_mode():
-        runner.aux_hidden[first] = runner._layer(2, runner.aux_hidden[first : first + 1], torch.tensor([first]))[0]
+        runner.aux_hidden[first] = runner.run_layer(2, runner.aux_hidden[first : first + 1], torch.tensor([first]))[0]
     keys = runner.cache.layers[2].keys[0, :, -1]  # the revived entry, appended last
     torch.testing.assert_close(keys, full.past_key_values.layers[2].keys[0, :, first], rtol=1e-4, atol=1e-5)
 

@@ -10,10 +10,17 @@ import textwrap
 import pytest
 
 from methods.ar import AutoregressiveDecoder
-from methods.base import _REGISTRY, _SETTINGS, ENTRY_POINTS, available_methods, check_method_params, get_method
-from methods.engine.params import ConfigError
+from methods.base import (
+    ENTRY_POINTS,
+    available_methods,
+    check_method_params,
+    get_method,
+    method_origin,
+    unregister,
+)
 from methods.engine.runner import ModelRunner
 from methods.engine.stopping import StopCondition
+from methods.settings.params import ConfigError
 from tests.conftest import tiny_model
 
 PLUGIN = '''
@@ -23,7 +30,7 @@ import torch
 
 from methods.base import register
 from methods.loop import DraftVerifyDecoder
-from methods.engine.params import Settings, integer, setting
+from methods.settings.params import Settings, integer, setting
 from methods.engine.tree import Tree
 
 
@@ -65,8 +72,8 @@ def plugin_distribution(tmp_path, monkeypatch):
         """))
     monkeypatch.syspath_prepend(str(tmp_path))
     yield
-    for name in [n for n, factory in _REGISTRY.items() if factory.__module__ == "echo_methods"]:
-        del _REGISTRY[name], _SETTINGS[name]
+    for name in [n for n in available_methods() if method_origin(n) == "echo_methods"]:
+        unregister(name)
     sys.modules.pop("echo_methods", None)
 
 

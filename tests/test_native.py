@@ -286,10 +286,10 @@ def test_a_plan_chosen_among_other_kernels_is_measured_again(tmp_path, monkeypat
     quiet = {"at": "2025-01-01T00:00:00+00:00", "other_cores": 0.0, "steal": 0.0, "busy": False}
     data = {"candidates": candidates(), "load": [quiet], **plan.to_dict()}
     profile.write(file, data)
-    assert profile._load_plan(file)[0].kernels == plan.kernels
+    assert profile.load_plan(file)[0].kernels == plan.kernels
     data["candidates"] = ["f_linear", "w_xt", "onednn", "native-0123456789ab"]  # another build of native.c
     file.write_text(json.dumps(data))
-    assert profile._load_plan(file)[0].kernels == {}
+    assert profile.load_plan(file)[0].kernels == {}
 
 
 def test_without_a_compiler_the_plan_goes_without_the_native_kernel(tmp_path, monkeypatch):

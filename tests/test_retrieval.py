@@ -15,7 +15,6 @@ import torch
 from methods.ar import AutoregressiveDecoder
 from methods.base import check_method_params
 from methods.eagle.dynamic import Eagle2Decoder
-from methods.engine.params import ConfigError
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
@@ -24,6 +23,7 @@ from methods.models.specs import ModelSpec
 from methods.pld import trie
 from methods.rest import RestDecoder, RestSettings, retrieve, write_datastore
 from methods.sam import SamDecoder, SamSettings, SuffixAutomaton, build_static, chain, count_tree, transfer
+from methods.settings.params import ConfigError
 from methods.suffix import SuffixDecoder, SuffixSettings, draft_tree
 from tests.conftest import decode_state, tiny_model
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint

@@ -10,8 +10,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from methods.base import available_methods, check_method_params, get_method, method_settings
-from methods.engine.params import ConfigError
 from methods.pld import PLDSettings
+from methods.settings.params import ConfigError
 from tests.conftest import REPO
 
 
@@ -45,9 +45,9 @@ def test_the_factory_gets_the_checked_settings_with_defaults():
     settings = PLDSettings.from_params({"name": "pld", "num_draft": 4})
     assert settings == PLDSettings(num_draft=4) and settings.max_ngram == PLDSettings().max_ngram
     decoder = get_method("pld")(None, {"name": "pld", "branches": 2})
-    built.update(max_ngram=decoder.max_ngram, num_draft=decoder.setting, branches=decoder.branches)
+    built.update(max_ngram=decoder.max_ngram, num_draft=decoder.describe()["num_draft"], branches=decoder.branches)
     assert built == {**PLDSettings().to_dict(), "branches": 2}
-    assert decoder.num_draft == 10  # `auto` without a machine profile: upstream's
+    assert decoder.sizing.value == 10 and decoder.sizing.cut(4) is None  # `auto` without a profile: upstream's
     with pytest.raises(ConfigError, match=r"^method.max_ngram=0: valid: an integer >= 1$"):
         get_method("pld")(None, {"name": "pld", "max_ngram": 0})
     with pytest.raises(ConfigError, match=r"^method.ngram=3: valid: one of the keys branches, max_ngram, num_draft$"):

@@ -11,10 +11,10 @@ import torch
 
 from methods.base import BuildContext, get_method
 from methods.engine.runner import ModelRunner
-from methods.engine.sizing import batch_draft_tokens, chain_length, tree_budget, verify_cost, verify_costs
 from methods.engine.static_trees import MEDUSA_MC_SIM_7B_63, StaticTree
 from methods.machine.curves import forward_latency
 from methods.machine.profile import MachineProfile
+from methods.settings.sizing import batch_draft_tokens, chain_length, tree_budget, verify_cost, verify_costs
 from tests.conftest import tiny_model
 
 FLAT = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0, 64: 1.0}  # a GPU-like curve
@@ -59,7 +59,7 @@ def test_eagle2s_adaptive_size_reads_a_verify_table_made_once_per_batch_size(mon
         curve, tokens))
     stub = type("Stub", (), {})()
     stub.verify_seconds, stub.total_tokens, stub.draft_seconds = {n: 0.01 * v for n, v in CPU.items()}, 64, 0.003
-    stub._verify_tables = {}
+    stub.verify_tables = {}
     for name in ("adaptive_size", "verify_time", "verify_times"):
         setattr(stub, name, MethodType(getattr(dynamic.Eagle2Decoder, name), stub))
     probabilities = [0.9 ** i for i in range(1, 64)]
@@ -102,15 +102,14 @@ def test_auto_sizes_come_from_the_cached_profile_and_explicit_values_win(tmp_pat
     before = curves[0].stat().st_mtime_ns
     get_method(method)(ModelRunner(target), {"name": method, **params}, context)
     assert curves[0].stat().st_mtime_ns == before  # ... and reused
-    # the chains' `auto` sizes also cut each draft at batch size B > 1 (methods/loop.py), and MCSD's
-    # tree is chosen at B in nodes by the same cut (`batch_k_config`)
-    assert (decoder.batch_curve is not None) == (method in ("sps", "pld", "sam", "mcsd"))
-    assert decoder.batch_budget(1) is None
-    assert (decoder.batch_budget(4) is not None) == (method in ("sps", "pld", "sam", "mcsd"))
+    # an `auto` size also cuts each draft at batch size B > 1 (`Sizing.cut`, methods/loop.py): a chain's
+    # length, Jacobi's new blocks, MCSD's tree (`batch_k_config`), all by the same cut
+    assert decoder.sizing.curve is not None and decoder.sizing.cut(1) is None
+    assert decoder.sizing.cut(4) is not None
     explicit = {"sps": {"gamma": 2}, "mcsd": {"k_config": [2, 1]}, "jacobi": {"block_size": 3}, "pld": {"num_draft": 3},
                 "sam": {"n_predicts": 5}}[method]
     decoder = get_method(method)(ModelRunner(target), {"name": method, **params, **explicit}, context)
-    assert "sizing" not in decoder.describe() and decoder.batch_budget(4) is None
+    assert "sizing" not in decoder.describe() and decoder.sizing.cut(4) is None
 
 
 @pytest.mark.parametrize("method, params, key, fixed", [
@@ -156,12 +155,11 @@ def test_latency_curve_cache_is_per_model_shape(tmp_path, monkeypatch):
 def test_sps_auto_gamma_follows_the_acceptance_it_measures():
     """A draft that accepts far less than its model card says gets shorter chains as the run goes."""
     from methods.engine.stopping import StopCondition
-    from methods.sps import SpeculativeSamplingDecoder
+    from methods.sps import SpeculativeSamplingDecoder, auto_gamma
 
     target = tiny_model("llama", seed=71, vocab_size=256, layers=2)
     stranger = tiny_model("llama", seed=72, vocab_size=256, layers=1)  # an unrelated draft: accepts ~nothing
-    decoder = SpeculativeSamplingDecoder(ModelRunner(target), stranger)
-    decoder.size_automatically(CPU, cost=0.05, alpha=0.9)
+    decoder = SpeculativeSamplingDecoder(ModelRunner(target), stranger, gamma=auto_gamma(CPU, cost=0.05, alpha=0.9))
     assert decoder.gamma >= 4
     decoder.generate([1, 2, 3, 4, 5], StopCondition(60))
     sizing = decoder.describe()["sizing"]
@@ -262,8 +260,8 @@ def test_a_linear_plan_measured_beside_other_work_is_measured_again_by_the_next_
 
 
 def test_the_summary_names_a_busy_profile_that_sized_the_run():
-    from harness.reporting.text import format_summary
     from harness.stats import summarize
+    from harness.stats.text import format_summary
 
     records = [{"question_id": 1, "category": "c", "choices": [{
         "new_tokens": [4], "wall_time": [1.0], "decoding_steps": [4], "accept_lengths": [1] * 4,
@@ -305,7 +303,7 @@ def test_every_runner_a_method_builds_takes_the_runs_profile(method, params):
 
 def test_the_summary_states_the_curve_that_sized_the_draft():
     """A run's printout says which v(n) of its own curve sized its `auto` draft, up to the size chosen."""
-    from harness.reporting.text import sizing_curve_line
+    from harness.stats.text import sizing_curve_line
 
     sizing = {"num_draft": "auto", "verify_tokens": 4, "verify_budget_t1": 1.3,
               "curve_t1": {"1": 1.0, "2": 1.02, "4": 1.2, "8": 1.5}}

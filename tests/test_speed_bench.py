@@ -16,7 +16,7 @@ from data_scripts.prepare import DATASETS, HubUnavailable, prepare
 from harness.reporting.report import report
 from harness.reporting.tables import OVERALL
 from harness.running.datasets import load_questions
-from methods.engine.params import ConfigError
+from methods.settings.params import ConfigError
 from tests.conftest import REPO
 from tests.test_report import cells, record, write_run
 

@@ -23,8 +23,9 @@ PROMPT = [5, 9, 3, 7, 5, 9, 3, 7, 11, 2, 5, 9]
 
 def addresses(runner: ModelRunner) -> tuple:
     layers = runner.cache.layers
-    return (tuple(layer._keys.data_ptr() for layer in layers), tuple(layer._values.data_ptr() for layer in layers),
-            runner.fused.rope._cos.data_ptr(), runner.fused.rope._sin.data_ptr())
+    return (tuple(layer.key_buffer.data_ptr() for layer in layers),
+            tuple(layer.value_buffer.data_ptr() for layer in layers),
+            runner.fused.rope.cos.data_ptr(), runner.fused.rope.sin.data_ptr())
 
 
 def watched(runner: ModelRunner) -> list:
@@ -55,7 +56,7 @@ def test_no_buffer_moves_over_a_long_answer_and_tokens_match_a_growing_cache(mon
         with monkeypatch.context() as patch:  # the same decoder on a cache that grows by doubling
             patch.setattr(ModelRunner, "reserve", lambda self, positions: None)
             growing_runner = ModelRunner(model)
-            growing_runner.fused.rope._cos = None  # the table is the model's: start it small again
+            growing_runner.fused.rope.clear()  # the table is the model's: start it small again
             seen = watched(growing_runner)
             growing = make(growing_runner).generate(PROMPT, stop)
         assert len(set(seen)) > 1  # it did move
@@ -66,10 +67,10 @@ def test_a_cache_past_its_capacity_grows_counted_and_keeps_its_contents():
     cache = TreeKVCache(capacity=6)
     keys = torch.randn(1, 2, 10, 4)
     cache.update(keys[:, :, :4], -keys[:, :, :4], 0)
-    first = cache.layers[0]._keys
+    first = cache.layers[0].key_buffer
     assert first.shape[-2] == 6 and cache.regrowths == 0
     cache.update(keys[:, :, 4:10], -keys[:, :, 4:10], 0)
-    assert cache.regrowths == 1 and cache.layers[0]._keys.data_ptr() != first.data_ptr()
+    assert cache.regrowths == 1 and cache.layers[0].key_buffer.data_ptr() != first.data_ptr()
     assert torch.equal(cache.layers[0].keys, keys) and torch.equal(cache.layers[0].values, -keys)
     assert TreeKVCache().capacity is None
 

@@ -87,7 +87,7 @@ def test_buffers_keep_their_addresses_and_padding_is_dropped():
                 r.commit(start, [0, 2])
             for a, b in zip(runner.cache.layers, plain.cache.layers):
                 torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
-            addresses.add(tuple(layer._keys.data_ptr() for layer in runner.cache.layers))
+            addresses.add(tuple(layer.key_buffer.data_ptr() for layer in runner.cache.layers))
     assert len(addresses) == 1 and runner.cache.regrowths == 0
     assert sorted(runner.static.steps) == [4]
 
@@ -140,7 +140,7 @@ def test_the_draft_step_runs_static_and_drafts_what_the_ordinary_loop_drafts(met
         for prompt in PROMPTS:
             tokens[mode].append(decoder.generate(prompt, StopCondition(30)).tokens)
             layer = decoder.drafter.cache.layers[0]
-            addresses.add((mode, layer._keys.data_ptr(), layer._values.data_ptr()))
+            addresses.add((mode, layer.key_buffer.data_ptr(), layer.value_buffer.data_ptr()))
     assert tokens["on"] == tokens["off"]
     assert len(static_runs) == len(drafted["on"]) == len(drafted["off"]) > 20
     # every step but each answer's first feeds its accepted path inside the static step

@@ -123,12 +123,12 @@ def test_hidden_state_cache_is_16_bit_memory_mapped_and_reused_only_for_the_same
 def test_an_interrupted_cache_computation_resumes_where_it_stopped(tiny_target_data, tmp_path):
     """Computing a corpus's cache takes hours on a CPU: killed mid-way, the next run computes only
     the batches the journal lacks, and the cache equals an uninterrupted one."""
-    from harness.training.examples import _last_hidden, attach_states
+    from harness.training.examples import attach_states, last_hidden
 
     target, examples = tiny_target_data
     fields = {"hidden": 32}
     whole = tmp_path / "whole.pt"
-    attach_states(target, [Example(e.ids, e.answer_start) for e in examples], _last_hidden, fields, "hidden",
+    attach_states(target, [Example(e.ids, e.answer_start) for e in examples], last_hidden, fields, "hidden",
                   whole, batch_tokens=64)
     calls = []
 
@@ -137,7 +137,7 @@ def test_an_interrupted_cache_computation_resumes_where_it_stopped(tiny_target_d
             if len(calls) == n:
                 raise KeyboardInterrupt
             calls.append(ids.shape)
-            return _last_hidden(model, ids)
+            return last_hidden(model, ids)
         return compute
 
     cache = tmp_path / "hidden_states.pt"
@@ -151,12 +151,12 @@ def test_an_interrupted_cache_computation_resumes_where_it_stopped(tiny_target_d
     total = len(calls)
     fresh_calls = []
     attach_states(target, [Example(e.ids, e.answer_start) for e in examples],
-                  lambda m, ids: fresh_calls.append(1) or _last_hidden(m, ids), fields, "hidden",
+                  lambda m, ids: fresh_calls.append(1) or last_hidden(m, ids), fields, "hidden",
                   tmp_path / "fresh.pt", batch_tokens=64)
     assert first == 3 and total == len(fresh_calls) > 3  # no batch computed twice
     assert (tmp_path / "hidden_states.pt.bin").read_bytes() == (tmp_path / "whole.pt.bin").read_bytes()
     reference = [Example(e.ids, e.answer_start) for e in examples]
-    attach_states(target, reference, _last_hidden, fields, "hidden", whole)
+    attach_states(target, reference, last_hidden, fields, "hidden", whole)
     for a, b in zip(resumed, reference):
         assert torch.equal(a.hidden, b.hidden) and torch.equal(a.top, b.top)
     assert sorted(f.name for f in tmp_path.glob("hidden_states.pt*")) == ["hidden_states.pt", "hidden_states.pt.bin"]
@@ -169,7 +169,7 @@ def test_an_interrupted_cache_computation_resumes_where_it_stopped(tiny_target_d
                   "hidden", tmp_path / "other.pt", batch_tokens=48)
     every = []
     attach_states(target, [Example(e.ids, e.answer_start) for e in examples],
-                  lambda m, ids: every.append(1) or _last_hidden(m, ids), fields, "hidden", tmp_path / "count.pt",
+                  lambda m, ids: every.append(1) or last_hidden(m, ids), fields, "hidden", tmp_path / "count.pt",
                   batch_tokens=48)
     assert len(calls) - before == len(every)  # all of them again
 

@@ -16,7 +16,6 @@ import torch
 from methods.ar import AutoregressiveDecoder
 from methods.base import check_method_params
 from methods.engine.acceptance import greedy_accept_logits
-from methods.engine.params import ConfigError
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.engine.static_trees import StaticTree
@@ -26,6 +25,7 @@ from methods.lookahead import LookaheadDecoder
 from methods.loop import DraftVerifyDecoder
 from methods.pld import PromptLookupDecoder, lookup_continuations
 from methods.recycling import TEMPLATE_2_2_2, TokenRecyclingDecoder
+from methods.settings.params import ConfigError
 from tests.conftest import decode_state, tiny_model
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 
@@ -210,7 +210,7 @@ def test_lookahead_pool_is_an_lru_of_g_ngrams_per_token():
     decoder = LookaheadDecoder(None, window=2, level=3, guess=2)
     state = SimpleNamespace(values={"pool": {}})  # the sequence's pool
     for ngram in [(1, 2), (3, 4), (1, 2), (5, 6)]:
-        decoder._remember(state, 7, ngram)
+        decoder.remember(state, 7, ngram)
     assert state.values["pool"] == {7: [(1, 2), (5, 6)]}  # (1, 2) refreshed, (3, 4) the oldest evicted
     with pytest.raises(ValueError):
         Tree(torch.tensor([1, 2]), [-1, 0],
@@ -247,7 +247,7 @@ def test_recycling_matrix_holds_the_targets_top_k_and_bfs_follows_it():
     decoder = recycling(target)
     logits = torch.randn(4, 64)
     matrix = decoder.answer_matrix()
-    decoder._recycle(matrix, torch.tensor([5, 9, 5, 11]), logits)
+    decoder.recycle(matrix, torch.tensor([5, 9, 5, 11]), logits)
     # every forwarded token's row is the top-8 after it; a repeated token keeps its last node's
     assert matrix["adjacency"][9].tolist() == torch.topk(logits[1], 8).indices.tolist()
     assert matrix["adjacency"][5].tolist() == torch.topk(logits[2], 8).indices.tolist()

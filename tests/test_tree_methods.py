@@ -15,7 +15,6 @@ from methods.eagle.dynamic import Eagle2Decoder
 from methods.eagle.template import EagleDecoder
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
-from methods.engine.sizing import verify_cost
 from methods.engine.static_trees import StaticTree
 from methods.engine.stopping import StopCondition
 from methods.engine.tree import Tree
@@ -24,6 +23,7 @@ from methods.models.heads.eagle import load_eagle_head
 from methods.models.heads.medusa import load_medusa_heads
 from methods.models.heads.source import head_spec
 from methods.models.specs import ModelSpec
+from methods.settings.sizing import verify_cost
 from tests.conftest import decode_state, tiny_model, write_checkpoint
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from harness.reporting.text import speedup_status
+from harness.stats.text import speedup_status
 
 
 def job_status(sweep_dir: Path) -> list[dict]:
@@ -19,7 +19,7 @@ def job_status(sweep_dir: Path) -> list[dict]:
 
 
 def print_jobs(sweep_dir: Path) -> int:
-    """One line per job: ok (speedup, τ and their caveats, `harness.reporting.text.speedup_status`; results
+    """One line per job: ok (speedup, τ and their caveats, `harness.stats.text.speedup_status`; results
     folder), failed or interrupted (the error), or running: started but no end recorded (still running, or killed from
     outside: cancelled, out of memory, node lost; its log in the sweep's .submitit folder tells). With the SLURM job and
     node."""

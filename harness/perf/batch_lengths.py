@@ -24,18 +24,18 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from harness import REPO
 from harness.perf.draft_split import EMBEDDED, HEADLINE_TREES
 from harness.perf.workload import write_result
 from harness.running.datasets import load_questions
 from harness.running.environment import environment, hardware_name, hardware_slug
 from harness.running.prompts import ChatTemplate, Message
 from methods.base import BuildContext, check_method_params, get_method
-from methods.engine.params import ConfigError
 from methods.engine.runner import ModelRunner
 from methods.machine.profile import MachineProfile
 from methods.models.loading import load_model, load_tokenizer, resolve_device
+from methods.models.specs import PROJECT_ROOT as REPO
 from methods.models.specs import ModelSpec, model_config
+from methods.settings.params import ConfigError
 
 
 def mixed_prompts(template: ChatTemplate, categories: list[str]) -> list[list[int]]:

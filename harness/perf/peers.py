@@ -30,13 +30,13 @@ import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
-from harness import REPO
 from harness.perf.workload import greedy_generate, spec_bench_prompts, timed_generations
 from harness.running.prompts import ChatTemplate
 from methods.ar import AutoregressiveDecoder
 from methods.engine.runner import ModelRunner
 from methods.engine.storage import cache_root
 from methods.models.loading import gguf_source, load_draft_lm
+from methods.models.specs import PROJECT_ROOT as REPO
 from methods.models.specs import ModelSpec
 from methods.pld import UPSTREAM_DRAFT, PLDSettings, PromptLookupDecoder
 from methods.sps import SpeculativeSamplingDecoder

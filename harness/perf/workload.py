@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from harness import REPO
 from harness.running.datasets import load_questions
 from harness.running.prompts import ChatTemplate, Message
+from methods.models.specs import PROJECT_ROOT as REPO
 
 
 def spec_bench_prompts(template: ChatTemplate, count: int) -> list[list[int]]:

@@ -8,7 +8,6 @@ from pathlib import Path
 import pandas as pd
 
 from harness.reporting.tables import Row, Table, markdown_table
-from harness.reporting.text import caveat_note, describe_fidelity
 from harness.stats import (
     MIN_INTERVAL_N,
     busy_questions,
@@ -18,6 +17,7 @@ from harness.stats import (
     decomposition,
     speedup_stats,
 )
+from harness.stats.text import caveat_note, describe_fidelity
 
 PHASES = ("prefill", "draft", "verify", "accept", "commit", "other")
 

@@ -30,7 +30,7 @@ from hydra import initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from harness import REPO
+from methods.models.specs import PROJECT_ROOT as REPO
 
 
 def run_overrides(config, extra: list[str] = (), limit: int | None = None) -> dict[str, list[str]]:

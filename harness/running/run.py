@@ -24,9 +24,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from harness import REPO
 from harness.cluster.slurm import slurm_job
-from harness.reporting.text import format_summary
 from harness.running import busy
 from harness.running.datasets import Question, load_questions, truncate_middle
 from harness.running.environment import drafts_digest, environment, hardware_key, hardware_name, hardware_slug
@@ -43,11 +41,13 @@ from harness.running.results import (
 )
 from harness.running.validate import check_group_choices, validate
 from harness.stats import fidelity_failure, summarize
+from harness.stats.text import format_summary
 from methods.base import BuildContext, Decoder, get_method
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.machine.profile import MachineProfile
 from methods.models.loading import load_model, load_tokenizer, resolve_device
+from methods.models.specs import PROJECT_ROOT as REPO
 from methods.models.specs import ModelSpec, ModelUnavailableError
 
 log = logging.getLogger("harness")
@@ -423,7 +423,7 @@ def main(cfg: DictConfig) -> None:
 
 def job_result(summary: dict) -> dict:
     """What a finished sweep job adds to its job.json: its numbers with their caveats, as the
-    sweep's status lines and `harness.cluster.jobs` print them (`harness.reporting.text.speedup_status`)."""
+    sweep's status lines and `harness.cluster.jobs` print them (`harness.stats.text.speedup_status`)."""
     speedup = summary.get("speedup") or {}
     return {"status": "ok", "results": summary["results"], "speedup": speedup.get("specbench"),
             "speedup_ci95": speedup.get("specbench_ci95"), "tau": summary["decoder"]["tau"],

@@ -22,15 +22,15 @@ from hydra.core.override_parser.types import ValueType
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from harness import REPO
 from harness.running.environment import git_commit
 from harness.running.execution import require_sandbox
 from methods.base import batchable_methods, check_method_params, method_settings
 from methods.engine.fused import DECODER_MODES
 from methods.engine.graphs import COMPILE_MODES, GRAPH_MODES
-from methods.engine.params import BOOL, Check, ConfigError, integer, null, number, one_of
 from methods.engine.runner import SKINNY_GEMM_MODES
 from methods.models.loading import DTYPES
+from methods.models.specs import PROJECT_ROOT as REPO
+from methods.settings.params import BOOL, Check, ConfigError, integer, null, number, one_of
 
 CONF = REPO / "conf"
 

@@ -97,7 +97,7 @@ def attach_from(cache: Path, examples: list[Example], kind: str, fields: dict[st
     return True
 
 
-def _last_hidden(target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def last_hidden(target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     hidden = target.model(input_ids=ids).last_hidden_state.float()
     return hidden, hidden
 
@@ -111,7 +111,7 @@ def attach_hidden(target, examples: list[Example], cache: Path | None = None, pr
     they stay in RAM as float32; with a `cache` file they are written in 16 bits and memory-mapped,
     and the next recipe reuses them when the examples match."""
     hidden_size = target.get_input_embeddings().embedding_dim
-    attach_states(target, examples, _last_hidden, {_HIDDEN: hidden_size}, _HIDDEN, cache, progress, batch_tokens)
+    attach_states(target, examples, last_hidden, {_HIDDEN: hidden_size}, _HIDDEN, cache, progress, batch_tokens)
 
 
 @torch.no_grad()

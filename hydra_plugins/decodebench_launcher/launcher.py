@@ -42,9 +42,9 @@ from omegaconf import OmegaConf
 from submitit.slurm.slurm import SlurmInfoWatcher
 
 from harness.cluster.slurm import job_states
-from harness.reporting.text import speedup_status
 from harness.running.busy import is_busy
 from harness.running.results import read_jsonl
+from harness.stats.text import speedup_status
 
 log = logging.getLogger(__name__)
 TERMINAL = ("done", "failed")

@@ -9,13 +9,14 @@ import torch
 from ..engine.tree import Tree
 from ..loop import DraftVerifyDecoder
 from ..models.heads.eagle import EagleHead
+from ..settings.sizing import Sizing
 from .batch_draft import BatchDraft
 from .drafter import EagleDrafter
 from .static_draft import StaticDraft
 
 
 class EagleBase(DraftVerifyDecoder):
-    def __init__(self, target, head: EagleHead, vocabulary=None, sizing: dict | None = None):
+    def __init__(self, target, head: EagleHead, vocabulary=None, sizing: Sizing | None = None):
         super().__init__(target, sizing)
         self.drafter = self.make_drafter(head, vocabulary)
         self.lane_drafters = [self.drafter]  # sequence i of a batch drafts with lane_drafters[i] (`draft_state`)

@@ -9,10 +9,10 @@ import time
 import torch
 
 from ..base import BuildContext, register
-from ..engine.sizing import verify_costs
 from ..engine.tree import DeviceTree, Tree
 from ..models.heads.eagle import EagleHead, load_eagle_head
 from ..models.heads.source import head_spec
+from ..settings.sizing import Sizing, verify_costs
 from .decoder import EagleBase, one_sequence
 from .settings import DynamicTreeSettings, Eagle2Settings
 
@@ -22,19 +22,21 @@ UPSTREAM_TOTAL = 60  # upstream's total_token; `auto` and `adaptive` without a m
 class Eagle2Decoder(EagleBase):
     name = "eagle2"
 
-    def __init__(self, target, head: EagleHead, total_tokens: int = UPSTREAM_TOTAL, depth: int = Eagle2Settings.depth,
-                 top_k: int = Eagle2Settings.top_k, vocabulary=None, verify_seconds: dict[int, float] | None = None,
-                 sizing: dict | None = None):
-        """`verify_seconds`: the target's latency curve (the machine profile's) for the adaptive size; None: the
+    def __init__(self, target, head: EagleHead, total_tokens: int | Sizing = UPSTREAM_TOTAL,
+                 depth: int = Eagle2Settings.depth, top_k: int = Eagle2Settings.top_k, vocabulary=None,
+                 verify_seconds: dict[int, float] | None = None):
+        """`total_tokens`: the tree's most tokens with the root (`method.total_tokens` settled: a `Sizing`);
+        `verify_seconds`: the target's latency curve (the machine profile's) for the adaptive size; None: the
         size is `total_tokens`."""
-        super().__init__(target, head, vocabulary, sizing)
+        super().__init__(target, head, vocabulary, Sizing.of(total_tokens))
+        total_tokens = self.sizing.value
         if total_tokens < 2 or depth < 0 or top_k < 1:
             raise ValueError(f"eagle2 needs total_tokens >= 2, depth >= 0, top_k >= 1; got {total_tokens}, {depth}, "
                              f"{top_k}")
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
         self.verify_seconds = verify_seconds  # adaptive sizing: target forward seconds by tokens
         self.draft_seconds = 0.0  # adaptive sizing: running mean of one step's drafting time
-        self._verify_tables: dict[int, tuple[dict, list[float]]] = {}  # batch -> (the curve, `verify_times`)
+        self.verify_tables: dict[int, tuple[dict, list[float]]] = {}  # batch -> (the curve, `verify_times`)
 
     def describe(self):
         return {**super().describe(), "total_tokens": "adaptive" if self.verify_seconds else self.total_tokens,
@@ -75,7 +77,7 @@ class Eagle2Decoder(EagleBase):
             count = k + (depth - 1) * k * k  # the candidates of its own levels: a prefix
             greedy = state.sampling.greedy
             trees.append(self.rerank(root, tokens[b, :count], parents[b, :count], values[b, :count], depth, greedy,
-                                      state.batch if greedy else 1))
+                                      state.batch if greedy else 1, state.cut))
         return trees
 
     def _time_draft(self, seconds: float) -> None:
@@ -108,7 +110,7 @@ class Eagle2Decoder(EagleBase):
             tokens, parents, values = (t[0] for t in self.expand(
                 drafter.root_hidden[None], drafter.root_draft[None], levels, one_sequence(drafter.feed_level), drafter))
         greedy = state.sampling.greedy
-        return self.rerank(root, tokens, parents, values, levels, greedy, state.batch if greedy else 1)
+        return self.rerank(root, tokens, parents, values, levels, greedy, state.batch if greedy else 1, state.cut)
 
     def expand(self, root_hidden: torch.Tensor, root_draft: torch.Tensor, levels: int, feed,
                 drafter) -> tuple[torch.Tensor, ...]:
@@ -155,17 +157,17 @@ class Eagle2Decoder(EagleBase):
         return torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(values, 1)
 
     def rerank(self, root: int, tokens: torch.Tensor, parents: torch.Tensor, values: torch.Tensor,
-                levels: int, greedy: bool, batch: int = 1) -> Tree:
-        """Keep the best `total_tokens - 1` candidates; ties go to the earlier candidate (a stable
-        sort), so a kept node's ancestors (never worth less) are kept too; the kept candidates in
-        creation order (ancestors before descendants) are the tree's nodes.
+                levels: int, greedy: bool, batch: int = 1, cut: int | None = None) -> Tree:
+        """Keep the best `total_tokens - 1` candidates (at most `cut`: the batch's, `Sizing.cut`); ties go
+        to the earlier candidate (a stable sort), so a kept node's ancestors (never worth less) are kept
+        too; the kept candidates in creation order (ancestors before descendants) are the tree's nodes.
         A fixed size builds the tree on the device (`DeviceTree`: nothing is read back). The
         adaptive size is the host's choice from the best candidates' path probabilities: the one
         read that brings them brings their ids and parents too, and the host builds the structure."""
-        keep = min(self.total_tokens - 1, tokens.numel())
+        keep = min(self.total_tokens - 1, tokens.numel(), *([cut] if cut is not None else []))
         order = torch.sort(values, descending=True, stable=True).indices[:keep]
         if self.verify_seconds is None:
-            return self._device_tree(root, tokens, parents, order.sort().values, levels)
+            return self.device_tree(root, tokens, parents, order.sort().values, levels)
         ids, ups, probabilities = torch.stack([order.double(), parents[order].double(),
                                                values[order].exp().double()]).tolist()
         ids = ids[:self.adaptive_size(probabilities, greedy, batch)]
@@ -177,7 +179,7 @@ class Eagle2Decoder(EagleBase):
         chosen = tokens[torch.tensor(kept, dtype=torch.long, device=tokens.device)]
         return Tree(torch.cat([tokens.new_tensor([root]), chosen]), [-1] + tree_parents)
 
-    def _device_tree(self, root: int, tokens: torch.Tensor, parents: torch.Tensor, kept: torch.Tensor,
+    def device_tree(self, root: int, tokens: torch.Tensor, parents: torch.Tensor, kept: torch.Tensor,
                      levels: int) -> DeviceTree:
         """The tree of the `kept` candidates (ids, ascending) built where they are: a node's parent
         is its parent candidate's place among them, its depth the level its candidate was drafted at."""
@@ -218,12 +220,12 @@ class Eagle2Decoder(EagleBase):
     def verify_times(self, largest: int, batch: int = 1) -> list[float]:
         """`verify_time` of 0 .. `largest` tokens at `batch`, made once per curve and batch size (and
         again only for a longer list): every step's adaptive size reads it."""
-        curve, table = self._verify_tables.get(batch, (None, []))
+        curve, table = self.verify_tables.get(batch, (None, []))
         if curve is not self.verify_seconds or len(table) <= largest:
             curve, one = self.verify_seconds, self.verify_seconds[min(self.verify_seconds)]
             size = max(largest + 1, self.total_tokens + 1)
             table = [cost * one / batch for cost in verify_costs(curve, [batch * n for n in range(size)])]
-            self._verify_tables[batch] = curve, table
+            self.verify_tables[batch] = curve, table
         return table
 
 
@@ -241,17 +243,20 @@ def build_dynamic(decoder_class, target, head, settings: DynamicTreeSettings, co
                   **extra) -> Eagle2Decoder:
     """An EAGLE-2-tree decoder with `method.total_tokens` (a number, `auto` or `adaptive`), `depth`, `top_k`:
     `auto` and `adaptive` read the machine profile (`context.profile`), and take upstream's 60 without one."""
-    total, profile, verify_seconds, sizing = settings.total_tokens, context.profile, None, None
+    total, profile, verify_seconds = settings.total_tokens, context.profile, None
     if isinstance(total, str) and profile is None:
-        total, sizing = UPSTREAM_TOTAL, {"total_tokens": total, "profile": f"none: upstream's {UPSTREAM_TOTAL}"}
-    elif total == "auto":
-        total, sizing = auto_total_tokens(profile, target)
+        sizing = Sizing(UPSTREAM_TOTAL, {"total_tokens": total, "profile": f"none: upstream's {UPSTREAM_TOTAL}"})
+    elif total == "auto":  # a batch's tree cut to the verify budget at B rows per node (`Sizing.cut`)
+        sizing = Sizing(*auto_total_tokens(profile, target), context.latency_curve(target))
     elif total == "adaptive":
-        # the whole curve: every size a CPU verifies (the step in it at 9 rows is not between 8 and 16)
+        # the whole curve: every size a CPU verifies (the step in it at 9 rows is not between 8 and 16); the
+        # adaptive size is its own rule at every batch size (`adaptive_size`)
         verify_seconds = profile.latency_curve(target, context.model_name)
-        total, sizing = max(verify_seconds), {"total_tokens": "adaptive", "seconds_by_size": verify_seconds}
-    return decoder_class(target, head, total_tokens=int(total), depth=settings.depth, top_k=settings.top_k,
-                         verify_seconds=verify_seconds, sizing=sizing, **extra)
+        sizing = Sizing(max(verify_seconds), {"total_tokens": "adaptive", "seconds_by_size": verify_seconds})
+    else:
+        sizing = Sizing.fixed(total)
+    return decoder_class(target, head, total_tokens=sizing, depth=settings.depth, top_k=settings.top_k,
+                         verify_seconds=verify_seconds, **extra)
 
 
 @register("eagle2", settings=Eagle2Settings)

@@ -18,6 +18,7 @@ import torch
 from ..base import BuildContext, register
 from ..models.heads.eagle3 import Eagle3Head, load_eagle3_head
 from ..models.heads.source import head_spec
+from ..settings.sizing import Sizing
 from .drafter import EagleDrafter
 from .dynamic import UPSTREAM_TOTAL, Eagle2Decoder, build_dynamic
 from .settings import Eagle3Settings
@@ -41,11 +42,11 @@ class Eagle3Drafter(EagleDrafter):
 class Eagle3Decoder(Eagle2Decoder):
     name = "eagle3"
 
-    def __init__(self, target, head: Eagle3Head, total_tokens: int = UPSTREAM_TOTAL, depth: int = Eagle3Settings.depth,
-                 top_k: int = Eagle3Settings.top_k, verify_seconds: dict[int, float] | None = None,
-                 sizing: dict | None = None):
+    def __init__(self, target, head: Eagle3Head, total_tokens: int | Sizing = UPSTREAM_TOTAL,
+                 depth: int = Eagle3Settings.depth, top_k: int = Eagle3Settings.top_k,
+                 verify_seconds: dict[int, float] | None = None):
         super().__init__(target, head, total_tokens=total_tokens, depth=depth, top_k=top_k,
-                         verify_seconds=verify_seconds, sizing=sizing)
+                         verify_seconds=verify_seconds)
         target.capture_inputs(head.layers)
 
     def make_drafter(self, head: Eagle3Head, vocabulary) -> Eagle3Drafter:

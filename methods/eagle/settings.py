@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.params import Settings, integer, one_of, paths, setting
 from ..engine.static_trees import NAMED_TREES
 from ..engine.vocab import draft_vocab_setting
 from ..models.heads.source import head_setting
+from ..settings.params import Settings, integer, one_of, paths, setting
 
 # `method.sampling_rule` of `eagle` at temperature > 0: EAGLE-1's sampled drafts + multi-candidate
 # rule with the draft's q (default), or EAGLE-2's deterministic top-k + point-mass rule

@@ -9,10 +9,11 @@ import torch
 
 from ..base import BuildContext, register
 from ..engine.sampling import draw_children, logits_to_probs
-from ..engine.static_trees import NAMED_TREES, StaticTree
+from ..engine.static_trees import StaticTree
 from ..engine.tree import Tree, ancestors_of
 from ..models.heads.eagle import EagleHead, load_eagle_head
 from ..models.heads.source import head_spec
+from ..settings.sizing import Sizing
 from .decoder import EagleBase, one_sequence
 from .settings import SAMPLING_RULES, EagleSettings
 
@@ -39,40 +40,23 @@ class EagleDecoder(EagleBase):
     name = "eagle"
 
     def __init__(self, target, head: EagleHead, tree: StaticTree, vocabulary=None,
-                 sampling_rule: str = EagleSettings.sampling_rule, sizing: dict | None = None):
+                 sampling_rule: str = EagleSettings.sampling_rule, sizing: Sizing | None = None):
+        """`sizing`: how the tree was sized (its rule for a batch: `Sizing.cut`); None: the tree as given."""
         if sampling_rule not in SAMPLING_RULES:
             raise ValueError(f"eagle sampling_rule={sampling_rule!r}; valid: {', '.join(SAMPLING_RULES)}")
-        super().__init__(target, head, vocabulary, sizing)
+        super().__init__(target, head, vocabulary, sizing or Sizing.fixed(len(tree) - 1))
         self.tree = tree
         self.sampling_rule = sampling_rule
         # (template nodes, depth limit) -> the template's levels on the device (`plan`)
         self._plans: dict[tuple[int, int], tuple] = {}
-        # `tree: auto`: the published paths, in their order, so that a batch's template is their prefix that
-        # fits `batch_budget` (the curve the tree was cut by: `batch_curve`); the templates cut, by batch size
-        self.auto_paths: list | None = None
-        self.batch_templates: dict[int, StaticTree] = {}
 
     def describe(self):
         described = {**super().describe(), "tree_nodes": len(self.tree), "tree_depth": self.tree.max_depth,
                      "top_k": self.tree.top_k(), "sampling_rule": self.sampling_rule}
-        if self.batch_templates:
-            described["batch_tree_nodes"] = {b: len(t) for b, t in sorted(self.batch_templates.items())}
         return described
 
-    def template(self, batch: int, greedy: bool = True) -> StaticTree:
-        """The template a step verifies with `batch` sequences: the tree, or, with `tree: auto`, at B > 1
-        the published tree cut to this machine's verify budget at B rows per node (`batch_budget`, the
-        chains' cut, in nodes), made once per batch size. A sampled sequence keeps the batch-1 tree: a
-        seeded answer draws the same at any batch size."""
-        if batch <= 1 or not greedy or self.auto_paths is None or self.batch_curve is None:
-            return self.tree
-        if batch not in self.batch_templates:
-            nodes = min(len(self.tree) - 1, self.batch_budget(batch))
-            self.batch_templates[batch] = StaticTree.build(self.auto_paths, nodes=nodes)
-        return self.batch_templates[batch]
-
     def propose(self, state, root: int, budget: int) -> Tree:
-        tree = self.template(state.batch, state.sampling.greedy)
+        tree = self.tree.cut(state.cut)  # a batch's cut of the template (`Sizing.cut`)
         depth_limit = min(tree.max_depth, budget)
         # EAGLE-1 at temperature > 0: each parent's children are sampled
         sampled = self.sampling_rule == "eagle1" and not state.sampling.greedy
@@ -95,7 +79,7 @@ class EagleDecoder(EagleBase):
         """The template for every sequence at once, filled to the deepest sequence's depth limit (a
         shallower one's tree is a prefix: the template lists nodes by depth), then each cut at its own."""
         greedy = states[0].sampling.greedy
-        tree = self.template(len(states), greedy)
+        tree = self.tree.cut(states[0].cut)  # (the batch shares its sampling, so its cut)
         limits = [min(tree.max_depth, budget) for budget in budgets]
         sampled = self.sampling_rule == "eagle1" and not greedy
         tokens, draft_probs = self._fill(roots_hidden, roots_draft, max(limits), feed, states[0].draft,
@@ -109,7 +93,7 @@ class EagleDecoder(EagleBase):
         return trees
 
     def plan(self, depth_limit: int, tree: StaticTree | None = None) -> tuple[int, list[int], list[TemplateLevel]]:
-        """The template (the tree, or a batch's cut of it: `template`) cut at `depth_limit`: its node
+        """The template (the tree, or a batch's cut of it: `StaticTree.cut`) cut at `depth_limit`: its node
         count, parents and levels (made once)."""
         tree = tree or self.tree
         key = len(tree), depth_limit  # (every template of the decoder is a prefix of one path list)
@@ -212,9 +196,5 @@ def build_eagle(target, settings: EagleSettings, context: BuildContext) -> Eagle
     head = load_eagle_head(head_spec(params, context, "eagle"), context.target_model)
     # auto: EAGLE's own tree, cut to what one verification may hold on this machine
     tree, sizing = context.static_tree(params, target, "eagle_mc_sim_7b_63")
-    decoder = EagleDecoder(target, head, tree, vocabulary=context.draft_vocabulary(params),
-                           sampling_rule=settings.sampling_rule, sizing=sizing)
-    curve = context.latency_curve(target) if settings.tree == "auto" else None
-    if curve:  # a batch's template cut at B rows per node
-        decoder.auto_paths, decoder.batch_curve = list(NAMED_TREES["eagle_mc_sim_7b_63"]), curve
-    return decoder
+    return EagleDecoder(target, head, tree, vocabulary=context.draft_vocabulary(params),
+                        sampling_rule=settings.sampling_rule, sizing=sizing)

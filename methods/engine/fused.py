@@ -218,6 +218,10 @@ class RopeTable:
         """The sign-folded sin table, as `cos`."""
         return self._sin
 
+    def clear(self) -> None:
+        """Forget the table: the next `reserve` or lookup makes it anew, as long as it needs."""
+        self._cos = self._sin = None
+
     def lookup(self, positions: torch.Tensor, like: torch.Tensor,
                bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, n] -> cos, sin [B, n, 1, d] in `like`'s dtype (broadcast over heads).

@@ -7,8 +7,8 @@ path must be in the list. The built-in trees are the published ones, verbatim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
 from typing import Sequence
 
 import torch
@@ -46,6 +46,8 @@ class StaticTree:
     """A tree template: node 0 is the root; node n > 0 is `paths[n - 1]` in depth-then-rank order."""
 
     paths: tuple[tuple[int, ...], ...]
+    # the paths in the order they were given (a published tree's: by estimated acceptance), for `cut`
+    order: tuple[tuple[int, ...], ...] = field(default=(), compare=False, repr=False)
 
     @classmethod
     def build(cls, spec: str | Sequence[Sequence[int]], nodes: int | None = None) -> "StaticTree":
@@ -58,7 +60,8 @@ class StaticTree:
             spec = NAMED_TREES[spec]
         if nodes is not None:
             spec = list(spec)[:max(1, nodes)]
-        paths = sorted({tuple(int(i) for i in p) for p in spec}, key=lambda p: (len(p), p))
+        order = tuple(dict.fromkeys(tuple(int(i) for i in p) for p in spec))
+        paths = sorted(order, key=lambda p: (len(p), p))
         if not paths:
             raise ValueError("a static tree needs at least one path")
         known = set(paths)
@@ -67,7 +70,14 @@ class StaticTree:
                 raise ValueError(f"invalid tree path {list(path)}: ranks must be >= 0")
             if len(path) > 1 and path[:-1] not in known:
                 raise ValueError(f"tree path {list(path)} has no parent {list(path[:-1])} in the tree")
-        return cls(tuple(paths))
+        return cls(tuple(paths), order)
+
+    def cut(self, nodes: int | None) -> "StaticTree":
+        """The tree of its first `nodes` paths in the order it was given (a batch's cut, `Sizing.cut`:
+        the best smaller tree of the same shape); itself when `nodes` is None or it has no more."""
+        if nodes is None or nodes >= len(self.paths):
+            return self
+        return first_paths(self, nodes)
 
     @cached_property
     def parents(self) -> list[int]:
@@ -111,3 +121,8 @@ def template_tokens(root: int, candidates: Sequence[torch.Tensor], tree: StaticT
     index = [0] + [offsets[tree.depths[n] - 1] + tree.ranks[n] for n in range(1, count)]
     return flat[index]
 
+
+@lru_cache(maxsize=64)
+def first_paths(tree: StaticTree, nodes: int) -> StaticTree:
+    """`StaticTree.cut`, made once per tree and size (every step of a batch asks)."""
+    return StaticTree.build(tree.order or tree.paths, nodes)

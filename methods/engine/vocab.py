@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .params import integer, one_of, setting
+from ..settings.params import integer, one_of, setting
 
 
 def draft_vocab_setting(note: str = ""):

@@ -1,5 +1,5 @@
 """Timing the target's forward by tokens per forward: the latency curve t(n) that decides how large a
-draft tree can be before verifying it stops paying (`engine/sizing.py`). These functions time; the
+draft tree can be before verifying it stops paying (`settings/sizing.py`). These functions time; the
 profile (`profile.py`) decides when they run and keeps what they measured."""
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ class MachineProfile:
         file = self.folder / f"linear-{str(dtype).replace('torch.', '')}.json"
         path = self._paths.get(key)
         if path is None:
-            plan, self._plan_loads[key] = self._load_plan(file)
+            plan, self._plan_loads[key] = self.load_plan(file)
             path = self._paths[key] = LinearPath(plan)
         shapes = {k: v for k, v in linear_shapes(*models).items() if k not in path.plan.kernels}
         if shapes:
@@ -154,7 +154,7 @@ class MachineProfile:
             self.use(file, self._plan_loads[key])
         return path
 
-    def _load_plan(self, file: Path) -> tuple[LinearPlan, list[dict]]:
+    def load_plan(self, file: Path) -> tuple[LinearPlan, list[dict]]:
         """The stored plan and the loads it was measured under, or an empty one: none stored, damaged,
         chosen among other kernels, or measured (in part) beside other work."""
         if file.is_file():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...engine.params import mapping, null, setting
+from ...settings.params import mapping, null, setting
 from ..specs import ModelSpec
 from .random_init import random_head_folder
 

@@ -1,6 +1,6 @@
 """The statistics of runs, computed once from the answer records (see REFERENCE: Metrics): the numbers
 and the decisions that every report of a speedup reads (a run's summary, `make report`'s tables, a
-sweep's jobs); the words that show them to people are harness/reporting/text.py's.
+sweep's jobs); the words that show them to people are `text.py`'s, beside it.
 
 * speedup, Spec-Bench form: mean_i(tokens_i / wall_i) of the method over the same of AR, where
   tokens and wall time of a question are summed over its turns; both sides count tokens the
@@ -25,7 +25,7 @@ sweep's jobs); the words that show them to people are harness/reporting/text.py'
   they predict, shown beside the measured one (which also pays the prefill).
 * caveats (`caveats`): what limits the trust a speedup deserves (n, busy questions, near-ties and
   mismatches, a speedup above τ, a wide interval and why), kept beside every speedup and printed
-  with it (`caveat_note`, harness/reporting/text.py).
+  with it (`caveat_note`, harness/stats/text.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from collections import defaultdict
 import numpy as np
 import scipy.stats
 
-from harness.running.busy import BUSY_CORES, BUSY_STEAL, is_busy
+from methods.machine.load import BUSY_CORES, BUSY_STEAL, is_busy
 
 
 def question_speed(record: dict) -> tuple[int, float]:

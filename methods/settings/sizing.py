@@ -18,7 +18,9 @@ the method's description (and so into every results folder).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 VERIFY_BUDGET = 1.3  # a tree may cost at most this many one-token forwards to verify
 DEFAULT_ALPHA = 0.6  # per-position acceptance assumed for a draft without a model card
@@ -99,3 +101,47 @@ def held_out_acceptance(draft_folder: str | None, default: float = DEFAULT_ALPHA
     if draft_folder and file.is_file():
         return float(json.loads(file.read_text()).get("held_out_acceptance", {}).get("acc_1", default))
     return default
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """A decoder's size, settled once when it is built (`BuildContext.sizing`): `value`, its size for one
+    sequence in the method's own unit (draft tokens, tree nodes, a k-config, a window); `source`, where
+    that came from (the config's number, or how `auto` read the machine profile: it goes into every
+    record); and its rule for a batch, `cut(B)`, read from `curve` (the latency curve an `auto` size was
+    chosen by; None: the same size at every batch size)."""
+
+    value: Any
+    source: dict | None = None
+    curve: dict[int, float] | None = None
+    cuts: dict[int, int] = field(default_factory=dict, compare=False, repr=False)  # made once per batch size
+
+    @classmethod
+    def fixed(cls, value: Any) -> "Sizing":
+        """A size the config gave (or the method's only one): no machine reading, no cut."""
+        return cls(value)
+
+    @classmethod
+    def of(cls, size: Any) -> "Sizing":
+        """A decoder's size argument: a `Sizing`, or a plain value (a fixed size)."""
+        return size if isinstance(size, Sizing) else cls.fixed(size)
+
+    def choose(self, value: Any, **noted: Any) -> "Sizing":
+        """The same budget and rule with the method's own size chosen within it (`noted` goes to `source`)."""
+        return Sizing(value, {**(self.source or {}), **noted}, self.curve)
+
+    def cut(self, batch: int) -> int | None:
+        """The most draft tokens (nodes besides the root) one sequence drafts when `batch` sequences
+        verify together: the machine's verify budget at B rows per token (`batch_draft_tokens`); None:
+        no cut (one sequence, or a size not read from the machine). Chains and trees alike are cut to it."""
+        if batch <= 1 or self.curve is None:
+            return None
+        if batch not in self.cuts:
+            self.cuts[batch] = batch_draft_tokens(self.curve, batch)
+        return self.cuts[batch]
+
+    def describe(self) -> dict | None:
+        """`source`, with the cut each batch size took in this run."""
+        if not self.source and not self.cuts:
+            return None
+        return {**(self.source or {}), **({"batch_draft_tokens": dict(sorted(self.cuts.items()))} if self.cuts else {})}

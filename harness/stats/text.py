@@ -1,4 +1,4 @@
-"""The statistics of a run in words for people (the numbers and decisions: harness/stats.py): a
+"""The statistics of a run in words for people (the numbers and decisions: `harness/stats/__init__.py`): a
 speedup's caveats in one line (`caveat_note`), a sweep job's status line (`speedup_status`), the
 outputs that differ from AR's (`describe_fidelity`, `fidelity_lines`) and the printout at the end of a
 run (`format_summary`, led by `headline_lines`)."""
