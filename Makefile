@@ -71,30 +71,40 @@ sweep: setup
 		hydra/launcher=$(LAUNCHER) hydra.sweep.dir=$(SWEEP_DIR) $(ARGS); \
 	status=$$?; if [ -d $(SWEEP_DIR) ]; then $(PY) -m harness.cluster.jobs $(SWEEP_DIR); fi; exit $$status
 
-# Speedup against batch size (docs/batching.md): each method of BATCH_METHODS at every batch size of
-# BATCH_SIZES and every draft length of DRAFT_LENGTHS (the setting its settings class names as its size,
-# `size_setting`: PLD's num_draft, SpS's gamma, EAGLE-2/3's total_tokens, ...), on each
-# dataset of BATCH_DATASETS; every job runs AR beside its method at the same batch size on the same
-# questions (the speedup's denominator). One sweep per method, in $(SWEEP_DIR)/<method>, launched as
-# `sweep`'s are (LAUNCHER); `make report RUNS=$(SWEEP_DIR)` and `make figures RUNS=$(SWEEP_DIR)`
-# draw the curves. BATCH_LIMIT: a multiple of the largest batch size fills every batch; an empty BATCH_LIMIT /
+# Speedup against batch size (docs/batching.md): each method of BATCH_METHODS (default: the headline's,
+# conf/headline/$(HEADLINE).yaml, with its settings there: every method, `sam@eagle2` a variant) at
+# every batch size of BATCH_SIZES (a method that does not batch: 1 only), at its own default size, or at
+# every draft length of DRAFT_LENGTHS when given (the setting its settings class names as its size,
+# `size_setting`: PLD's num_draft, SpS's gamma, EAGLE-2/3's total_tokens, ...), on each dataset of
+# BATCH_DATASETS; every job runs AR beside its method at the same batch size on the same questions (the
+# speedup's denominator). One sweep per method, in $(SWEEP_DIR)/<method>, launched as `sweep`'s are
+# (LAUNCHER); `make report RUNS=$(SWEEP_DIR)` and `make figures RUNS=$(SWEEP_DIR)` draw the curves.
+# BATCH_LIMIT: a multiple of the largest batch size fills every batch; an empty BATCH_LIMIT /
 # BATCH_MAX_NEW_TOKENS means all questions / the dataset's own setting (the sweep says which first).
-BATCH_METHODS ?= pld sps eagle2
-BATCH_SIZES ?= 1,2,4,8,16
-DRAFT_LENGTHS ?= 2,4,8
+# The committed sweep is this target's defaults with ARGS="results_dir=results/reference/batch".
+headline_config = $(PY) -c "import yaml; c = yaml.safe_load(open('conf/headline/$(HEADLINE).yaml')); print($(1))"
+BATCH_METHODS ?= $(shell $(call headline_config,' '.join(c['methods'])))
+# a headline method's settings (`name@variant`: the method `name`), and the headline's own (dtype, ...)
+batch_settings = $(shell $(call headline_config,' '.join(c['overrides'] + (c['methods'].get('$(1)') or []) \
+	if '$(1)' in c['methods'] else [])))
+BATCH_SIZES ?= 1,2,4
+DRAFT_LENGTHS ?=
 size_setting = $(shell $(PY) -c "from methods.base import method_settings as s; k = s('$(1)').size_setting; \
 	print(f'method.{k}' if k else '')")
+batchable = $(shell $(PY) -c "from methods.base import method_settings as s; print('yes' if s('$(1)').batchable else '')")
 # a tree's size in tokens (root included) instead of a chain's length
 DRAFT_LENGTHS_eagle2 ?= 4,8,16
 DRAFT_LENGTHS_eagle3 ?= 4,8,16
 BATCH_DATASETS ?= spec_bench
-BATCH_LIMIT ?= 16
+BATCH_LIMIT ?= 8
 BATCH_MAX_NEW_TOKENS ?= 64
 batch-sweep: setup
 	@echo "$(call per_job,batch-sweep,BATCH_LIMIT,BATCH_MAX_NEW_TOKENS)"
 	@echo "$(waits)"
 	status=0; $(foreach m,$(BATCH_METHODS),\
-	$(PY) -m harness.run -m method=$(m) batch_size=$(BATCH_SIZES) $(if $(call size_setting,$(m)),$(call size_setting,$(m))=$(or $(DRAFT_LENGTHS_$(m)),$(DRAFT_LENGTHS))) \
+	$(PY) -m harness.run -m method=$(firstword $(subst @, ,$(m))) $(call batch_settings,$(m)) \
+		batch_size=$(if $(call batchable,$(firstword $(subst @, ,$(m)))),$(BATCH_SIZES),1) \
+		$(if $(DRAFT_LENGTHS),$(if $(call size_setting,$(m)),$(call size_setting,$(m))=$(or $(DRAFT_LENGTHS_$(m)),$(DRAFT_LENGTHS)))) \
 		dataset=$(BATCH_DATASETS) limit=$(if $(BATCH_LIMIT),$(BATCH_LIMIT),null) \
 		max_new_tokens=$(if $(BATCH_MAX_NEW_TOKENS),$(BATCH_MAX_NEW_TOKENS),null) \
 		hydra/launcher=$(LAUNCHER) hydra.sweep.dir=$(SWEEP_DIR)/$(m) $(ARGS) || status=1; \

@@ -21,6 +21,7 @@ import sys
 from dataclasses import fields
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -29,6 +30,7 @@ import method_configs  # noqa: E402  (scripts/ is on sys.path when this runs as 
 from omegaconf import OmegaConf  # noqa: E402
 
 from harness.reporting.breakdown import breakdown_rows  # noqa: E402
+from harness.reporting.curves import find_curves  # noqa: E402
 from harness.reporting.tables import build_tables, find_runs  # noqa: E402
 from harness.running.results import read_answers  # noqa: E402
 from harness.stats import decoder_stats  # noqa: E402
@@ -382,32 +384,46 @@ def block_mixed_lengths(_sets) -> str:
 
 
 def block_batch_curve(_sets) -> str:
-    """docs/batching.md: the committed batch sweep (results/reference/batch/), throughput per batch size."""
+    """docs/batching.md: the committed batch sweep (results/reference/batch/): each method's throughput at
+    each batch size beside the AR run at the same batch size, a row per method variant (the headline's
+    `sam` and `sam auxiliary=eagle2`), and the figure of its speedups (`make figures`)."""
     with contextlib.chdir(REPO):
         runs = find_runs([BATCH]) if BATCH.is_dir() else []
     if not runs:
         return NOTHING.format("batch/")
+    # a variant by its settings, not by the size each job's own latency curve chose for `auto`
+    rows = [SimpleNamespace(method=run.summary["method"], summary=run.summary, env=environment(str(run.path)),
+                            config={k: v for k, v in (run.summary.get("method_config") or {}).items()
+                                    if k not in method_settings(run.summary["method"]).size_keys()})
+            for run in runs]
     cells: dict[str, dict[int, str]] = {}
-    sizes, envs = set(), []
-    for run in runs:
-        summary = run.summary
-        batch = summary.get("batch_size", 1)
+    sizes = set()
+    for row in rows:
+        summary, batch = row.summary, row.summary.get("batch_size", 1)
         sizes.add(batch)
-        envs.append(environment(str(run.path)))
         d, b = summary["decoder"], summary["baseline"]
-        cells.setdefault(summary["method"], {})[batch] = (
+        cells.setdefault(variant_name(row, rows), {})[batch] = (
             f"{d['throughput_tokens_per_second']:.1f} vs AR {b['throughput_tokens_per_second']:.1f}: "
             f"**{summary['throughput_speedup']:.2f}×** (τ {d['tau']:.2f})")
-    first = runs[0].summary
-    commits = ", ".join(sorted({e.get("git", {}).get("commit", "")[:7] for e in envs} - {""})) or "unrecorded"
-    lines = [f"**{first['hardware']}, {envs[0].get('cpu_count', '?')} cores, {first['dtype']}**, commit {commits}; "
+    first, env = rows[0].summary, rows[0].env
+    commits = ", ".join(sorted({r.env.get("git", {}).get("commit", "")[:7] for r in rows} - {""})) or "unrecorded"
+    lines = [f"**{first['hardware']}, {env.get('cpu_count', '?')} cores, {first['dtype']}**, commit {commits}; "
              f"{first['questions']} Spec-Bench questions (ids {', '.join(map(str, first['question_ids']))}), "
              f"{first['max_new_tokens']} new tokens, greedy; throughput (tokens over the batches' wall time) of the "
              "method against the AR run beside it:", "",
              "| method | " + " | ".join(f"B = {n}" for n in sorted(sizes)) + " |",
              "|---|" + "---|" * len(sizes)]
-    for method, row in sorted(cells.items()):
-        lines.append(f"| {method} | " + " | ".join(row.get(n, "") for n in sorted(sizes)) + " |")
+    for name, row in sorted(cells.items()):
+        method = name.split()[0]
+        refused = "" if method_settings(method).batchable else "does not batch"
+        lines.append(f"| {name} | " + " | ".join(row.get(n, refused) for n in sorted(sizes)) + " |")
+    with contextlib.chdir(REPO):
+        slugs = [c.slug for c in find_curves(build_tables(runs)) if c.axis == "batch_size"]
+    figures = [REPO / "plots" / "reference" / slug / "speedup_vs_batch_size.png" for slug in slugs]
+    for figure in figures:
+        if not figure.is_file():
+            raise SystemExit(f"{figure}: missing (make figures RUNS=results/reference/batch)")
+        lines += ["", f"![throughput speedup against batch size](../{figure.relative_to(REPO)})"]
     return "\n".join(lines) + "\n"
 
 
