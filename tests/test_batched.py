@@ -334,6 +334,7 @@ CPU_CURVE = {1: 0.002, 2: 0.0022, 4: 0.0025, 8: 0.003, 16: 0.004, 32: 0.006, 64:
 def every_batchable(tmp_path_factory):
     """A fresh decoder of each batchable method, on one tiny target (7 layers: EAGLE-3's three feature
     layers differ) with random-init EAGLE and EAGLE-3 heads; EAGLE-2/3 at their default adaptive size."""
+    from methods.dflash import DFlashDecoder
     from methods.eagle.eagle3 import Eagle3Decoder
     from methods.eagle.template import EagleDecoder
     from methods.engine.static_trees import StaticTree
@@ -341,11 +342,13 @@ def every_batchable(tmp_path_factory):
     from methods.lookahead import LookaheadDecoder
     from methods.mcsd import MultiCandidateDecoder
     from methods.medusa import MedusaDecoder
+    from methods.models.heads.dflash import load_dflash_draft
     from methods.models.heads.eagle import load_eagle_head
     from methods.models.heads.eagle3 import load_eagle3_head
     from methods.models.heads.hydra import load_hydra_heads
     from methods.models.heads.medusa import load_medusa_heads
     from methods.models.specs import ModelSpec
+    from tests.test_dflash import write_dflash
     from tests.test_eagle3 import LAYERS, write_eagle3
     from tests.test_hydra import SMALL, write_hydra
     from tests.test_tree_methods import adaptive, write_eagle, write_medusa
@@ -361,6 +364,8 @@ def every_batchable(tmp_path_factory):
     medusa = load_medusa_heads(ModelSpec(path=str(folder / "medusa")), model)
     hydra = load_hydra_heads(ModelSpec(path=str(folder / "hydra")), model)[0]
     draft = truncated_copy(model, 2)
+    write_dflash(folder / "dflash", model, ids=[1, 4], seed=2)
+    dflash = load_dflash_draft(ModelSpec(path=str(folder / "dflash")), model)
     static = retrieval_corpus(model, folder)
     store = rest_datastore(model, folder / "rest.idx")
     return {
@@ -379,6 +384,7 @@ def every_batchable(tmp_path_factory):
         "lookahead": lambda: LookaheadDecoder(ModelRunner(model), window=3, level=3, guess=3),
         "jacobi": lambda: JacobiDecoder(ModelRunner(model), block_size=4),
         "recycling": lambda: recycling(model),
+        "dflash": lambda: DFlashDecoder(ModelRunner(model), dflash),
     }
 
 

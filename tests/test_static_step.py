@@ -23,7 +23,7 @@ PROMPTS = [[5, 9, 3, 7, 11, 5, 9, 3], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]]
 def method_context(target, tmp_path) -> BuildContext:
     """Random heads of every kind, in their released formats, and a one-layer SpS draft."""
     write_hydra(tmp_path / "hydra", target, seed=2)
-    drafts = {kind: {"random_init": 0} for kind in ("eagle", "eagle3", "medusa")}
+    drafts = {kind: {"random_init": 0} for kind in ("eagle", "eagle3", "medusa", "dflash")}
     rng = random.Random(0)  # REST's datastore: random text over the vocabulary
     text = [[rng.randrange(target.config.vocab_size) for _ in range(40)] for _ in range(100)]
     write_datastore(tmp_path / "rest.idx", text)

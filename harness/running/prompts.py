@@ -4,6 +4,7 @@
 Qwen2, SmolLM2 — fschat maps these wrongly or not at all) or `fschat:<name>` (e.g.
 `fschat:vicuna_v1.1`, `fschat:llama-2`, as Spec-Bench builds Vicuna and LLaMA-2 prompts), or
 `raw:<format>` for completion-style models (single turn; `{prompt}` is replaced by the question).
+`chat_template_kwargs` in a model config go to the tokenizer's template (Qwen3's `enable_thinking: false`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ class Message:
 
 
 class ChatTemplate:
-    def __init__(self, spec: str, tokenizer, system_message: str | None = None, eos_token_ids: Sequence[int] = ()):
+    def __init__(self, spec: str, tokenizer, system_message: str | None = None, eos_token_ids: Sequence[int] = (),
+                 template_kwargs: dict | None = None):
         self.spec = spec
+        self.template_kwargs = dict(template_kwargs or {})  # extra arguments of the tokenizer's chat template
         self.tokenizer = tokenizer
         self.system_message = system_message
         self.stop_strings: tuple[str, ...] = ()
@@ -52,15 +55,16 @@ class ChatTemplate:
     @classmethod
     def for_model(cls, model_cfg, tokenizer) -> "ChatTemplate":
         """The template a model config (`conf/model/*.yaml`) names."""
-        return cls(model_cfg.template, tokenizer, model_cfg.get("system_message"), model_cfg.get("eos_token_ids") or ())
+        return cls(model_cfg.template, tokenizer, model_cfg.get("system_message"), model_cfg.get("eos_token_ids") or (),
+                   dict(model_cfg.get("chat_template_kwargs") or {}))
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         """Token ids of the conversation, ending where the assistant's next answer begins."""
         if self.spec == "tokenizer":
             chat = [{"role": "system", "content": self.system_message}] if self.system_message else []
             chat += [{"role": m.role, "content": m.content} for m in messages]
-            return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True,
-                                                           return_dict=True)["input_ids"])
+            return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True,
+                                                           **self.template_kwargs)["input_ids"])
         if self.spec.startswith("raw:"):
             if len(messages) != 1:
                 raise ValueError(

@@ -1,7 +1,7 @@
 """Recipes that train the suite's own drafts for a target by self-distillation.
 
     python -m harness.training data    --model smollm2-135m      # prompts + the target's answers
-    python -m harness.training draft-lm|eagle|medusa|eagle3|hydra --model smollm2-135m
+    python -m harness.training draft-lm|eagle|medusa|eagle3|hydra|dflash --model smollm2-135m
 
 Each recipe is seeded, logs its loss to `<out>/train_log.jsonl`, writes its weights in the format
 its loader reads (tensors that copy the target's, embeddings and lm_head, left out: the loaders
@@ -28,6 +28,10 @@ the measured teacher-forced acceptance on held-out prompts.
   tokens drafted before them (Hydra++ `prefix-mlp` by default: one decoder layer over the target's
   hidden states first), trained with Hydra's teacher loss (the target's distribution as the label)
   over the reduced draft vocabulary.
+- DFlash draft (`harness/training/dflash.py`): `--layers` Qwen3-style layers reading the outputs of
+  upstream's feature layers, trained as SpecForge trains DFlash: blocks [x_a, mask, ...] at random answer
+  anchors, each seeing the context before its anchor and its own block, cross-entropy of each slot's own
+  position through the frozen lm_head, weighted exp(-(k-1)/7); saved in upstream's released format.
 
 The corpus (`data`): ~9,000 prompts (`methods/models/corpus.py`: its own subjects and templates,
 `corpus_prompts.yaml`, the Python language reference and standard-library docstrings;

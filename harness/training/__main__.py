@@ -1,5 +1,5 @@
-"""`python -m harness.training data|vocab|draft-lm|eagle|eagle3|medusa|hydra --model <name>`: the CLI of the recipes
-(see `harness/training/__init__.py`)."""
+"""`python -m harness.training data|vocab|draft-lm|eagle|eagle3|medusa|hydra|dflash --model <name>`: the CLI of the
+recipes (see `harness/training/__init__.py`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from methods.models.heads.eagle3 import feature_layers
 from methods.models.loading import resolve_device
 
 from . import __doc__ as RECIPES_DOC
+from .dflash import DFlashRecipe, attach_dflash_features, unused_special_token
+from .dflash import feature_layers as dflash_layers
 from .distill import corpus
 from .distributed import context, is_main, launched, place
 from .draft_lm import DraftLMRecipe
@@ -43,6 +45,7 @@ DEFAULTS = {  # kind: (epochs, lr, batch, noise): the committed zoo's settings (
     "medusa": (6.0, 1e-3, 16, 0.0),
     "eagle3": (8.0, 2e-3, 16, 0.0),
     "hydra": (2.0, 1e-3, 16, 0.0),
+    "dflash": (6.0, 6e-4, 16, 0.0),  # SpecForge's lr and epochs (not trained yet: no committed draft)
 }
 
 
@@ -80,7 +83,14 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--epochs", type=float, default=None)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--layers", type=int, default=2, help="draft LM: decoder layers")
+    parser.add_argument("--layers", type=int, default=2, help="draft LM, DFlash: decoder layers")
+    parser.add_argument("--block-size", type=int, default=16, help="DFlash: tokens per block (upstream's drafts: 16)")
+    parser.add_argument("--mask-token-id", type=int, default=None,
+                        help="DFlash: the mask token (default: the last added token of the tokenizer that is not "
+                             "a special token and that no training conversation holds)")
+    parser.add_argument("--anchors", type=int, default=512,
+                        help="DFlash: most anchored blocks per conversation (SpecForge's num_anchors; 512 takes every "
+                             "answer position of the suite's corpus; fewer cost proportionally less)")
     parser.add_argument("--heads", type=int, default=4, help="Medusa: number of heads")
     parser.add_argument("--held-out", type=float, default=0.05)
     parser.add_argument("--train-examples", type=int, default=None,
@@ -134,7 +144,9 @@ def main(argv=None) -> None:
     train_set, val_set = split(examples, args.held_out, args.seed)
     train_set = train_set[: args.train_examples]
     if args.kind != "draft-lm":
-        target_states(args.kind, target, examples, data_file, state_batch)
+        target_states(args.kind, target, examples, data_file, state_batch, args.layers)
+    if args.kind == "dflash" and args.mask_token_id is None:
+        args.mask_token_id = unused_special_token(tokenizer, examples)
     recipe = build_recipe(args, cfg, target, train_set)
     place(recipe, device)
     out = args.out or ROOT / "drafts" / args.model / args.kind
@@ -148,9 +160,15 @@ def main(argv=None) -> None:
         print(json.dumps({k: v for k, v in result.items()}, indent=2))
 
 
-def target_states(kind: str, target, examples: list, data_file: Path, state_batch: dict) -> None:
+def target_states(kind: str, target, examples: list, data_file: Path, state_batch: dict,
+                  draft_layers: int = 2) -> None:
     """The target's states a head recipe reads, attached to the examples: EAGLE-3's three layers' inputs and last
-    hidden state (their cache beside the data), else the last hidden state (from that cache where it exists)."""
+    hidden state (their cache beside the data), DFlash's layers' outputs (their own cache), else the last hidden
+    state (from EAGLE-3's cache where it exists)."""
+    if kind == "dflash":  # the outputs of upstream's feature layers for a draft of `draft_layers` layers
+        attach_dflash_features(target, examples, dflash_layers(target, draft_layers),
+                               cache=data_file.with_name("dflash_features.pt"), progress=True, **state_batch)
+        return
     layers, features = feature_layers(target.config.num_hidden_layers), data_file.with_name("eagle3_features.pt")
     if kind == "eagle3":  # three layers' inputs + last hidden state: their own 16-bit cache beside the data
         attach_features(target, examples, layers, cache=features, progress=True, **state_batch)
@@ -173,6 +191,8 @@ def build_recipe(args: argparse.Namespace, cfg, target, train_set: list):
             "eagle3": lambda: Eagle3Recipe(target, args.seed, draft_vocabulary(args.model, cfg, target),
                                            args.ttt_steps),
             "hydra": lambda: HydraRecipe(target, args.heads, vocabulary=draft_vocabulary(args.model, cfg, target)),
+            "dflash": lambda: DFlashRecipe(target, args.layers, args.block_size, args.mask_token_id, vocabulary=vocab,
+                                           seed=args.seed, num_anchors=args.anchors),
             }[args.kind]()
 
 

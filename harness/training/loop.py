@@ -232,8 +232,10 @@ def recipe_command(args) -> str:
         options["--ttt-steps"] = args.ttt_steps
     if args.kind in ("medusa", "hydra"):
         options["--heads"] = args.heads
-    if args.kind == "draft-lm":
+    if args.kind in ("draft-lm", "dflash"):
         options["--layers"] = args.layers
+    if args.kind == "dflash":
+        options |= {"--block-size": args.block_size, "--mask-token-id": args.mask_token_id, "--anchors": args.anchors}
     if str(getattr(args, "device", "cpu")).startswith("cuda"):
         options["--device"] = "cuda"
     return f"python -m harness.training {args.kind} --model {args.model} " + " ".join(

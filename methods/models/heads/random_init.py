@@ -1,5 +1,5 @@
-"""Randomly initialized Medusa / EAGLE / EAGLE-3 heads written in the released file formats, for models that
-have no trained heads yet: decoding stays exact, acceptance is near zero."""
+"""Randomly initialized Medusa / EAGLE / EAGLE-3 heads and DFlash drafts written in the released file formats, for
+models that have no trained heads yet: decoding stays exact, acceptance is near zero."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ...engine.storage import cache_root
+from .dflash import UPSTREAM_BLOCK, dflash_config
 from .eagle3 import feature_layers
 
 
@@ -73,10 +74,34 @@ def random_head_folder(kind: str, target_model, seed: int) -> Path:
             "t2d": t2d,
         }
         torch.save(state, folder / "pytorch_model.bin")  # embed_tokens left out: the target's
+    elif kind == "dflash":  # one layer reading the middle layer's output (upstream's rule), a block of 16
+        config = dflash_config(target_model, 1, UPSTREAM_BLOCK, vocab - 1)
+        state = random_dflash(config, normal)
+        from safetensors.torch import save_file  # lazy: only a random DFlash draft is written as safetensors
+
+        save_file(state, str(folder / "model.safetensors"))  # no embedding, no lm_head: the target's
     else:
-        raise ValueError(f"no random initialization for head kind {kind!r}; valid: medusa, eagle, eagle3")
+        raise ValueError(f"no random initialization for head kind {kind!r}; valid: medusa, eagle, eagle3, dflash")
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+def random_dflash(config: dict, normal) -> dict[str, torch.Tensor]:
+    """A DFlash draft's tensors for `config` (released key names): projections from `normal`, norms at 1."""
+    hidden, inter, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    state = {"fc.weight": normal(hidden, len(config["dflash_config"]["target_layer_ids"]) * hidden),
+             "hidden_norm.weight": torch.ones(hidden), "norm.weight": torch.ones(hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        state |= {p + "self_attn.q_proj.weight": normal(q, hidden), p + "self_attn.k_proj.weight": normal(kv, hidden),
+                  p + "self_attn.v_proj.weight": normal(kv, hidden), p + "self_attn.o_proj.weight": normal(hidden, q),
+                  p + "self_attn.q_norm.weight": torch.ones(head_dim),
+                  p + "self_attn.k_norm.weight": torch.ones(head_dim),
+                  p + "mlp.gate_proj.weight": normal(inter, hidden), p + "mlp.up_proj.weight": normal(inter, hidden),
+                  p + "mlp.down_proj.weight": normal(hidden, inter), p + "input_layernorm.weight": torch.ones(hidden),
+                  p + "post_attention_layernorm.weight": torch.ones(hidden)}
+    return state
 
 
 def eagle_config(target_model) -> dict:
