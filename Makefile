@@ -156,7 +156,7 @@ perf-lazyllm: setup
 # greedy answers to generated prompts (data/distill/), then a draft LM, an EAGLE head, Medusa
 # heads and an EAGLE-3 head, each written to drafts/<model>/<kind>/ with its training log and model card.
 DRAFT_MODEL ?= smollm2-135m
-DRAFT_KINDS ?= draft-lm eagle medusa eagle3 hydra
+DRAFT_KINDS ?= draft-lm eagle medusa eagle3 hydra pard
 train-drafts: setup
 	test -f data/distill/$(DRAFT_MODEL)/answers.jsonl || $(PY) -m harness.training data --model $(DRAFT_MODEL) $(ARGS)
 	$(PY) -m harness.training vocab --model $(DRAFT_MODEL)

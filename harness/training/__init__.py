@@ -2,6 +2,7 @@
 
     python -m harness.training data    --model smollm2-135m      # prompts + the target's answers
     python -m harness.training draft-lm|eagle|medusa|eagle3|hydra --model smollm2-135m
+    python -m harness.training pard --model smollm2-135m     # after draft-lm: it adapts that draft
 
 Each recipe is seeded, logs its loss to `<out>/train_log.jsonl`, writes its weights in the format
 its loader reads (tensors that copy the target's, embeddings and lm_head, left out: the loaders
@@ -28,6 +29,10 @@ the measured teacher-forced acceptance on held-out prompts.
   tokens drafted before them (Hydra++ `prefix-mlp` by default: one decoder layer over the target's
   hidden states first), trained with Hydra's teacher loss (the target's distribution as the label)
   over the reduced draft vocabulary.
+- PARD draft (`harness/training/pard.py`): the draft LM above adapted into a parallel draft (PARD's
+  conditional drop-token training: each position also trained on 1..para_num-1 appended mask tokens
+  predicting 2..para_num tokens ahead, the mask slots randomly thinned by COD); the mask id is saved as
+  `pard_token` in its config.json.
 
 The corpus (`data`): ~9,000 prompts (`methods/models/corpus.py`: its own subjects and templates,
 `corpus_prompts.yaml`, the Python language reference and standard-library docstrings;
