@@ -23,8 +23,12 @@ class Message:
 
 
 class ChatTemplate:
-    def __init__(self, spec: str, tokenizer, system_message: str | None = None, eos_token_ids: Sequence[int] = ()):
+    def __init__(self, spec: str, tokenizer, system_message: str | None = None, eos_token_ids: Sequence[int] = (),
+                 template_kwargs: dict | None = None):
+        """`template_kwargs`: passed to the tokenizer's chat template (`template: tokenizer`), e.g. Qwen3's
+        `enable_thinking: false`."""
         self.spec = spec
+        self.template_kwargs = dict(template_kwargs or {})
         self.tokenizer = tokenizer
         self.system_message = system_message
         self.stop_strings: tuple[str, ...] = ()
@@ -52,15 +56,16 @@ class ChatTemplate:
     @classmethod
     def for_model(cls, model_cfg, tokenizer) -> "ChatTemplate":
         """The template a model config (`conf/model/*.yaml`) names."""
-        return cls(model_cfg.template, tokenizer, model_cfg.get("system_message"), model_cfg.get("eos_token_ids") or ())
+        return cls(model_cfg.template, tokenizer, model_cfg.get("system_message"), model_cfg.get("eos_token_ids") or (),
+                   model_cfg.get("chat_template_kwargs"))
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         """Token ids of the conversation, ending where the assistant's next answer begins."""
         if self.spec == "tokenizer":
             chat = [{"role": "system", "content": self.system_message}] if self.system_message else []
             chat += [{"role": m.role, "content": m.content} for m in messages]
-            return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True,
-                                                           return_dict=True)["input_ids"])
+            return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True,
+                                                           **self.template_kwargs)["input_ids"])
         if self.spec.startswith("raw:"):
             if len(messages) != 1:
                 raise ValueError(
