@@ -346,8 +346,10 @@ def every_batchable(tmp_path_factory):
     from methods.models.heads.hydra import load_hydra_heads
     from methods.models.heads.medusa import load_medusa_heads
     from methods.models.specs import ModelSpec
+    from methods.pard import PardDecoder
     from tests.test_eagle3 import LAYERS, write_eagle3
     from tests.test_hydra import SMALL, write_hydra
+    from tests.test_pard import pard_draft
     from tests.test_tree_methods import adaptive, write_eagle, write_medusa
 
     model = tiny_model("llama", seed=45, vocab_size=32, layers=LAYERS)
@@ -361,6 +363,7 @@ def every_batchable(tmp_path_factory):
     medusa = load_medusa_heads(ModelSpec(path=str(folder / "medusa")), model)
     hydra = load_hydra_heads(ModelSpec(path=str(folder / "hydra")), model)[0]
     draft = truncated_copy(model, 2)
+    pard = pard_draft(model)
     static = retrieval_corpus(model, folder)
     store = rest_datastore(model, folder / "rest.idx")
     return {
@@ -379,6 +382,7 @@ def every_batchable(tmp_path_factory):
         "lookahead": lambda: LookaheadDecoder(ModelRunner(model), window=3, level=3, guess=3),
         "jacobi": lambda: JacobiDecoder(ModelRunner(model), block_size=4),
         "recycling": lambda: recycling(model),
+        "pard": lambda: PardDecoder(ModelRunner(model), pard, 32, k=4),  # mask: the draft's extra row
     }
 
 
