@@ -237,7 +237,8 @@ def block_quickstart(_sets) -> str:
 
 
 # a model config's drafts.<kind>, in the order of the README's columns
-DRAFT_COLUMNS = {"sps": "draft LM", "eagle": "EAGLE", "eagle3": "EAGLE-3", "medusa": "Medusa", "hydra": "Hydra"}
+DRAFT_COLUMNS = {"sps": "draft LM", "eagle": "EAGLE", "eagle3": "EAGLE-3", "medusa": "Medusa", "hydra": "Hydra",
+                 "pard": "PARD"}
 
 
 def block_models(_sets) -> str:
@@ -261,7 +262,8 @@ def block_models(_sets) -> str:
         cells = [config.get("path") or "embedded"]
         for kind in DRAFT_COLUMNS:
             spec = (drafts.get(kind) or {}).get("path")
-            cells.append("–" if not spec else "ours" if (REPO / spec).is_dir() else spec)
+            cells.append("–" if not spec else "ours" if (REPO / spec).is_dir()
+                         else "ours, not trained yet" if spec.startswith("drafts/") else spec)
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     free = [m for m in methods if method_settings(m).draft_kind is None]
     needs = {m: refused_models(m, models) for m in free}
