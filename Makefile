@@ -167,7 +167,7 @@ perf-lazyllm: setup
 # heads, an EAGLE-3 head, Hydra heads and a DFlash draft, each written to drafts/<model>/<kind>/ with its
 # training log and model card.
 DRAFT_MODEL ?= smollm2-135m
-DRAFT_KINDS ?= draft-lm eagle medusa eagle3 hydra dflash
+DRAFT_KINDS ?= draft-lm eagle medusa eagle3 hydra dflash pard
 train-drafts: setup
 	test -f data/distill/$(DRAFT_MODEL)/answers.jsonl || $(PY) -m harness.training data --model $(DRAFT_MODEL) $(ARGS)
 	$(PY) -m harness.training vocab --model $(DRAFT_MODEL)

@@ -240,7 +240,7 @@ def block_quickstart(_sets) -> str:
 
 # a model config's drafts.<kind>, in the order of the README's columns
 DRAFT_COLUMNS = {"sps": "draft LM", "eagle": "EAGLE", "eagle3": "EAGLE-3", "medusa": "Medusa", "hydra": "Hydra",
-                 "dflash": "DFlash"}
+                 "dflash": "DFlash", "pard": "PARD"}
 
 
 def block_models(_sets) -> str:

@@ -348,9 +348,11 @@ def every_batchable(tmp_path_factory):
     from methods.models.heads.hydra import load_hydra_heads
     from methods.models.heads.medusa import load_medusa_heads
     from methods.models.specs import ModelSpec
+    from methods.pard import PardDecoder
     from tests.test_dflash import write_dflash
     from tests.test_eagle3 import LAYERS, write_eagle3
     from tests.test_hydra import SMALL, write_hydra
+    from tests.test_pard import pard_draft
     from tests.test_tree_methods import adaptive, write_eagle, write_medusa
 
     model = tiny_model("llama", seed=45, vocab_size=32, layers=LAYERS)
@@ -366,6 +368,7 @@ def every_batchable(tmp_path_factory):
     draft = truncated_copy(model, 2)
     write_dflash(folder / "dflash", model, ids=[1, 4], seed=2)
     dflash = load_dflash_draft(ModelSpec(path=str(folder / "dflash")), model)
+    pard = pard_draft(model)
     static = retrieval_corpus(model, folder)
     store = rest_datastore(model, folder / "rest.idx")
     return {
@@ -385,6 +388,7 @@ def every_batchable(tmp_path_factory):
         "jacobi": lambda: JacobiDecoder(ModelRunner(model), block_size=4),
         "recycling": lambda: recycling(model),
         "dflash": lambda: DFlashDecoder(ModelRunner(model), dflash),
+        "pard": lambda: PardDecoder(ModelRunner(model), pard, 32, k=4),  # mask: the draft's extra row
     }
 
 

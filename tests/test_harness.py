@@ -321,7 +321,7 @@ def test_bad_values_are_named():
     ("method=lazyllm batch_size=4", "batch_size=4: valid: 1 for method lazyllm (its runner keeps each layer's own "
                                     "subset of the prompt (the Aux Cache), which one cache length per sequence cannot "
                                     "hold); batch_size > 1 runs ar, dflash, eagle, eagle2, eagle3, hydra, jacobi, "
-                                    "lookahead, mcsd, medusa, pld, recycling, rest, sam, sps, suffix"),
+                                    "lookahead, mcsd, medusa, pard, pld, recycling, rest, sam, sps, suffix"),
     ("method=pld method.branches=2 batch_size=2", "batch_size=2: valid: 1 for method pld (method.branches > 1"),
     ("method=eagle3 model=vicuna-7b", "model='vicuna-7b': valid: a model with drafts.eagle3 (method eagle3 drafts "
                                       "with it): deepseek-r1-distill-llama-8b, llama3.1-8b-instruct, "
@@ -398,7 +398,7 @@ def test_a_bad_value_exits_2_with_one_line_and_no_traceback():
 
 
 @pytest.mark.parametrize("override, valid", [
-    ("method=eagel", "ar, dflash, eagle, eagle2, eagle3, hydra, jacobi, lazyllm, lookahead, mcsd, medusa, pld, "
+    ("method=eagel", "ar, dflash, eagle, eagle2, eagle3, hydra, jacobi, lazyllm, lookahead, mcsd, medusa, pard, pld, "
                      "recycling, rest, sam, sps, suffix"),
     ("model=smollm2", "cllm-7b-codesearchnet, "), ("dataset=specbench", "alpaca, cnn_dm, gsm8k, ")])
 def test_a_misspelt_config_group_choice_exits_2_with_one_line(override, valid):

@@ -26,8 +26,10 @@ class Message:
 class ChatTemplate:
     def __init__(self, spec: str, tokenizer, system_message: str | None = None, eos_token_ids: Sequence[int] = (),
                  template_kwargs: dict | None = None):
+        """`template_kwargs`: passed to the tokenizer's chat template (`template: tokenizer`), e.g. Qwen3's
+        `enable_thinking: false`."""
         self.spec = spec
-        self.template_kwargs = dict(template_kwargs or {})  # extra arguments of the tokenizer's chat template
+        self.template_kwargs = dict(template_kwargs or {})
         self.tokenizer = tokenizer
         self.system_message = system_message
         self.stop_strings: tuple[str, ...] = ()

@@ -126,7 +126,7 @@ def check_model(params: dict, model: dict) -> None:
     settings = method_settings(params.get("name"))
     kind = settings.draft_kind
     if kind and not (params.get("draft") or params.get("head") or (model.get("drafts") or {}).get(kind)):
-        key = "draft" if kind == "sps" else "head"
+        key = "draft" if "draft" in settings.schema() else "head"  # a draft LM's setting, or a head's
         raise ConfigError("model", model.get("name"),
                           f"a model with drafts.{kind} (method {params.get('name')} drafts with it): "
                           f"{', '.join(models_with_draft(kind))} (or give method.{key}.path=<hub id or folder>)")

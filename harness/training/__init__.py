@@ -2,6 +2,7 @@
 
     python -m harness.training data    --model smollm2-135m      # prompts + the target's answers
     python -m harness.training draft-lm|eagle|medusa|eagle3|hydra|dflash --model smollm2-135m
+    python -m harness.training pard --model smollm2-135m     # after draft-lm: it adapts that draft
 
 Each recipe is seeded, logs its loss to `<out>/train_log.jsonl`, writes its weights in the format
 its loader reads (tensors that copy the target's, embeddings and lm_head, left out: the loaders
@@ -32,6 +33,10 @@ the measured teacher-forced acceptance on held-out prompts.
   upstream's feature layers, trained as SpecForge trains DFlash: blocks [x_a, mask, ...] at random answer
   anchors, each seeing the context before its anchor and its own block, cross-entropy of each slot's own
   position through the frozen lm_head, weighted exp(-(k-1)/7); saved in upstream's released format.
+- PARD draft (`harness/training/pard.py`): the draft LM above adapted into a parallel draft (PARD's
+  conditional drop-token training: each position also trained on 1..para_num-1 appended mask tokens
+  predicting 2..para_num tokens ahead, the mask slots randomly thinned by COD); the mask id is saved as
+  `pard_token` in its config.json.
 
 The corpus (`data`): ~9,000 prompts (`methods/models/corpus.py`: its own subjects and templates,
 `corpus_prompts.yaml`, the Python language reference and standard-library docstrings;

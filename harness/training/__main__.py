@@ -1,4 +1,4 @@
-"""`python -m harness.training data|vocab|draft-lm|eagle|eagle3|medusa|hydra|dflash --model <name>`: the CLI of the
+"""`python -m harness.training data|vocab|draft-lm|eagle|eagle3|medusa|hydra|dflash|pard --model <name>`: the CLI of the
 recipes (see `harness/training/__init__.py`)."""
 
 from __future__ import annotations
@@ -14,20 +14,21 @@ from omegaconf import OmegaConf
 from methods.base import BuildContext
 from methods.engine.vocab import token_frequencies
 from methods.models.heads.eagle3 import feature_layers
-from methods.models.loading import resolve_device
+from methods.models.loading import load_draft_lm, resolve_device
 
 from . import __doc__ as RECIPES_DOC
-from .dflash import DFlashRecipe, attach_dflash_features, unused_special_token
+from .dflash import DFlashRecipe, attach_dflash_features
 from .dflash import feature_layers as dflash_layers
 from .distill import corpus
 from .distributed import context, is_main, launched, place
 from .draft_lm import DraftLMRecipe
 from .eagle import EagleRecipe
 from .eagle3 import Eagle3Recipe, attach_cached_features, attach_features
-from .examples import attach_hidden, feature_spread, load_examples, split
+from .examples import attach_hidden, choose_mask_token, feature_spread, load_examples, split
 from .hydra import HydraRecipe
 from .loop import ROOT, evaluate, load_target, model_card, train
 from .medusa import MedusaRecipe
+from .pard import PARA_NUM, PardRecipe
 
 
 def training_device(name: str) -> torch.device:
@@ -46,6 +47,7 @@ DEFAULTS = {  # kind: (epochs, lr, batch, noise): the committed zoo's settings (
     "eagle3": (8.0, 2e-3, 16, 0.0),
     "hydra": (2.0, 1e-3, 16, 0.0),
     "dflash": (6.0, 6e-4, 16, 0.0),  # SpecForge's lr and epochs (not trained yet: no committed draft)
+    "pard": (4.0, 3e-4, 16, 0.0),  # 4 epochs as upstream's examples; lr: ours (upstream's 3e-5 fine-tunes a 0.5B draft)
 }
 
 
@@ -85,9 +87,6 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--layers", type=int, default=2, help="draft LM, DFlash: decoder layers")
     parser.add_argument("--block-size", type=int, default=16, help="DFlash: tokens per block (upstream's drafts: 16)")
-    parser.add_argument("--mask-token-id", type=int, default=None,
-                        help="DFlash: the mask token (default: the last added token of the tokenizer that is not "
-                             "a special token and that no training conversation holds)")
     parser.add_argument("--anchors", type=int, default=512,
                         help="DFlash: most anchored blocks per conversation (SpecForge's num_anchors; 512 takes every "
                              "answer position of the suite's corpus; fewer cost proportionally less)")
@@ -97,6 +96,12 @@ def arguments() -> argparse.ArgumentParser:
                         help="train on the first N training conversations only (a shorter budget; the held-out set is "
                              "unchanged); default: all")
     parser.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3: training-time test steps (upstream: 7)")
+    parser.add_argument("--para-num", type=int, default=PARA_NUM,
+                        help="PARD: tokens trained per position, the real one and para_num - 1 masks "
+                             f"(upstream: {PARA_NUM})")
+    parser.add_argument("--mask-token", type=int, default=None,
+                        help="DFlash, PARD: the mask id (DFlash's dflash_config.mask_token_id, PARD's pard_token); "
+                             "default: the highest-id added token of the tokenizer that no training text holds")
     parser.add_argument("--resume", action="store_true",
                         help="continue from <out>/checkpoint.pt (weights, optimizer, step, RNG) of an interrupted run")
     parser.add_argument("--micro-batch", type=int, default=None,
@@ -143,10 +148,10 @@ def main(argv=None) -> None:
     examples = load_examples(data_file)
     train_set, val_set = split(examples, args.held_out, args.seed)
     train_set = train_set[: args.train_examples]
-    if args.kind != "draft-lm":
+    if args.kind in ("dflash", "pard") and args.mask_token is None:  # a row no training text holds
+        args.mask_token = choose_mask_token(tokenizer, examples, target.get_input_embeddings().num_embeddings)
+    if args.kind not in ("draft-lm", "pard"):
         target_states(args.kind, target, examples, data_file, state_batch, args.layers)
-    if args.kind == "dflash" and args.mask_token_id is None:
-        args.mask_token_id = unused_special_token(tokenizer, examples)
     recipe = build_recipe(args, cfg, target, train_set)
     place(recipe, device)
     out = args.out or ROOT / "drafts" / args.model / args.kind
@@ -156,7 +161,9 @@ def main(argv=None) -> None:
                    batch=args.batch, noise=noise, resume=args.resume, micro_batch=args.micro_batch, device=device)
     if is_main():  # under torchrun: rank 0 writes the files
         recipe.save(out)
-        model_card(out, args.kind, args, data_file, len(train_set), len(val_set), result, before)
+        loss = {"pard": PARD_LOSS.format(mask=args.mask_token, para_num=args.para_num)}.get(args.kind)
+        model_card(out, args.kind, args, data_file, len(train_set), len(val_set), result, before,
+                   **({"loss": loss} if loss else {}))
         print(json.dumps({k: v for k, v in result.items()}, indent=2))
 
 
@@ -191,9 +198,32 @@ def build_recipe(args: argparse.Namespace, cfg, target, train_set: list):
             "eagle3": lambda: Eagle3Recipe(target, args.seed, draft_vocabulary(args.model, cfg, target),
                                            args.ttt_steps),
             "hydra": lambda: HydraRecipe(target, args.heads, vocabulary=draft_vocabulary(args.model, cfg, target)),
-            "dflash": lambda: DFlashRecipe(target, args.layers, args.block_size, args.mask_token_id, vocabulary=vocab,
+            "dflash": lambda: DFlashRecipe(target, args.layers, args.block_size, args.mask_token, vocabulary=vocab,
                                            seed=args.seed, num_anchors=args.anchors),
+            "pard": lambda: PardRecipe(target, ar_draft(args.model, cfg, target), args.mask_token, args.para_num,
+                                       vocabulary=vocab, ignore_ids=eos_ids(target)),
             }[args.kind]()
+
+
+PARD_LOSS = ("Adapted from the model's AR draft (`drafts.sps`) with PARD's conditional drop-token training: "
+             "mask id {mask} (`pard_token`), {para_num} tokens per position; loss on every prompt and answer "
+             "token but the eos, as upstream's; labels are the corpus's tokens.")
+
+
+def ar_draft(model_name: str, cfg, target):
+    """The AR draft PARD adapts (upstream's `model_name`): the model config's `drafts.sps`."""
+    spec = OmegaConf.to_container(cfg, resolve=True).get("drafts", {}).get("sps")
+    if not spec:
+        raise SystemExit(f"model {model_name!r} names no AR draft (drafts.sps) for PARD to adapt: train one "
+                         f"(`python -m harness.training draft-lm --model {model_name}`) or add drafts.sps to "
+                         f"conf/model/{model_name}.yaml")
+    return load_draft_lm(spec, target)
+
+
+def eos_ids(target) -> list[int]:
+    """The target's eos ids: upstream's collator sets the eos labels to -100 (its pad token is the eos)."""
+    eos = target.config.eos_token_id
+    return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
 def draft_vocabulary(model_name: str, cfg, target):

@@ -71,20 +71,6 @@ def attach_dflash_features(target, examples: list[Example], layers: tuple[int, .
                   f"dflash layer inputs {list(layers)}", cache, progress, batch_tokens)
 
 
-def unused_special_token(tokenizer, examples: list[Example]) -> int:
-    """The mask token of a draft for a target without a spare one (upstream's Qwen3 drafts use an id past the
-    tokenizer): the last added token that is not a special token of the template (bos, eos, pad) and that no
-    training conversation holds."""
-    seen: set[int] = set()
-    for example in examples:
-        seen.update(example.ids.unique().tolist())
-    special = set(tokenizer.all_special_ids)
-    unused = [i for i in sorted(getattr(tokenizer, "added_tokens_decoder", {})) if i not in special | seen]
-    if not unused:
-        raise SystemExit("no added token of the tokenizer is unused by the corpus: pass --mask-token-id")
-    return unused[-1]
-
-
 def visibility(anchors: torch.Tensor, keep: torch.Tensor, context: int, block: int) -> torch.Tensor:
     """[B, N·bs, S + N·bs] bool, what each block row sees (SpecForge's `create_dflash_sdpa_mask`, full
     attention): the context strictly before its anchor and every row of its own block; an invalid block

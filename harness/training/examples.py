@@ -346,3 +346,21 @@ def offset_mask(lengths: torch.Tensor, starts: torch.Tensor, width: int, offset:
     belongs to the answer (`answer_mask` of each example, padded with False)."""
     t = torch.arange(width - offset, device=lengths.device)[None]
     return (t + offset >= starts[:, None]) & (t + offset < lengths[:, None])
+
+
+def choose_mask_token(tokenizer, examples: list[Example], rows: int) -> int:
+    """A draft's mask id when none is given (DFlash's, PARD's: upstream's are reserved tokens): the highest-id
+    added token of the tokenizer that no example holds and that is not its bos, eos, pad or unk; else the
+    highest id below `rows` that no example holds."""
+    used = set()
+    for example in examples:
+        used.update(example.ids.tolist())
+    special = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    added = sorted(i for i in (getattr(tokenizer, "added_tokens_decoder", None) or {})
+                   if i < rows and i not in used and i not in special)
+    if added:
+        return added[-1]
+    unused = next((i for i in range(rows - 1, -1, -1) if i not in used and i not in special), None)
+    if unused is None:
+        raise ValueError("every vocabulary row occurs in the training data: give the mask id as --mask-token")
+    return unused
