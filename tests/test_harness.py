@@ -419,7 +419,7 @@ def test_a_misspelt_config_group_choice_exits_2_with_one_line(override, valid):
 def test_every_value_of_a_sweep_and_every_group_is_checked():
     from harness.running.validate import check_group_choices
 
-    with pytest.raises(ValueError, match="^method='eagel': valid: ar, eagle"):
+    with pytest.raises(ValueError, match="^method='eagel': valid: ar, dflash, eagle"):
         check_group_choices(["-m", "method=sps,eagel", "limit=1"])
     with pytest.raises(ValueError, match="^hydra/launcher='lokal': valid: basic, .*local, slurm"):
         check_group_choices(["hydra/launcher=lokal"])

@@ -355,7 +355,8 @@ def choose_mask_token(tokenizer, examples: list[Example], rows: int) -> int:
     used = set()
     for example in examples:
         used.update(example.ids.tolist())
-    special = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    special = set(getattr(tokenizer, "all_special_ids", None) or ()) | {
+        getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
     added = sorted(i for i in (getattr(tokenizer, "added_tokens_decoder", None) or {})
                    if i < rows and i not in used and i not in special)
     if added:
