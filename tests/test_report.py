@@ -426,7 +426,7 @@ def test_a_sweep_says_what_each_job_answers_and_an_empty_limit_means_all(target,
         return said, " ".join(run.split())
 
     said, run = dry_run()
-    assert f"answers {'5' if target == 'sweep' else '16'} questions ({limit}=" in said and f"{limit}= for all" in said
+    assert f"answers {'5' if target == 'sweep' else '8'} questions ({limit}=" in said and f"{limit}= for all" in said
     assert "limit=null" not in run and "max_new_tokens=64 " in run
     said, run = dry_run(f"{limit}=", f"{tokens}=")
     assert f"all questions ({limit}=) with the dataset's max_new_tokens ({tokens}=)" in said
@@ -434,6 +434,20 @@ def test_a_sweep_says_what_each_job_answers_and_an_empty_limit_means_all(target,
     said, run = dry_run(f"{limit}=7", f"{tokens}=12")
     assert f"7 questions ({limit}=7) with max_new_tokens=12 ({tokens})" in said
     assert "limit=7 max_new_tokens=12 " in run
+
+
+def test_the_batch_sweep_runs_each_headline_method_with_its_settings_and_a_method_that_cannot_batch_alone():
+    """`make batch-sweep` (dry run): a headline variant (`sam@eagle2`) runs its method with the headline's
+    settings for it and the headline's own overrides; a method that does not batch (LazyLLM) runs at 1 only."""
+    if not shutil.which("make"):
+        pytest.skip("no make here")
+    done = subprocess.run(["make", "-n", "batch-sweep", "BATCH_METHODS=sam@eagle2 lazyllm"], cwd=REPO,
+                          capture_output=True, text=True, check=True)
+    runs = [" ".join(line.split()) for line in done.stdout.replace("\\\n", " ").split(";") if "harness.run -m" in line]
+    sam, lazy = runs
+    assert "method=sam dtype=float32 temperature=0 warmup=1 method.auxiliary=eagle2 method.depth=3" in sam
+    assert "batch_size=1,2,4 " in sam and "/sam@eagle2 " in sam
+    assert "method=lazyllm " in lazy and "batch_size=1 " in lazy
 
 
 def test_slurm_launcher_config_composes():
