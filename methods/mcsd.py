@@ -64,10 +64,8 @@ class MultiCandidateDecoder(DraftVerifyDecoder):
         if not k_config or min(k_config) < 1:
             raise ValueError(f"k_config must be a non-empty list of positive integers, got {list(k_config)}")
         self.k_config, self.replacement = k_config, replacement
-        self.draft = draft_model if isinstance(draft_model, DraftLM) else \
-            DraftLM(draft_model, target.vocab_size, vocabulary, **target.engine_settings())
+        self.draft = DraftLM.of(draft_model, target, vocabulary)
         self.vocabulary = vocabulary
-        self.lane_drafts = [self.draft]  # sequence i of a batch drafts with lane_drafts[i] (`draft_state`)
         self.batch_draft = BatchDraftLM(self.draft)  # a batch's drafts, one draft forward per depth (`propose_batch`)
         self.batch_k_configs: dict[int, tuple[int, ...]] = {}  # a batch's cut (`batch_k_config`), by nodes
 
@@ -78,11 +76,14 @@ class MultiCandidateDecoder(DraftVerifyDecoder):
             described["batch_k_configs"] = {n: list(k) for n, k in sorted(self.batch_k_configs.items())}
         return described
 
+    @property
+    def lane_drafts(self) -> list[DraftLM]:
+        """The draft LMs the sequences of a batch have drafted with so far (`DraftLM.lanes`)."""
+        return self.draft.lanes
+
     def draft_state(self, index: int) -> DraftLM:
         """Sequence `index`'s draft LM: its own cache over the same weights (index 0: `self.draft`)."""
-        while len(self.lane_drafts) <= index:
-            self.lane_drafts.append(self.draft.another())
-        return self.lane_drafts[index]
+        return self.draft.lane(index)
 
     def start(self, state, prefill) -> None:
         state.draft.reset()

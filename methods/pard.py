@@ -182,9 +182,7 @@ class PardDecoder(DraftVerifyDecoder):
         if int(self.sizing.value) < 1:
             raise ValueError(f"k (draft tokens per step) must be >= 1, got {self.sizing.value}")
         self.k, self.mask, self.vocabulary = int(self.sizing.value), int(mask_token), vocabulary
-        self.draft = draft_model if isinstance(draft_model, DraftLM) else \
-            DraftLM(draft_model, target.vocab_size, vocabulary, **target.engine_settings())
-        self.lane_drafts = [self.draft]  # sequence i of a batch drafts with lane_drafts[i] (`draft_state`)
+        self.draft = DraftLM.of(draft_model, target, vocabulary)
         self.batch_draft = PardBatch(self.draft, self.mask)  # a batch's drafts in one forward (`propose_batch`)
 
     def describe(self):
@@ -192,11 +190,14 @@ class PardDecoder(DraftVerifyDecoder):
         return {**super().describe(), "k": setting, "draft_tokens": self.k, "mask_token": self.mask,
                 "draft_vocab": len(self.vocabulary) if self.vocabulary else None}
 
+    @property
+    def lane_drafts(self) -> list[DraftLM]:
+        """The draft LMs the sequences of a batch have drafted with so far (`DraftLM.lanes`)."""
+        return self.draft.lanes
+
     def draft_state(self, index: int) -> DraftLM:
         """Sequence `index`'s draft LM: its own cache over the same weights (index 0: `self.draft`)."""
-        while len(self.lane_drafts) <= index:
-            self.lane_drafts.append(self.draft.another())
-        return self.lane_drafts[index]
+        return self.draft.lane(index)
 
     def start(self, state, prefill) -> None:
         state.draft.reset()

@@ -136,7 +136,7 @@ def build(target, settings: SpSSettings, context: BuildContext) -> SpeculativeSa
     spec = settings.draft or context.draft_spec("sps", "sps")
     draft = load_draft_lm(spec, context.target_model)
     vocabulary = context.draft_vocabulary(settings.to_dict(), draft.get_output_embeddings().out_features)
-    draft_lm = DraftLM(draft, target.vocab_size, vocabulary, **target.engine_settings())
+    draft_lm = DraftLM.of(draft, target, vocabulary)
     curve = context.latency_curve(target) if gamma == "auto" else None
     if gamma == "auto" and curve is None:
         gamma = Sizing(FIXED_GAMMA, {"gamma": "auto", "profile": f"none: the fixed {FIXED_GAMMA}"})

@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from methods.engine.runner import layer_inputs
 from methods.models.heads.dflash import DFlashDraft, build_target_layer_ids, dflash_config, draft_config, save_dflash
 
-from .examples import Example, attach_states, pad_batch
+from .examples import Example, attach_states, draft_labels, pad_batch
 
 NUM_ANCHORS = 512  # SpecForge's num_anchors
 GAMMA = 7.0  # SpecForge's loss_decay_gamma (examples/configs/qwen3-8b-dflash-online.yaml)
@@ -219,11 +219,7 @@ class DFlashRecipe:
         """[R, H] rows and their target ids [R] -> [R] cross-entropy through the frozen lm_head (over the draft
         vocabulary's rows where one is set: a label outside it gives 0), chunked and recomputed in the
         backward so no [R, V] logits are kept."""
-        mapped = labels
-        if self.ids is not None:
-            to_draft = torch.full((self.full_size,), -1, dtype=torch.long, device=labels.device)
-            to_draft[self.ids.to(labels.device)] = torch.arange(len(self.ids), device=labels.device)
-            mapped = to_draft[labels]
+        mapped = draft_labels(labels, self.ids, self.full_size)
 
         def chunk(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             ce = F.cross_entropy(h @ self.rows.T.to(h.dtype), y.clamp_min(0), reduction="none")

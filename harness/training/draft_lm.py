@@ -14,12 +14,11 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from methods.models.loading import truncated_copy
 
-from .examples import Example, offset_mask, pad_batch
+from .examples import Example, draft_labels, mean_cross_entropy, offset_mask, pad_batch
 
 
 class DraftLMRecipe:
@@ -62,15 +61,7 @@ class DraftLMRecipe:
         owner = torch.arange(len(examples), device=device)[:, None].expand_as(mask)[mask]
         logits = hidden[mask].float() @ self.rows.T.float()  # the vocab projection on answer positions only
         labels = ids[:, 1:][mask]
-        if self.ids is None:
-            ce = F.cross_entropy(logits, labels, reduction="none")
-        else:
-            to_draft = torch.full((self.full_size,), -1, dtype=torch.long, device=device)
-            to_draft[self.ids.to(device)] = torch.arange(len(self.ids), device=device)
-            mapped = to_draft[labels]
-            ce = F.cross_entropy(logits, mapped.clamp_min(0), reduction="none") * (mapped >= 0)
-        per_example = ce.new_zeros(len(examples)).index_add(0, owner, ce)
-        counts = ce.new_zeros(len(examples)).index_add(0, owner, torch.ones_like(ce))
+        loss = mean_cross_entropy(logits, draft_labels(labels, self.ids, self.full_size), owner, len(examples))
         stats = {}
         if not torch.is_grad_enabled():
             tops = torch.zeros_like(ids)
@@ -80,7 +71,7 @@ class DraftLMRecipe:
             if self.ids is not None:
                 draft = self.ids.to(device)[draft]
             stats["acc_1"] = (draft == tops[:, :-1][mask]).float().cpu()
-        return (per_example / counts.clamp_min(1)).sum(), stats
+        return loss.sum(), stats
 
     def save(self, out: Path) -> None:
         state = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in self.model.state_dict().items()

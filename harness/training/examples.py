@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import distributed
@@ -365,3 +366,22 @@ def choose_mask_token(tokenizer, examples: list[Example], rows: int) -> int:
     if unused is None:
         raise ValueError("every vocabulary row occurs in the training data: give the mask id as --mask-token")
     return unused
+
+
+def draft_labels(labels: torch.Tensor, ids: torch.Tensor | None, full_size: int) -> torch.Tensor:
+    """Target-vocabulary `labels` as rows of the draft vocabulary `ids` (its target ids, in order; None: the
+    full vocabulary, the labels unchanged); -1 where a label is outside the draft vocabulary."""
+    if ids is None:
+        return labels
+    to_draft = torch.full((full_size,), -1, dtype=torch.long, device=labels.device)
+    to_draft[ids.to(labels.device)] = torch.arange(len(ids), device=labels.device)
+    return to_draft[labels]
+
+
+def mean_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, owner: torch.Tensor, examples: int) -> torch.Tensor:
+    """[examples] each example's mean cross-entropy over its rows of `logits` (`owner[r]`: row r's example)
+    against `labels` (`draft_labels`: a row labelled -1 counts 0)."""
+    ce = F.cross_entropy(logits, labels.clamp_min(0), reduction="none") * (labels >= 0)
+    per_example = ce.new_zeros(examples).index_add(0, owner, ce)
+    counts = ce.new_zeros(examples).index_add(0, owner, torch.ones_like(ce))
+    return per_example / counts.clamp_min(1)

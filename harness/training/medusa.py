@@ -14,11 +14,10 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from methods.models.heads.medusa import MedusaHeads
 
-from .examples import Example, target_top
+from .examples import Example, draft_labels, mean_cross_entropy, target_top
 
 
 class MedusaRecipe:
@@ -54,10 +53,6 @@ class MedusaRecipe:
         evaluating = not torch.is_grad_enabled()
         device = self.rows.device
         total, stats = self.rows.new_zeros((), dtype=torch.float32), {}
-        to_draft = None
-        if self.ids is not None:
-            to_draft = torch.full((self.full_size,), -1, dtype=torch.long, device=device)
-            to_draft[self.ids.to(device)] = torch.arange(len(self.ids), device=device)
         for k, head in enumerate(self.heads):
             offset = k + 2
             parts, labels, owner, wanted = [], [], [], []
@@ -78,14 +73,8 @@ class MedusaRecipe:
             features = head[:-1](torch.cat(parts).to(device).float())
             logits = features @ self.rows.T
             labels, owner = torch.cat(labels).to(device), torch.cat(owner).to(device)
-            if to_draft is None:
-                ce = F.cross_entropy(logits, labels, reduction="none")
-            else:
-                mapped = to_draft[labels]
-                ce = F.cross_entropy(logits, mapped.clamp_min(0), reduction="none") * (mapped >= 0)
-            per_example = ce.new_zeros(len(examples)).index_add(0, owner, ce)
-            counts = ce.new_zeros(len(examples)).index_add(0, owner, torch.ones_like(ce))
-            total = total + 0.8 ** k * (per_example / counts.clamp_min(1)).sum()
+            loss = mean_cross_entropy(logits, draft_labels(labels, self.ids, self.full_size), owner, len(examples))
+            total = total + 0.8 ** k * loss.sum()
             if evaluating:
                 draft = logits.argmax(-1)
                 if self.ids is not None:

@@ -41,12 +41,11 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from methods.models.loading import SHARED_KEY
 
-from .examples import Example, pad_batch
+from .examples import Example, draft_labels, mean_cross_entropy, pad_batch
 
 PARA_NUM = 8  # upstream's para_num (config/train/example_*.yaml:6)
 RETENTION, RETENTION_MIN = 0.7, 0.2  # down_sample_ration, down_sample_ration_min (example_*.yaml:8-9)
@@ -180,17 +179,8 @@ class PardRecipe:
         valid = labels != IGNORE
         owner = torch.arange(len(examples), device=device)[:, None].expand_as(valid)[valid]
         logits = hidden[valid].float() @ self.rows().T.float()
-        targets = labels[valid]
-        if self.ids is None:
-            ce = F.cross_entropy(logits, targets, reduction="none")
-        else:
-            to_draft = torch.full((self.full_size,), -1, dtype=torch.long, device=device)
-            to_draft[self.ids.to(device)] = torch.arange(len(self.ids), device=device)
-            mapped = to_draft[targets]
-            ce = F.cross_entropy(logits, mapped.clamp_min(0), reduction="none") * (mapped >= 0)
-        per_example = ce.new_zeros(len(examples)).index_add(0, owner, ce)
-        counts = ce.new_zeros(len(examples)).index_add(0, owner, torch.ones_like(ce))
-        return (per_example / counts.clamp_min(1)).sum(), {}
+        targets = draft_labels(labels[valid], self.ids, self.full_size)
+        return mean_cross_entropy(logits, targets, owner, len(examples)).sum(), {}
 
     def held_out(self, examples: list[Example]) -> tuple[torch.Tensor, dict]:
         """`acc_k` per example and slot, every slot (no COD): slot (k-1, j) proposes token j + 1 from the

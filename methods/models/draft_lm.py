@@ -31,6 +31,21 @@ class DraftLM:
         self._base: int | None = None  # committed length when the current tree was drafted
         self.batch: BatchDraftLM | None = None  # the batch drafting for this sequence, if any (`BatchDraftLM`)
         self.kept: list[int] = []  # in a batch: the last step's accepted tree slots, committed at the next step
+        self.lanes: list[DraftLM] = [self]  # sequence i of a batch drafts with lanes[i] (`lane`)
+
+    @classmethod
+    def of(cls, draft, target, vocabulary=None) -> "DraftLM":
+        """A decoder's draft LM: `draft` itself when it is one (a factory built it to time it), else one over
+        the model `draft` on the target runner's engine settings."""
+        return draft if isinstance(draft, DraftLM) else cls(draft, target.vocab_size, vocabulary,
+                                                              **target.engine_settings())
+
+    def lane(self, index: int) -> "DraftLM":
+        """Sequence `index`'s draft LM in a batch: its own cache over the same weights, made once and reused
+        (index 0: this one)."""
+        while len(self.lanes) <= index:
+            self.lanes.append(self.another())
+        return self.lanes[index]
 
     def another(self) -> "DraftLM":
         """A draft LM over the same model and vocabulary with its own cache (one per sequence of a batch)."""

@@ -84,6 +84,17 @@ def place_like_target(head: torch.nn.Module, target_model, shared_embedding=None
     return head
 
 
+def read_head(spec: ModelSpec, weight_files: tuple[str, ...]) -> tuple[Path, dict[str, torch.Tensor], dict, Path]:
+    """A head checkpoint that needs its config.json: its folder, weights, config and the weights' file (for
+    messages); a folder without config.json is refused in one line."""
+    folder = checkpoint_folder(spec, weight_files)
+    state, file = read_state_dict(folder, weight_files)
+    config = read_config(folder)
+    if not config:
+        raise ValueError(f"{folder}: config.json missing")
+    return folder, state, config, folder / file
+
+
 def read_config(folder: Path) -> dict:
     file = folder / "config.json"
     return json.loads(file.read_text()) if file.is_file() else {}

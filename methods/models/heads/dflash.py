@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..specs import ModelSpec
-from .checkpoints import checkpoint_folder, place_like_target, read_config, read_state_dict
+from .checkpoints import place_like_target, read_head
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 UPSTREAM_BLOCK = 16  # the released drafts' block size (`-b16`), the config's `block_size`
@@ -331,12 +331,7 @@ def check_config(config: dict, where, target_model) -> tuple[list[int], int, int
 def load_dflash_draft(spec: ModelSpec, target_model) -> DFlashDraft:
     """A DFlash draft in the released format, on the target's device and dtype, checked against the target;
     a wrong checkpoint is refused in one line."""
-    folder = checkpoint_folder(spec, WEIGHT_FILES)
-    state, file = read_state_dict(folder, WEIGHT_FILES)
-    config = read_config(folder)
-    where = folder / file
-    if not config:
-        raise ValueError(f"{folder}: config.json missing")
+    folder, state, config, where = read_head(spec, WEIGHT_FILES)
     ids, block, mask = check_config(config, where, target_model)
     draft = DFlashDraft(draft_config(config), ids, block, mask)
     try:

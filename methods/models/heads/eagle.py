@@ -20,7 +20,7 @@ from transformers import LlamaConfig, Qwen2Config
 
 from ...engine.fused import FusedHeadLayer, RopeTable, fused_layer, unsupported_layers
 from ..specs import ModelSpec
-from .checkpoints import checkpoint_folder, place_like_target, read_config, read_state_dict
+from .checkpoints import place_like_target, read_head
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -91,16 +91,12 @@ class EagleHead(nn.Module):
 
 
 def load_eagle_head(spec: ModelSpec, target_model) -> EagleHead:
-    folder = checkpoint_folder(spec, WEIGHT_FILES)
-    state, file = read_state_dict(folder, WEIGHT_FILES)
-    config = read_config(folder)
+    folder, state, config, where = read_head(spec, WEIGHT_FILES)
     qkv_bias = "layers.0.self_attn.q_proj.bias" in state
     fc_bias = "fc.bias" in state
     if config.get("bias", True) is False and fc_bias:
         raise ValueError(f"{folder}: config.json says bias=false but the weights hold fc.bias")
     target_embed = target_model.get_input_embeddings()
-    if not config:
-        raise ValueError(f"{folder}: config.json missing")
     if config.get("hidden_size") != target_embed.embedding_dim:
         raise ValueError(f"EAGLE head {spec.describe()} has hidden_size {config.get('hidden_size')}, "
                          f"the target {target_embed.embedding_dim}: it was trained for another model")
@@ -112,6 +108,6 @@ def load_eagle_head(spec: ModelSpec, target_model) -> EagleHead:
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith("rotary_emb")]
     if missing or unexpected:
-        raise ValueError(f"{folder / file}: not an EAGLE checkpoint (missing {missing[:4]}, unexpected "
+        raise ValueError(f"{where}: not an EAGLE checkpoint (missing {missing[:4]}, unexpected "
                          f"{unexpected[:4]})")
     return place_like_target(head, target_model, target_embed if share_embedding else None)

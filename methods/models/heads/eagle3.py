@@ -29,7 +29,7 @@ from ...engine.fused import FusedHeadLayer, RopeTable, fused_layer, rms_norm, un
 from ...engine.linear import native_active
 from ...engine.vocab import DraftVocabulary
 from ..specs import ModelSpec
-from .checkpoints import checkpoint_folder, place_like_target, read_config, read_state_dict
+from .checkpoints import place_like_target, read_head
 from .eagle import head_config
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -136,12 +136,7 @@ def eagle3_head_config(config: dict):
 
 
 def load_eagle3_head(spec: ModelSpec, target_model) -> Eagle3Head:
-    folder = checkpoint_folder(spec, WEIGHT_FILES)
-    state, file = read_state_dict(folder, WEIGHT_FILES)
-    config = read_config(folder)
-    where = folder / file
-    if not config:
-        raise ValueError(f"{folder}: config.json missing")
+    folder, state, config, where = read_head(spec, WEIGHT_FILES)
     if "draft_vocab_size" not in config:
         raise ValueError(f"{folder}: config.json has no draft_vocab_size: not an EAGLE-3 head "
                          "(an EAGLE-1/2 head is `method=eagle` / `eagle2`)")
