@@ -30,14 +30,16 @@ def method_context(target, tmp_path) -> BuildContext:
     # SAM's static automaton over the same text (`method_params` names its file)
     build_static(text, eos=0, vocab_size=target.config.vocab_size, log=lambda line: None).save(tmp_path / "sam.npz")
     return BuildContext(target, "tiny", {"drafts": {**drafts, "hydra": {"path": str(tmp_path / "hydra")},
-                                                    "sps": {"target_layers": 1}},
+                                                    "sps": {"target_layers": 1}, "pard": {"target_layers": 1}},
                                          "datastores": {"rest": str(tmp_path / "rest.idx")}})
 
 
 def method_params(method: str, tmp_path) -> dict:
     """A method's `method.*` keys on `method_context`'s model: its defaults, SAM's static automaton the
-    file written there (the tiny model has no corpus of its own)."""
-    return {"name": method, **({"static": str(tmp_path / "sam.npz")} if method == "sam" else {})}
+    file written there (the tiny model has no corpus of its own), PARD's mask id the vocabulary's last
+    (the one-layer draft is not a PARD checkpoint: its config names none)."""
+    extra = {"sam": {"static": str(tmp_path / "sam.npz")}, "pard": {"mask_token": 255}}
+    return {"name": method, **extra.get(method, {})}
 
 
 def test_the_mode_is_checked_and_resolved_per_device():
