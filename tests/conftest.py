@@ -15,6 +15,17 @@ SPEC_BENCH = REPO / "data" / "spec_bench" / "question.jsonl"  # shipped with the
 SAMPLE_IDS = [81, 178, 275, 372, 469]
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tests' models are tiny (and the embedded one small): one thread computes a step, a second
+    mostly waits on it, and on a shared machine that wait costs more than the arithmetic. A test that
+    is about threads sets its own count; the process's count is restored after each test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_config(arch: str = "llama", vocab_size: int = 256, layers: int = 3, hidden: int = 64, **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 

@@ -54,16 +54,6 @@ def pard_draft(target, seed: int = 1, **config):
     return draft
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """This module's models are tiny: one thread computes them, a second only waits on it (on a busy machine
-    the wait costs far more than the arithmetic); the process's setting is restored after the module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def models():
     target = tiny_model("llama", seed=45, vocab_size=VOCAB)
