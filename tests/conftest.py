@@ -16,10 +16,13 @@ SAMPLE_IDS = [81, 178, 275, 372, 469]
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """The tests' models are tiny (and the embedded one small): one thread computes a step, a second
-    mostly waits on it, and on a shared machine that wait costs more than the arithmetic. A test that
-    is about threads sets its own count; the process's count is restored after each test."""
+def one_thread(request):
+    """The tests' tiny models run on one thread: a second mostly waits on the first, and on a shared
+    machine that wait costs more than the arithmetic. Tests on the embedded model keep every thread
+    (its forward is large enough to share). The process's count is restored after each test."""
+    if "embedded" in request.fixturenames:
+        yield
+        return
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
