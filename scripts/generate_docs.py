@@ -101,11 +101,19 @@ def run_sets(paths=(REFERENCE,)) -> list[dict]:
     return sorted(sets, key=lambda s: (s["date"], s["slug"]), reverse=True)
 
 
-def headline_sets(sets: list[dict]) -> list[dict]:
-    """The run sets made with `make headline`'s settings (conf/headline/smollm2-135m.yaml)."""
+def headline_sets(sets: list[dict], dtype: str | None = None) -> list[dict]:
+    """The run sets made with `make headline`'s settings (conf/headline/smollm2-135m.yaml); with `dtype`,
+    only those in that precision."""
     config = OmegaConf.load(HEADLINE)
     return [s for s in sets if s["settings"]["model"] == config.model and s["settings"]["dataset"] == config.dataset
-            and s["questions"] == config.limit and s["settings"]["max_new_tokens"] == config.max_new_tokens]
+            and s["questions"] == config.limit and s["settings"]["max_new_tokens"] == config.max_new_tokens
+            and dtype in (None, s["settings"]["dtype"])]
+
+
+def headline_dtype() -> str:
+    """The precision `make headline` runs in (its config's `dtype=` override)."""
+    given = [o.split("=", 1)[1] for o in OmegaConf.load(HEADLINE).get("overrides", []) if o.startswith("dtype=")]
+    return given[-1] if given else "auto"
 
 
 def machine(s: dict) -> str:
@@ -178,15 +186,15 @@ def report_links(s: dict, up: str) -> str:
 
 
 def block_reference(sets) -> str:
-    """README: the newest `make headline` run set."""
-    latest = headline_sets(sets)[0]
+    """README: the newest `make headline` run set in its config's precision."""
+    latest = headline_sets(sets, headline_dtype())[0]
     line = f"{describe(latest, with_model=False)}; {fidelity_line(latest)}"
     return f"{line}.\n\n{results_table(latest, labels=False)}\n"
 
 
 def block_figure(sets) -> str:
-    """README: the newest `make headline` run set's speedup against τ."""
-    latest = headline_sets(sets)[0]
+    """README: the newest `make headline` run set's speedup against τ (in its config's precision)."""
+    latest = headline_sets(sets, headline_dtype())[0]
     figure = REPO / "plots" / "reference" / latest["slug"] / "speedup_vs_tau.png"
     if not figure.is_file():
         raise SystemExit(f"{figure}: missing (make figures RUNS=results/reference)")
@@ -195,15 +203,42 @@ def block_figure(sets) -> str:
 
 
 def block_latest(sets) -> str:
-    """docs/headline.md: the newest `make headline` run set of each CPU class."""
-    seen, parts = set(), []
+    """docs/headline.md: the newest `make headline` run set of each CPU class and precision; where a class
+    has more than one precision, each method's speedup in each beside the other's."""
+    newest: dict[tuple[str, str], dict] = {}
     for s in headline_sets(sets):
-        if s["settings"]["hardware"] in seen:
-            continue
-        seen.add(s["settings"]["hardware"])
-        parts.append(f"### {machine(s)}, {s['date']}\n\n{describe(s)}; {report_links(s, '../')}.\n\n"
+        newest.setdefault((s["settings"]["hardware"], s["settings"]["dtype"]), s)
+    parts = []
+    for (hardware, dtype), s in newest.items():
+        parts.append(f"### {machine(s)}, {dtype}, {s['date']}\n\n{describe(s)}; {report_links(s, '../')}.\n\n"
                      f"{results_table(s, labels=True)}\n")
+    for hardware in dict.fromkeys(h for h, _ in newest):
+        pair = [s for (h, _), s in newest.items() if h == hardware]
+        if len(pair) > 1:
+            parts.append(precision_table(pair))
     return "\n".join(parts)
+
+
+def precision_table(same_class: list[dict]) -> str:
+    """One class's newest headline in each precision: AR's tokens/s and each method's speedup over AR
+    in the same precision, side by side (a faster baseline leaves a method less to gain)."""
+    dtypes = [s["settings"]["dtype"] for s in same_class]
+    by_dtype = {s["settings"]["dtype"]: {row["name"]: row for row in s["rows"]} for s in same_class}
+    names = sorted({name for rows in by_dtype.values() for name in rows},
+                   key=lambda name: -by_dtype[dtypes[0]].get(name, {"speedup": 0})["speedup"])
+    ar = {d: [row["ar_tokens_per_second"] for row in rows.values()] for d, rows in by_dtype.items()}
+    lines = [f"### {machine(same_class[0])}: each method's speedup in {' and in '.join(dtypes)}, each over AR in "
+             "the same precision\n",
+             "AR: " + "; ".join(f"{d} {min(v):.0f}–{max(v):.0f} tokens/s" for d, v in ar.items()) + ".\n",
+             "| method | " + " | ".join(f"speedup in {d} | τ in {d}" for d in dtypes) + " |",
+             "|---|" + "---|---|" * len(dtypes)]
+    for name in names:
+        cells = []
+        for d in dtypes:
+            row = by_dtype[d].get(name)
+            cells += [speedup_cell(row, interval=False), f"{row['tau']:.2f}"] if row else ["–", "–"]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def block_run_sets(sets) -> str:

@@ -305,7 +305,7 @@ def test_bad_values_are_named():
     ("limit=abc", "limit='abc': valid: null or an integer >= 1"),
     ("limit=-1", "limit=-1: valid: null or an integer >= 1"),
     ("temperature=-1", "temperature=-1: valid: a number >= 0"),
-    ("dtype=float8", "dtype='float8': valid: auto, float32, bfloat16, float16"),
+    ("dtype=float8", "dtype='float8': valid: auto, float32, bfloat16, float16, bf16w"),
     ("method.gamma=0", "method.gamma=0: valid: auto, heuristic or an integer >= 1"),
     ("+method.gama=3", "method.gama=3: valid: one of the keys draft, draft_vocab, gamma"),
     ("method=eagle2 method.total_tokens=big", "method.total_tokens='big': valid: adaptive, auto or an integer >= 2"),

@@ -32,10 +32,9 @@ from harness.perf.workload import write_result
 from harness.running.environment import environment, hardware_name, hardware_slug
 from methods.base import BuildContext, get_method
 from methods.eagle.decoder import one_sequence
-from methods.engine import native
 from methods.engine.runner import ModelRunner
 from methods.engine.tree import level_mask
-from methods.machine.probes import weight_bytes
+from methods.machine.probes import streamed_size, weight_bytes
 from methods.machine.profile import MachineProfile
 from methods.models.loading import load_draft_lm, load_model, resolve_device
 from methods.models.specs import ModelSpec, model_config
@@ -47,7 +46,7 @@ def parameter_bytes(*modules) -> int:
     """Bytes of the modules' parameters as the engine streams them, each once: 2 a value for an fp32
     parameter of bf16 values (a draft as stored; the native kernel reads it as bf16 panels)."""
     seen = {id(p): p for m in modules for p in m.parameters()}
-    return sum(p.numel() * (2 if native.bf16_exact(p) else p.element_size()) for p in seen.values())
+    return sum(p.numel() * streamed_size(p) for p in seen.values())
 
 
 class StepClock:

@@ -7,14 +7,16 @@ In one run, on the same model, prompts, dtype and stopping rule (greedy, EOS, ma
   * the target's forward latency against tokens per forward (1..64 after a 256-token prefix):
     the engine as it runs (its own fused forward, `engine.decoder=auto`, and the measured linear
     path, `engine.skinny_gemm=auto`), the `transformers` decoder stack on that linear path, and
-    stock `transformers` (`F.linear`), interleaved round by round: the curve that decides what
-    speculation can gain;
+    stock `transformers` (`F.linear`), and in an fp32 run the engine in bf16w too (the same weights
+    rounded to bf16, streamed in half the bytes), interleaved round by round: the curve that decides
+    what speculation can gain;
   * where a one-token forward's time goes: its GEMMs (and the bandwidth they reach) against
     everything else (the other aten ops and Python), and how many aten calls it makes;
   * a draft step of EAGLE-2 and EAGLE-3 and a draft-LM token split into their parts, as a step runs them
     (`draft_split.py`), in units of the target's one-token forward;
   * our AR loop vs `transformers` `generate(do_sample=False)`, and our SpS vs
-    `generate(assistant_model=draft)` with the same draft and a constant γ; both sides' tokens compared.
+    `generate(assistant_model=draft)` with the same draft and a constant γ; both sides' tokens compared;
+    our AR in bf16w beside them in an fp32 run.
 Alternatives are interleaved and repeated; medians are reported. Writes results/perf/<hardware>-<dtype>.json.
 
     python -m harness.perf [--dtype auto] [--questions 5] [--max-new-tokens 128] [--repeats 3]
@@ -40,11 +42,12 @@ from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
 from methods.engine import native
 from methods.engine.linear import gemms_skipped
+from methods.engine.native import WEIGHTS_BF16
 from methods.engine.runner import ModelRunner
 from methods.machine.curves import forward_latencies
-from methods.machine.probes import read_bandwidth, weight_bytes
+from methods.machine.probes import read_bandwidth, streamed_weights
 from methods.machine.profile import MachineProfile
-from methods.models.loading import load_draft_lm, load_model, load_tokenizer, resolve_device
+from methods.models.loading import compute_dtype, dtype_name, load_draft_lm, load_model, load_tokenizer, resolve_device
 from methods.models.specs import ModelSpec, model_config
 from methods.sps import SpeculativeSamplingDecoder
 
@@ -136,16 +139,19 @@ def main(argv=None) -> dict:
     model = load_model(spec, dtype, device)
     env = environment(device)
     hardware = hardware_name(env)
-    dtype_name = str(dtype).replace("torch.", "")
-    print(f"{hardware}, {dtype_name} ({dtype_reason}), {torch.get_num_threads()} threads, torch {torch.__version__}")
+    precision = dtype_name(dtype)
+    print(f"{hardware}, {precision} ({dtype_reason}), {torch.get_num_threads()} threads, torch {torch.__version__}")
 
     probe = read_bandwidth() if device.type == "cpu" else read_bandwidth(2048, device=device)
-    weights = weight_bytes(model)
-    peak = native.fma_peak() if native.available(device, dtype) else None  # fp32 kernels
+    parameters, weights = streamed_weights(model)
+    peak = native.fma_peak() if native.available(device, compute_dtype(dtype)) else None  # fp32 kernels
+    # an fp32 run times bf16w beside it (the same weights rounded to bf16, streamed in half the bytes)
+    half = load_model(spec, WEIGHTS_BF16, device) if precision == "float32" and peak else None
     print("measuring the linear path (once per machine; cached) ...", flush=True)
     runners = {"auto": ModelRunner(model, "auto", "auto", profile=profile),
                "transformers": ModelRunner(model, "auto", "transformers", profile=profile),
-               "off": ModelRunner(model, "off", "transformers", profile=profile)}
+               "off": ModelRunner(model, "off", "transformers", profile=profile),
+               **({WEIGHTS_BF16: ModelRunner(half, "auto", "auto", profile=profile)} if half is not None else {})}
     curves = forward_latencies(runners, SIZES, prefix_length=256, repeats=7)
     breakdown = {name: forward_breakdown(runners[name], weights) for name in ("auto", "transformers")}
     streamed = engine_streamed(breakdown)
@@ -153,11 +159,11 @@ def main(argv=None) -> dict:
     # the probe is the wrong number, and `print_curves` says so)
     bandwidth = max(probe or 0.0, streamed or 0.0) or None
     roofline = weights / bandwidth if bandwidth else None
-    floors = verification_floors(weights, next(model.parameters()).element_size(), bandwidth, peak)
+    floors = verification_floors(weights, parameters, bandwidth, peak)
     context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True))
     split = draft_split(model, runners["auto"], context, config, curves["auto"])
     result = {
-        "dtype": dtype_name, "dtype_reason": dtype_reason, "device": str(device), "hardware": hardware,
+        "dtype": precision, "dtype_reason": dtype_reason, "device": str(device), "hardware": hardware,
         "environment": env,
         "read_bandwidth_bytes_per_second": probe, "engine_gemm_bytes_per_second": streamed,
         "roofline_bandwidth_bytes_per_second": bandwidth, "weight_bytes": weights, "roofline_seconds": roofline,
@@ -169,20 +175,20 @@ def main(argv=None) -> dict:
     print_curves(result)
 
     if not args.curve_only:
-        result.update(compare_with_transformers(args, model, tokenizer, config, device, profile))
+        result.update(compare_with_transformers(args, model, tokenizer, config, device, profile, half))
     result.update(peers.run_peers(args, model, tokenizer, config, device, result, profile))
-    write_result(args.out, f"{hardware_slug(env)}-{dtype_name}", result)
+    write_result(args.out, f"{hardware_slug(env)}-{precision}", result)
     return result
 
 
-def verification_floors(weights: int, element_size: int, bandwidth: float | None, peak: float | None) -> dict | None:
+def verification_floors(weights: int, parameters: int, bandwidth: float | None, peak: float | None) -> dict | None:
     """What a forward over n tokens cannot beat on this machine: the weights read once at the
     measured bandwidth, or the multiply-adds of n tokens (2 flops per weight per token) at the
     measured FMA peak, whichever is longer (perfect overlap of the two; attention's few flops and
     the cache's reads left out)."""
     if not bandwidth or not peak:
         return None
-    return {n: max(weights / bandwidth, 2 * (weights // element_size) * n / peak) for n in SIZES}
+    return {n: max(weights / bandwidth, 2 * parameters * n / peak) for n in SIZES}
 
 
 def engine_streamed(breakdown: dict) -> float | None:
@@ -222,7 +228,8 @@ def print_curves(result: dict) -> None:
     print("target forward by tokens per forward (256-token prefix), median ms and ratio to one token:")
     labels = {"auto": "engine (fused forward, measured linears)",
               "transformers": "transformers stack, measured linears",
-              "off": "transformers stack, F.linear"}
+              "off": "transformers stack, F.linear",
+              WEIGHTS_BF16: "engine in bf16w (bf16 weight panels)"}
     width = max(len(label) for label in labels.values())
     print("  " + f"{'':<{width}}" + "".join(f"{n:>13}" for n in SIZES))
     floors = result.get("floor_seconds_by_tokens")
@@ -235,6 +242,9 @@ def print_curves(result: dict) -> None:
               + "".join(f"{1000 * curve[n]:>7.1f} {curve[n] / curve[1]:>4.2f}x" for n in SIZES))
     if floors:
         print("  engine / floor: " + "  ".join(f"t({n}) {curves['auto'][n] / floors[n]:.2f}x" for n in SIZES))
+    if WEIGHTS_BF16 in curves:
+        print("  bf16w / fp32:   " + "  ".join(f"t({n}) {curves[WEIGHTS_BF16][n] / curves['auto'][n]:.2f}x"
+                                               for n in SIZES))
     if result["roofline_seconds"]:
         one = curves["auto"][1]
         print(f"  t(1) = {one / result['roofline_seconds']:.2f}x the roofline")
@@ -255,7 +265,10 @@ def print_curves(result: dict) -> None:
         print_split(result["draft_split"], curves["auto"][1])
 
 
-def compare_with_transformers(args, model, tokenizer, config, device, profile: MachineProfile) -> dict:
+def compare_with_transformers(args, model, tokenizer, config, device, profile: MachineProfile, half=None) -> dict:
+    """Our AR and SpS against `generate` and assisted `generate` on the same prompts, interleaved; with
+    `half` (the target in bf16w), our AR in bf16w beside them too (its tokens compared with fp32 AR's:
+    equal unless a rounded weight moves a near-tie)."""
     draft_spec = ({"target_layers": args.draft_layers} if args.draft_layers
                   else OmegaConf.to_container(config.drafts.sps, resolve=True))
     draft = load_draft_lm(draft_spec, model)
@@ -278,6 +291,9 @@ def compare_with_transformers(args, model, tokenizer, config, device, profile: M
         "sps_ours": lambda p: ours_sps.generate(p, stop).tokens,
         "sps_generate": lambda p: hf(p, assistant_model=draft),
     }
+    if half is not None:
+        ours_half = AutoregressiveDecoder(ModelRunner(half, profile=profile))
+        contenders["ar_ours_bf16w"] = lambda p: ours_half.generate(p, stop).tokens
     for run in contenders.values():  # warm-up
         run(prompts[0][:32])
     tokens_per_second, outputs = timed_generations(contenders, prompts, args.repeats, device)
@@ -298,6 +314,12 @@ def compare_with_transformers(args, model, tokenizer, config, device, profile: M
         print(f"  {name:<14}{value:8.2f}")
     print(f"  our AR / generate:                  {result['ratio_ar_ours_over_generate']:.3f}x")
     print(f"  our SpS / generate(assistant_model): {result['ratio_sps_ours_over_assisted_generate']:.3f}x")
+    if half is not None:
+        result["ratio_ar_bf16w_over_float32"] = median["ar_ours_bf16w"] / median["ar_ours"]
+        result["bf16w_answers_equal_to_float32"] = sum(outputs["ar_ours_bf16w"][i] == outputs["ar_ours"][i]
+                                                       for i in outputs["ar_ours"])
+        print(f"  our AR in bf16w / in fp32:          {result['ratio_ar_bf16w_over_float32']:.3f}x "
+              f"({result['bf16w_answers_equal_to_float32']} of {len(prompts)} answers equal to fp32's)")
     print(f"  same tokens: {result['same_tokens']}")
     return result
 

@@ -46,7 +46,7 @@ from methods.base import BuildContext, Decoder, get_method
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.machine.profile import MachineProfile
-from methods.models.loading import load_model, load_tokenizer, resolve_device
+from methods.models.loading import dtype_name, load_model, load_tokenizer, resolve_device
 from methods.models.specs import PROJECT_ROOT as REPO
 from methods.models.specs import ModelSpec, ModelUnavailableError
 
@@ -80,6 +80,7 @@ class Benchmark:
         fp32 once per machine and model, logged)."""
         cfg = self.cfg
         self.dtype, self.dtype_reason = self.profile.dtype(cfg.dtype, ModelSpec.from_mapping(cfg.model), cfg.model.name)
+        log.info("dtype %s: %s", dtype_name(self.dtype), self.dtype_reason)
 
     def load(self) -> None:
         """The target, then the machine profile's parts it needs (measured once per machine, logged), then
@@ -269,17 +270,17 @@ def run(cfg: DictConfig, started=None) -> dict:
     bench.choose_dtype()
     questions = load_questions(cfg.dataset, cfg.limit)
     env = environment(bench.device)
-    dtype_name = str(bench.dtype).replace("torch.", "")
+    precision = dtype_name(bench.dtype)
     method = cfg.method.name
-    settings = run_settings(cfg, bench, questions, dtype_name)
-    slug = f"{hardware_slug(env)}-{dtype_name}"
+    settings = run_settings(cfg, bench, questions, precision)
+    slug = f"{hardware_slug(env)}-{precision}"
     root = Path(cfg.results_dir) / cfg.model.name / cfg.dataset.name
     folder = RunFolder(root / method / (cfg.run_name or f"{slug}-{settings_hash(settings)}"), bench.names)
     key = hardware_key(env)
     folder.check(key, resume=bool(cfg.resume))  # a folder it may not resume refuses before the model loads
     bench.load()
     engine = bench.engine_record()
-    environment_record = {**env, "dtype": dtype_name, "engine": engine}
+    environment_record = {**env, "dtype": precision, "engine": engine}
     finished = folder.prepare(OmegaConf.to_yaml(cfg, resolve=True), environment_record, key, resume=bool(cfg.resume))
     todo = [(i, q) for i, q in enumerate(questions) if q.question_id not in finished]
     log.info("results in %s: %d questions, %d already finished", folder.path, len(questions),
@@ -293,21 +294,21 @@ def run(cfg: DictConfig, started=None) -> dict:
         saved = len(folder.records(method, ids))
         raise Interrupted(f"interrupted: {saved} of {len(ids)} questions saved in {folder.path}; "
                           "run the same command again to resume") from None
-    summary = run_summary(cfg, bench, folder, questions, env, engine, dtype_name)
+    summary = run_summary(cfg, bench, folder, questions, env, engine, precision)
     folder.write_summary(summary)
     print(format_summary(summary))
     print(f"results: {folder.path}")
     return summary
 
 
-def run_settings(cfg: DictConfig, bench: Benchmark, questions: list[Question], dtype_name: str) -> dict:
+def run_settings(cfg: DictConfig, bench: Benchmark, questions: list[Question], precision: str) -> dict:
     """What a run's results folder is named by (`settings_hash`): the config that changes its answers, the questions,
     the batch size (above 1) and the trained drafts' contents."""
     settings = {
         "model": OmegaConf.to_container(cfg.model, resolve=True),
         "dataset": {k: v for k, v in OmegaConf.to_container(cfg.dataset, resolve=True).items()
                     if k not in SELECTION_KEYS},
-        "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling), "seed": cfg.seed, "dtype": dtype_name,
+        "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling), "seed": cfg.seed, "dtype": precision,
         "engine": OmegaConf.to_container(cfg.engine, resolve=True),
         "method": OmegaConf.to_container(cfg.method, resolve=True),
         "questions": [q.question_id for q in questions], "baseline": cfg.baseline, "warmup": cfg.warmup,
@@ -348,14 +349,14 @@ def answer_questions(bench: Benchmark, folder: RunFolder, todo: list[tuple[int, 
 
 
 def run_summary(cfg: DictConfig, bench: Benchmark, folder: RunFolder, questions: list[Question], env: dict,
-                engine: dict, dtype_name: str) -> dict:
+                engine: dict, precision: str) -> dict:
     """The run's summary from the answers its folder holds: its settings, the numbers (`harness.stats.summarize`)
     and, where the dataset names them, the task-quality scores."""
     method = cfg.method.name
     ids = [q.question_id for q in questions]
     paired = BASELINE in bench.decoders and method != BASELINE
     meta = {
-        "model": cfg.model.name, "dataset": cfg.dataset.name, "dtype": dtype_name,
+        "model": cfg.model.name, "dataset": cfg.dataset.name, "dtype": precision,
         "device": str(bench.device), "hardware": hardware_name(env), "environment": env, "engine": engine,
         "max_new_tokens": bench.max_new_tokens, "sampling": vars(bench.sampling), "batch_size": bench.batch_size,
         "categories": sorted({q.category for q in questions}), "question_ids": ids,

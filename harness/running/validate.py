@@ -28,7 +28,7 @@ from methods.base import batchable_methods, check_method_params, method_settings
 from methods.engine.fused import DECODER_MODES
 from methods.engine.graphs import COMPILE_MODES, GRAPH_MODES
 from methods.engine.runner import SKINNY_GEMM_MODES
-from methods.models.loading import DTYPES
+from methods.models.loading import PRECISIONS
 from methods.models.specs import PROJECT_ROOT as REPO
 from methods.settings.params import BOOL, Check, ConfigError, integer, null, number, one_of
 
@@ -43,7 +43,7 @@ SCHEMA: dict[str, Check] = {
     "top_p": number(0, 1, low_open=True),
     "top_k": integer(0),
     "seed": integer(),
-    "dtype": one_of("auto", *DTYPES),
+    "dtype": one_of("auto", *PRECISIONS),
     "device": Check(lambda v: v in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", v) is not None,
                     "auto, cpu, cuda or cuda:N"),
     "threads": null() | integer(1),

@@ -37,6 +37,7 @@ import numpy as np
 import scipy.stats
 
 from methods.machine.load import BUSY_CORES, BUSY_STEAL, is_busy
+from methods.models.loading import dtype_name
 
 
 def question_speed(record: dict) -> tuple[int, float]:
@@ -175,8 +176,10 @@ def decomposition(stats: dict, baseline: dict) -> dict | None:
 # float32: 1e-3, 16x the measured change (bigger models, longer contexts and GPU kernels add to
 # it, a real bug leaves gaps of whole logits). bfloat16: 1.0, 8 of its ulps at logits 16-32
 # (2.7x the measured change; its argmax did flip in 2 of 5 questions). float16: 0.125, the same 8
-# ulps at its 3 more mantissa bits (fp16 could not be measured on this CPU).
-NEAR_TIE = {"float32": 1e-3, "bfloat16": 1.0, "float16": 0.125}
+# ulps at its 3 more mantissa bits (fp16 could not be measured on this CPU). bf16w (weights of bf16
+# values, fp32 arithmetic) computes as float32 does, so float32's threshold and its failure rule.
+NEAR_TIE = {"float32": 1e-3, "bf16w": 1e-3, "bfloat16": 1.0, "float16": 0.125}
+FP32_ARITHMETIC = ("float32", "bf16w")  # precisions whose forwards compute in fp32
 
 
 def _margin(record: dict, turn: int, position: int) -> float | None:
@@ -193,7 +196,7 @@ def fidelity(records: list[dict], baseline: list[dict], dtype: str | None = None
     the method's logit margins at that token (the top-2 gaps of the forwards that chose it) are
     both within NEAR_TIE[dtype], else a **mismatch**; `unclassified` when the records carry no
     margins (written before they were recorded) or the dtype has no threshold."""
-    threshold = NEAR_TIE.get(str(dtype).replace("torch.", "")) if classify else None
+    threshold = NEAR_TIE.get(dtype_name(dtype)) if classify else None
     by_id = {r["question_id"]: r for r in baseline}
     differing, first_positions = [], []
     for record in records:
@@ -238,13 +241,15 @@ def classify_divergence(entry: dict, threshold: float | None) -> str:
 
 
 def fidelity_failure(summary: dict) -> str | None:
-    """The message that fails a run (exit code 1): a lossless method whose greedy float32 output
-    differs from AR's beyond a near-tie; None otherwise (other dtypes print the mismatches only)."""
+    """The message that fails a run (exit code 1): a lossless method whose greedy output in fp32
+    arithmetic (float32, bf16w) differs from AR's beyond a near-tie; None otherwise (other dtypes print
+    the mismatches only)."""
     fid = summary.get("fidelity") or {}
-    if not fid.get("mismatches") or summary.get("dtype") != "float32":
+    if not fid.get("mismatches") or summary.get("dtype") not in FP32_ARITHMETIC:
         return None
     return (f"FIDELITY FAILURE: {fid['mismatches']} of {fid['compared']} outputs of lossless method "
-            f"{summary['method']} differ from AR's beyond a near-tie in float32 (docs/benchmarks.md, fidelity)")
+            f"{summary['method']} differ from AR's beyond a near-tie in {summary['dtype']} (docs/benchmarks.md, "
+            "fidelity)")
 
 
 def paired_speeds(records: list[dict], baseline: list[dict]) -> list[tuple[str, float, float]]:

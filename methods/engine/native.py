@@ -209,6 +209,20 @@ def bf16_exact(weight: torch.Tensor) -> bool:
     return not bool((bits[:4096] & 0xFFFF).any()) and not bool((bits & 0xFFFF).any())
 
 
+WEIGHTS_BF16 = "bf16w"  # the precision of an fp32 model whose weight matrices all hold bf16 values
+
+
+def precision(model) -> str:
+    """How results name a model's precision: its parameters' dtype (float32, bfloat16, ...), or `bf16w`
+    for an fp32 model whose every weight matrix holds bf16 values (weights-only bf16: the kernels here
+    stream them as bf16 panels)."""
+    dtype = next(model.parameters()).dtype
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    if dtype == torch.float32 and matrices and all(bf16_exact(p) for p in matrices):
+        return WEIGHTS_BF16
+    return str(dtype).removeprefix("torch.")
+
+
 def pack(weight: torch.Tensor, bf16: bool | None = None) -> torch.Tensor:
     """fp32 weight [out, in] (any layout) -> the copy `linear` reads: [ceil(out / W), in, W], each
     panel the weights of W = `panel_width()` consecutive outputs for every input (the last zero

@@ -29,6 +29,7 @@ from .fused import DECODER_MODES, fused_decoder, unsupported
 from .graphs import BUCKETS, StaticSteps, check_compile, graph_mode
 from .kv_cache import BatchKVCache, TreeKVCache
 from .linear import LinearPath
+from .native import precision
 from .tree import Tree, attention_mask, batch_mask
 
 # positions reserved past prompt + max new tokens: room for a verification's rows (every default
@@ -94,6 +95,7 @@ class ModelRunner:
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.precision = precision(model)  # the dtype's name, or bf16w (fp32 tensors of bf16 values)
         self.vocab_size = self.lm_head.out_features
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.cache = TreeKVCache()

@@ -35,14 +35,31 @@ def read_bandwidth(megabytes: int | None = None, repeats: int = 7, device: torch
     return x.numel() * 4 / best
 
 
-def weight_bytes(model) -> int:
-    """Bytes of weights one forward streams: every parameter once, except an input embedding that
-    is not tied to the LM head (its lookup reads a few rows; a tied matrix is read whole by the head)."""
+def streamed_size(param: torch.Tensor) -> int:
+    """Bytes per value the engine reads of a parameter: its element size, or 2 for an fp32 weight matrix
+    of bf16 values on a CPU with the native kernels (a draft as stored, a bf16w target: streamed as bf16
+    panels; vectors such as norms are read as stored)."""
+    if (param.dim() >= 2 and param.device.type == "cpu" and native.unavailable_reason() is None
+            and native.bf16_exact(param)):
+        return 2
+    return param.element_size()
+
+
+def streamed_weights(model) -> tuple[int, int]:
+    """(values, bytes) of the weights one forward streams: every parameter once, except an input embedding
+    that is not tied to the LM head (its lookup reads a few rows; a tied matrix is read whole by the
+    head), each at `streamed_size`."""
     embedding = model.get_input_embeddings().weight
     tied = embedding is model.get_output_embeddings().weight
-    seen, total = set() if tied else {id(embedding)}, 0
+    seen, values, total = set() if tied else {id(embedding)}, 0, 0
     for param in model.parameters():
         if id(param) not in seen:
             seen.add(id(param))
-            total += param.numel() * param.element_size()
-    return total
+            values += param.numel()
+            total += param.numel() * streamed_size(param)
+    return values, total
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one forward streams (`streamed_weights`)."""
+    return streamed_weights(model)[1]

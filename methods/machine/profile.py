@@ -180,8 +180,7 @@ class MachineProfile:
         Each run's curve joins the profile folder's history of this model's curves (the last
         `CURVE_HISTORY`), and the log states this run's v(n) beside the spread of the runs before it."""
         mode = ("auto" if runner.linear.plan is not None else "off") + ("-fused" if runner.fused else "")
-        dtype = str(runner.dtype).replace("torch.", "")
-        file = self.folder / f"curve-{model_name}-{config_key(runner.config)}-{dtype}-{mode}.json"
+        file = self.folder / f"curve-{model_name}-{config_key(runner.config)}-{runner.precision}-{mode}.json"
         known = self._curves.get(file)
         if known is not None and set(sizes) <= set(known["seconds"]):
             self.use(file, [known["load"]])

@@ -27,12 +27,19 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from ..engine.native import WEIGHTS_BF16
 from ..engine.storage import cache_root
 from .specs import ModelSpec, ModelUnavailableError, hub_reachable, unavailable_error
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Weights-only half precision: every weight matrix (linears, embeddings) rounded to bfloat16 values and
+# kept in fp32 tensors; activations, norms and accumulation stay fp32. On a CPU the native kernel streams
+# such a weight as bf16 panels, widened exactly as it reads them (methods/engine/native.py): half the
+# bytes of a memory-bound step without bf16 arithmetic, so it pays on a CPU without native bf16 too.
+WEIGHT_ONLY = {WEIGHTS_BF16: torch.bfloat16}
+PRECISIONS = (*DTYPES, *WEIGHT_ONLY)  # every name `dtype=` takes besides auto
 
 
 def resolve_device(name: str) -> torch.device:
@@ -135,10 +142,34 @@ def load_tokenizer(spec: ModelSpec):
     return from_pretrained(AutoTokenizer, local_folder(spec), "tokenizer")
 
 
-def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device):
-    """A causal LM in eval mode on `device`, weights in `dtype`."""
-    model = from_pretrained(AutoModelForCausalLM, local_folder(spec), "model", dtype=dtype)
+def load_model(spec: ModelSpec, dtype: torch.dtype | str, device: torch.device):
+    """A causal LM in eval mode on `device`, weights in `dtype` (a torch dtype, or a `WEIGHT_ONLY` name:
+    loaded in fp32, its weight matrices rounded to that dtype's values)."""
+    rounded = WEIGHT_ONLY.get(dtype) if isinstance(dtype, str) else None
+    model = from_pretrained(AutoModelForCausalLM, local_folder(spec), "model",
+                            dtype=torch.float32 if rounded else dtype)
+    if rounded:
+        round_weights(model, rounded)
     return model.to(device).eval().requires_grad_(False)
+
+
+def compute_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """The dtype a model loaded in `dtype` computes in: fp32 for a weights-only precision."""
+    return torch.float32 if isinstance(dtype, str) and dtype in WEIGHT_ONLY else dtype
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """How results name a precision: float32, bfloat16, float16, bf16w."""
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+@torch.no_grad()
+def round_weights(model, to: torch.dtype) -> None:
+    """Every weight matrix of `model` (parameters of two or more dimensions: linears, embeddings, a tied
+    LM head once) rounded in place to `to`'s values, kept in its own dtype; vectors (norms, biases) kept."""
+    for param in model.parameters():
+        if param.dim() >= 2:
+            param.copy_(param.to(to).to(param.dtype))
 
 
 def truncated_copy(model, num_layers: int):
