@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 import method_configs  # noqa: E402  (scripts/ is on sys.path when this runs as a script)
 from omegaconf import OmegaConf  # noqa: E402
 
+from harness.perf.peers import COLUMNS as PEER_COLUMNS  # noqa: E402
 from harness.reporting.breakdown import breakdown_rows  # noqa: E402
 from harness.reporting.curves import find_curves  # noqa: E402
 from harness.reporting.tables import build_tables, find_runs  # noqa: E402
@@ -402,6 +403,46 @@ def block_draft_split(_sets) -> str:
     return "\n".join(parts) or NOTHING.format("perf/draft-split-*.json")
 
 
+def block_engine(_sets) -> str:
+    """docs/performance.md: `make perf`, per machine class: the probe against the engine's own bandwidth,
+    the target's forward against tokens per forward in fp32 and bf16w, AR's tokens/s in each and against
+    `generate`."""
+    parts = []
+    for result in perf_files("engine"):
+        curves = {name: {int(n): t for n, t in curve.items()}
+                  for name, curve in result["forward_seconds_by_tokens"].items()}
+        sizes = sorted(curves["auto"])
+        labels = {"auto": f"engine, {result['dtype']}", "bf16w": "engine, bf16w",
+                  "transformers": "transformers stack", "off": "transformers, F.linear"}
+        lines = [f"**{perf_machine(result)}**"]
+        probe, streamed = result.get("read_bandwidth_bytes_per_second"), result.get("engine_gemm_bytes_per_second")
+        if probe:
+            lines[0] += (f"; read bandwidth: probe {probe / 1e9:.1f} GB/s, the engine's GEMMs "
+                         f"{(streamed or 0) / 1e9:.1f} GB/s")
+        lines += ["", "| forward | t(1) ms | " + " | ".join(f"t({n}) / t(1)" for n in sizes[1:]) + " |",
+                  "|---|---|" + "---|" * (len(sizes) - 1)]
+        for name in ("auto", "bf16w", "transformers", "off"):
+            if name in curves:
+                curve = curves[name]
+                lines.append(f"| {labels[name]} | {1000 * curve[1]:.1f} | "
+                             + " | ".join(f"{curve[n] / curve[1]:.2f}" for n in sizes[1:]) + " |")
+        speeds = result.get("tokens_per_second_median")
+        if speeds:
+            lines.append(f"\nOur AR {speeds['ar_ours']:.1f} tokens/s against `generate`'s {speeds['ar_generate']:.1f} "
+                         f"({result['ratio_ar_ours_over_generate']:.2f}×), {result['prompts']} Spec-Bench prompts × "
+                         f"{result['max_new_tokens']} tokens, median of {result['repeats']}.")
+        table = (result.get("peers") or {}).get("table")
+        if table:
+            lines += ["", "| engine | " + " | ".join(title for title, _, _ in PEER_COLUMNS) + " |",
+                      "|---|" + "---|" * len(PEER_COLUMNS)]
+            lines += ["| " + " | ".join([row["engine"], *("–" if row.get(key) is None else fmt.format(row[key])
+                                                          for _, key, fmt in PEER_COLUMNS)]) + " |" for row in table]
+            notes = sorted({row["note"] for row in table if row.get("note")})
+            lines += [""] + [f"Skipped: {note}." for note in notes] if notes else []
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts) or NOTHING.format("perf/engine-*.json")
+
+
 def block_mixed_lengths(_sets) -> str:
     """docs/batching.md: `make perf-batch`, per machine class."""
     parts = []
@@ -479,7 +520,8 @@ def block_batchable(_sets) -> str:
 BLOCKS = {"figure": block_figure, "batchable": block_batchable, "reference": block_reference, "latest": block_latest,
           "run-sets": block_run_sets,
           "quickstart": block_quickstart, "models": block_models, "methods": block_methods,
-          "draft-split": block_draft_split, "mixed-lengths": block_mixed_lengths, "batch-curve": block_batch_curve}
+          "draft-split": block_draft_split, "engine": block_engine, "mixed-lengths": block_mixed_lengths,
+          "batch-curve": block_batch_curve}
 
 
 def fill(text: str, blocks: dict[str, str], where: Path) -> str:

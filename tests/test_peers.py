@@ -45,7 +45,7 @@ def test_table_rows_from_perf_result():
                                      "identical_to_ar_ours": {"pld_ours": "2/2"}, "identical_to_ar_ours_sps": "2/2",
                                      "skipped": {"llama_ar": "no llama"}})
     by = {row["engine"]: row for row in rows}
-    assert list(by) == list(peers.ENGINES.values())
+    assert list(by) == [label for key, label in peers.ENGINES.items() if key not in peers.HALF]  # no bf16w timed
     assert by["ours AR"]["tokens_per_second"] == 5.0  # the peers loop's own AR
     assert by["ours AR"]["roofline_percent"] == pytest.approx(35.2)
     assert by["ours AR"]["t8_over_t1"] == pytest.approx(1.2)
@@ -53,6 +53,17 @@ def test_table_rows_from_perf_result():
     assert by["ours SpS"]["identical"] == "2/2" and by["generate assisted"]["identical"] == "<2/2"
     assert by["llama.cpp AR"]["note"] == "no llama" and by["llama.cpp AR"]["tokens_per_second"] is None
     peers.format_table(rows)
+    # an fp32 run that timed bf16w: its half-precision rows, against bf16w's own roofline
+    result["forward_seconds_by_tokens"]["bf16w"] = {1: 0.04, 8: 0.05}
+    result["roofline_seconds_bf16w"] = 0.0088
+    rows = peers.table_rows(result, {"tokens_per_second_median": {"ar_ours": 5.0, "ar_ours_bf16w": 7.0},
+                                     "identical_to_ar_ours": {"ar_ours_bf16w": "1/2"},
+                                     "skipped": {"llama_ar_bf16": "no llama"}})
+    by = {row["engine"]: row for row in rows}
+    assert list(by) == list(peers.ENGINES.values())
+    assert by["ours AR bf16w"]["tokens_per_second"] == 7.0 and by["ours AR bf16w"]["identical"] == "1/2"
+    assert by["ours AR bf16w"]["roofline_percent"] == pytest.approx(22.0)
+    assert by["llama.cpp AR BF16"]["note"] == "no llama"
 
 
 def test_missing_llama_cpp_is_a_one_line_skip(monkeypatch, capsys):

@@ -16,8 +16,9 @@ In one run, on the same model, prompts, dtype and stopping rule (greedy, EOS, ma
     (`draft_split.py`), in units of the target's one-token forward;
   * our AR loop vs `transformers` `generate(do_sample=False)`, and our SpS vs
     `generate(assistant_model=draft)` with the same draft and a constant γ; both sides' tokens compared;
-    our AR in bf16w beside them in an fp32 run.
-Alternatives are interleaved and repeated; medians are reported. Writes results/perf/<hardware>-<dtype>.json.
+  * the peers (`peers.py`): our PLD and `generate`'s, llama.cpp, and in an fp32 run our AR in bf16w
+    beside llama.cpp on a BF16 GGUF.
+Alternatives are interleaved and repeated; medians are reported. Writes results/perf/engine-<hardware>-<dtype>.json.
 
     python -m harness.perf [--dtype auto] [--questions 5] [--max-new-tokens 128] [--repeats 3]
 """
@@ -45,7 +46,7 @@ from methods.engine.linear import gemms_skipped
 from methods.engine.native import WEIGHTS_BF16
 from methods.engine.runner import ModelRunner
 from methods.machine.curves import forward_latencies
-from methods.machine.probes import read_bandwidth, streamed_weights
+from methods.machine.probes import read_bandwidth, streamed_weights, weight_bytes
 from methods.machine.profile import MachineProfile
 from methods.models.loading import compute_dtype, dtype_name, load_draft_lm, load_model, load_tokenizer, resolve_device
 from methods.models.specs import ModelSpec, model_config
@@ -169,15 +170,17 @@ def main(argv=None) -> dict:
         "roofline_bandwidth_bytes_per_second": bandwidth, "weight_bytes": weights, "roofline_seconds": roofline,
         "fma_peak_flops_per_second": peak, "floor_seconds_by_tokens": floors,
         "forward_seconds_by_tokens": curves, "one_token_forward_breakdown": breakdown,
+        # bf16w's roofline: its weights as the kernel streams them (bf16 panels), at the same bandwidth
+        "roofline_seconds_bf16w": weight_bytes(half) / bandwidth if half is not None and bandwidth else None,
         "linear_kernels": runners["auto"].linear.describe(),
         "draft_split": split,
     }
     print_curves(result)
 
     if not args.curve_only:
-        result.update(compare_with_transformers(args, model, tokenizer, config, device, profile, half))
-    result.update(peers.run_peers(args, model, tokenizer, config, device, result, profile))
-    write_result(args.out, f"{hardware_slug(env)}-{precision}", result)
+        result.update(compare_with_transformers(args, model, tokenizer, config, device, profile))
+    result.update(peers.run_peers(args, model, tokenizer, config, device, result, profile, half))
+    write_result(args.out, f"engine-{hardware_slug(env)}-{precision}", result)
     return result
 
 
@@ -265,10 +268,8 @@ def print_curves(result: dict) -> None:
         print_split(result["draft_split"], curves["auto"][1])
 
 
-def compare_with_transformers(args, model, tokenizer, config, device, profile: MachineProfile, half=None) -> dict:
-    """Our AR and SpS against `generate` and assisted `generate` on the same prompts, interleaved; with
-    `half` (the target in bf16w), our AR in bf16w beside them too (its tokens compared with fp32 AR's:
-    equal unless a rounded weight moves a near-tie)."""
+def compare_with_transformers(args, model, tokenizer, config, device, profile: MachineProfile) -> dict:
+    """Our AR and SpS against `generate` and assisted `generate` on the same prompts, interleaved."""
     draft_spec = ({"target_layers": args.draft_layers} if args.draft_layers
                   else OmegaConf.to_container(config.drafts.sps, resolve=True))
     draft = load_draft_lm(draft_spec, model)
@@ -291,9 +292,7 @@ def compare_with_transformers(args, model, tokenizer, config, device, profile: M
         "sps_ours": lambda p: ours_sps.generate(p, stop).tokens,
         "sps_generate": lambda p: hf(p, assistant_model=draft),
     }
-    if half is not None:
-        ours_half = AutoregressiveDecoder(ModelRunner(half, profile=profile))
-        contenders["ar_ours_bf16w"] = lambda p: ours_half.generate(p, stop).tokens
+
     for run in contenders.values():  # warm-up
         run(prompts[0][:32])
     tokens_per_second, outputs = timed_generations(contenders, prompts, args.repeats, device)
@@ -314,12 +313,6 @@ def compare_with_transformers(args, model, tokenizer, config, device, profile: M
         print(f"  {name:<14}{value:8.2f}")
     print(f"  our AR / generate:                  {result['ratio_ar_ours_over_generate']:.3f}x")
     print(f"  our SpS / generate(assistant_model): {result['ratio_sps_ours_over_assisted_generate']:.3f}x")
-    if half is not None:
-        result["ratio_ar_bf16w_over_float32"] = median["ar_ours_bf16w"] / median["ar_ours"]
-        result["bf16w_answers_equal_to_float32"] = sum(outputs["ar_ours_bf16w"][i] == outputs["ar_ours"][i]
-                                                       for i in outputs["ar_ours"])
-        print(f"  our AR in bf16w / in fp32:          {result['ratio_ar_bf16w_over_float32']:.3f}x "
-              f"({result['bf16w_answers_equal_to_float32']} of {len(prompts)} answers equal to fp32's)")
     print(f"  same tokens: {result['same_tokens']}")
     return result
 

@@ -11,7 +11,9 @@ stopping rule (greedy, EOS):
     the suite's cache): its AR loop (`Llama.generate`, greedy sampler), its prompt-lookup speculative
     decoding (`LlamaPromptLookupDecoding` as `draft_model`), and its forward latency t(n), n = 1..16
     tokens after a 256-token prefix, with logits for every position (`logits_all=True`, as a verify
-    step needs them).
+    step needs them);
+  * in an fp32 run, the half precisions side by side: our AR on the target in bf16w (weights rounded
+    to bf16, fp32 arithmetic) and llama.cpp's AR and t(n) on the GGUF requantized to BF16.
 
 It prints one table (`format_table`): per engine tokens/s, t(1), t(8)/t(1), t(16)/t(1), the share of the
 roofline t(1) reaches (roofline seconds / t(1)) and how many prompts' tokens equal our AR's. A peer
@@ -52,7 +54,9 @@ ENGINES = {
     "ar_ours": "ours AR", "pld_ours": "ours PLD", "sps_ours": "ours SpS",
     "ar_generate": "generate", "sps_generate": "generate assisted", "pld_generate": "generate PLD",
     "llama_ar": "llama.cpp AR", "llama_pld": "llama.cpp prompt-lookup",
+    "ar_ours_bf16w": "ours AR bf16w", "llama_ar_bf16": "llama.cpp AR BF16",
 }
+HALF = ("ar_ours_bf16w", "llama_ar_bf16")  # the half-precision rows: an fp32 run's bf16w beside llama.cpp's BF16
 COLUMNS = (("tokens/s", "tokens_per_second", "{:.2f}"), ("t(1) ms", "t1_ms", "{:.1f}"),
            ("t(8)/t(1)", "t8_over_t1", "{:.2f}x"), ("t(16)/t(1)", "t16_over_t1", "{:.2f}x"),
            ("% roofline", "roofline_percent", "{:.0f}%"), ("tokens = our AR", "identical", "{}"))
@@ -101,7 +105,8 @@ def table_rows(result: dict, peers: dict) -> list[dict]:
     llama_curve = (peers.get("llama_cpp") or {}).get("forward_seconds_by_tokens")
     curve_of = {"ar_ours": ours_curve, "pld_ours": ours_curve, "sps_ours": ours_curve,
                 "ar_generate": stock_curve, "sps_generate": stock_curve, "pld_generate": stock_curve,
-                "llama_ar": llama_curve, "llama_pld": llama_curve}
+                "llama_ar": llama_curve, "llama_pld": llama_curve, "ar_ours_bf16w": curves.get("bf16w"),
+                "llama_ar_bf16": (peers.get("llama_cpp_bf16") or {}).get("forward_seconds_by_tokens")}
     speed = {**(result.get("tokens_per_second_median") or {}), **(peers.get("tokens_per_second_median") or {})}
     identical = dict(peers.get("identical_to_ar_ours") or {})
     same = result.get("same_tokens") or {}
@@ -118,7 +123,10 @@ def table_rows(result: dict, peers: dict) -> list[dict]:
     skipped = peers.get("skipped") or {}
     rows = []
     for key, label in ENGINES.items():
-        row = {"engine": label, "tokens_per_second": speed.get(key), **curve_columns(curve_of[key], roofline),
+        if key in HALF and "bf16w" not in curves:
+            continue  # a run without a bf16w target has no half-precision rows
+        roof = result.get("roofline_seconds_bf16w") if key in HALF else roofline
+        row = {"engine": label, "tokens_per_second": speed.get(key), **curve_columns(curve_of[key], roof),
                "identical": "ref" if key == "ar_ours" else identical.get(key)}
         if key in skipped:
             row["note"] = skipped[key]
@@ -225,9 +233,10 @@ def say(line: str) -> None:
     print(f"  {line}", flush=True)
 
 
-def run_peers(args, model, tokenizer, config, device, result: dict, profile) -> dict:
+def run_peers(args, model, tokenizer, config, device, result: dict, profile, half=None) -> dict:
     """Measure the peers; print the table; return {"peers": {...}} for perf's JSON. Never raises for
-    a missing or failing peer: it is skipped with a one-line reason."""
+    a missing or failing peer: it is skipped with a one-line reason. With `half` (the target in bf16w,
+    an fp32 run's), our AR on it and llama.cpp's on a BF16 GGUF join the same loop."""
     print("peers (harness/perf/peers.py): our PLD, generate's PLD, llama.cpp", flush=True)
     dtype = next(model.parameters()).dtype
     template = ChatTemplate.for_model(config, tokenizer)
@@ -248,6 +257,9 @@ def run_peers(args, model, tokenizer, config, device, result: dict, profile) -> 
         "pld_generate": lambda p: hf(p, prompt_lookup_num_tokens=pld["num_draft"],
                                      max_matching_ngram_size=pld["max_ngram"]),
     }
+    if half is not None:
+        ours_half = AutoregressiveDecoder(ModelRunner(half, profile=profile))
+        contenders["ar_ours_bf16w"] = lambda p: ours_half.generate(p, stop).tokens
     if pld["branches"] != 1:
         say(f"note: conf/method/pld.yaml has branches={pld['branches']}; generate's PLD proposes one chain")
 
@@ -273,16 +285,24 @@ def run_peers(args, model, tokenizer, config, device, result: dict, profile) -> 
                               "forward_seconds_by_tokens": llama_curve(llama_pld)}
         contenders["llama_ar"] = lambda p: llama_greedy(llama_ar, p, stop)
         contenders["llama_pld"] = lambda p: llama_greedy(llama_pld, p, stop)
+        if half is not None:  # llama.cpp's half precision beside our bf16w
+            half_path = requantized_gguf(source, torch.bfloat16)
+            llama_half = llama_model(half_path, n_ctx, logits_all=True)
+            peers["llama_cpp_bf16"] = {"gguf": str(half_path), "forward_seconds_by_tokens": llama_curve(llama_half)}
+            contenders["llama_ar_bf16"] = lambda p: llama_greedy(llama_half, p, stop)
     except Exception as err:  # PeerUnavailable, or llama.cpp failing on this machine
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         if not isinstance(err, PeerUnavailable):
             reason = f"{type(err).__name__}: {reason}"
         say(f"llama.cpp skipped: {reason}")
-        peers["skipped"].update({"llama_ar": reason, "llama_pld": reason})
+        peers["skipped"].update({"llama_ar": reason, "llama_pld": reason, "llama_ar_bf16": reason})
 
     if not curve_only:
         peers.update(time_contenders(contenders, prompts, args.repeats, device))
         peers.update(check_sps(args, model, config, prompts, stop, peers["outputs"]["ar_ours"], profile))
+    speeds = peers.get("tokens_per_second_median") or {}
+    if "ar_ours_bf16w" in speeds and "ar_ours" in speeds:
+        peers["ratio_ar_bf16w_over_float32"] = speeds["ar_ours_bf16w"] / speeds["ar_ours"]
     rows = table_rows(result, peers)
     print(f"peers table ({result.get('dtype', dtype)}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
           f"median tokens/s; t(n): target forward after a 256-token prefix; ours SpS/generate/generate assisted "
