@@ -133,9 +133,11 @@ def line_of(method: str, config: dict) -> tuple[str, dict]:
     settings = settings_of(method)
     recorded, setting = settings.size_recorded, settings.size_setting
     sizing = config.get("sizing") if isinstance(config.get("sizing"), dict) else {}
-    asked = config.get(setting, sizing.get(setting))  # (a template's `auto` is recorded in its sizing only)
-    if recorded and recorded != setting and recorded in config and isinstance(asked, str):
-        resolved = {recorded, *settings.size_derived}
+    # what was asked: the sizing record's (a size recorded under its own setting holds the resolved
+    # value there: Jacobi's block_size, MCSD's k_config; a template's `auto` is in its sizing only)
+    asked = sizing.get(setting, config.get(setting)) if setting else None
+    if isinstance(asked, str) and (recorded in config or setting in config):
+        resolved = {key for key in (recorded, setting) if key} | set(settings.size_derived)
         config = {**{k: v for k, v in config.items() if k not in resolved}, setting: asked}
     return (AR if method == AR else method_label(method, config)), config
 
