@@ -9,10 +9,11 @@ import torch
 
 from methods.ar import AutoregressiveDecoder
 from methods.engine import native
+from methods.engine.native import dtype_name
 from methods.engine.runner import ModelRunner
 from methods.engine.stopping import StopCondition
 from methods.machine.probes import streamed_weights
-from methods.models.loading import compute_dtype, dtype_name, load_model, round_weights
+from methods.models.loading import compute_dtype, load_model, round_weights
 from methods.models.specs import ModelSpec
 from tests.conftest import hf_greedy, tiny_model
 from tests.test_native import all_native, needs_native

@@ -43,12 +43,12 @@ from methods.ar import AutoregressiveDecoder
 from methods.base import BuildContext
 from methods.engine import native
 from methods.engine.linear import gemms_skipped
-from methods.engine.native import WEIGHTS_BF16
+from methods.engine.native import WEIGHTS_BF16, dtype_name
 from methods.engine.runner import ModelRunner
 from methods.machine.curves import forward_latencies
 from methods.machine.probes import read_bandwidth, streamed_weights, weight_bytes
 from methods.machine.profile import MachineProfile
-from methods.models.loading import compute_dtype, dtype_name, load_draft_lm, load_model, load_tokenizer, resolve_device
+from methods.models.loading import compute_dtype, load_draft_lm, load_model, load_tokenizer, resolve_device
 from methods.models.specs import ModelSpec, model_config
 from methods.sps import SpeculativeSamplingDecoder
 
@@ -292,7 +292,6 @@ def compare_with_transformers(args, model, tokenizer, config, device, profile: M
         "sps_ours": lambda p: ours_sps.generate(p, stop).tokens,
         "sps_generate": lambda p: hf(p, assistant_model=draft),
     }
-
     for run in contenders.values():  # warm-up
         run(prompts[0][:32])
     tokens_per_second, outputs = timed_generations(contenders, prompts, args.repeats, device)

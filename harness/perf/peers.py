@@ -35,6 +35,7 @@ from omegaconf import OmegaConf
 from harness.perf.workload import greedy_generate, spec_bench_prompts, timed_generations
 from harness.running.prompts import ChatTemplate
 from methods.ar import AutoregressiveDecoder
+from methods.engine.native import WEIGHTS_BF16
 from methods.engine.runner import ModelRunner
 from methods.engine.storage import cache_root
 from methods.models.loading import gguf_source, load_draft_lm
@@ -105,7 +106,7 @@ def table_rows(result: dict, peers: dict) -> list[dict]:
     llama_curve = (peers.get("llama_cpp") or {}).get("forward_seconds_by_tokens")
     curve_of = {"ar_ours": ours_curve, "pld_ours": ours_curve, "sps_ours": ours_curve,
                 "ar_generate": stock_curve, "sps_generate": stock_curve, "pld_generate": stock_curve,
-                "llama_ar": llama_curve, "llama_pld": llama_curve, "ar_ours_bf16w": curves.get("bf16w"),
+                "llama_ar": llama_curve, "llama_pld": llama_curve, "ar_ours_bf16w": curves.get(WEIGHTS_BF16),
                 "llama_ar_bf16": (peers.get("llama_cpp_bf16") or {}).get("forward_seconds_by_tokens")}
     speed = {**(result.get("tokens_per_second_median") or {}), **(peers.get("tokens_per_second_median") or {})}
     identical = dict(peers.get("identical_to_ar_ours") or {})
@@ -123,7 +124,7 @@ def table_rows(result: dict, peers: dict) -> list[dict]:
     skipped = peers.get("skipped") or {}
     rows = []
     for key, label in ENGINES.items():
-        if key in HALF and "bf16w" not in curves:
+        if key in HALF and WEIGHTS_BF16 not in curves:
             continue  # a run without a bf16w target has no half-precision rows
         roof = result.get("roofline_seconds_bf16w") if key in HALF else roofline
         row = {"engine": label, "tokens_per_second": speed.get(key), **curve_columns(curve_of[key], roof),
@@ -300,9 +301,6 @@ def run_peers(args, model, tokenizer, config, device, result: dict, profile, hal
     if not curve_only:
         peers.update(time_contenders(contenders, prompts, args.repeats, device))
         peers.update(check_sps(args, model, config, prompts, stop, peers["outputs"]["ar_ours"], profile))
-    speeds = peers.get("tokens_per_second_median") or {}
-    if "ar_ours_bf16w" in speeds and "ar_ours" in speeds:
-        peers["ratio_ar_bf16w_over_float32"] = speeds["ar_ours_bf16w"] / speeds["ar_ours"]
     rows = table_rows(result, peers)
     print(f"peers table ({result.get('dtype', dtype)}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
           f"median tokens/s; t(n): target forward after a 256-token prefix; ours SpS/generate/generate assisted "

@@ -43,10 +43,11 @@ from harness.running.validate import check_group_choices, validate
 from harness.stats import fidelity_failure, summarize
 from harness.stats.text import format_summary
 from methods.base import BuildContext, Decoder, get_method
+from methods.engine.native import dtype_name
 from methods.engine.runner import ModelRunner
 from methods.engine.sampling import SamplingConfig
 from methods.machine.profile import MachineProfile
-from methods.models.loading import dtype_name, load_model, load_tokenizer, resolve_device
+from methods.models.loading import load_model, load_tokenizer, resolve_device
 from methods.models.specs import PROJECT_ROOT as REPO
 from methods.models.specs import ModelSpec, ModelUnavailableError
 

@@ -36,8 +36,8 @@ from collections import defaultdict
 import numpy as np
 import scipy.stats
 
+from methods.engine.native import WEIGHTS_BF16, dtype_name
 from methods.machine.load import BUSY_CORES, BUSY_STEAL, is_busy
-from methods.models.loading import dtype_name
 
 
 def question_speed(record: dict) -> tuple[int, float]:
@@ -178,8 +178,8 @@ def decomposition(stats: dict, baseline: dict) -> dict | None:
 # (2.7x the measured change; its argmax did flip in 2 of 5 questions). float16: 0.125, the same 8
 # ulps at its 3 more mantissa bits (fp16 could not be measured on this CPU). bf16w (weights of bf16
 # values, fp32 arithmetic) computes as float32 does, so float32's threshold and its failure rule.
-NEAR_TIE = {"float32": 1e-3, "bf16w": 1e-3, "bfloat16": 1.0, "float16": 0.125}
-FP32_ARITHMETIC = ("float32", "bf16w")  # precisions whose forwards compute in fp32
+NEAR_TIE = {"float32": 1e-3, WEIGHTS_BF16: 1e-3, "bfloat16": 1.0, "float16": 0.125}
+FP32_ARITHMETIC = ("float32", WEIGHTS_BF16)  # precisions whose forwards compute in fp32
 
 
 def _margin(record: dict, turn: int, position: int) -> float | None:

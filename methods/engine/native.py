@@ -220,7 +220,12 @@ def precision(model) -> str:
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     if dtype == torch.float32 and matrices and all(bf16_exact(p) for p in matrices):
         return WEIGHTS_BF16
-    return str(dtype).removeprefix("torch.")
+    return dtype_name(dtype)
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """How results name a precision: float32, bfloat16, float16, bf16w."""
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
 
 def pack(weight: torch.Tensor, bf16: bool | None = None) -> torch.Tensor:

@@ -42,8 +42,8 @@ def choose_dtype(profile, name: str, spec: ModelSpec | None = None,
     dtype, reason = auto_dtype(device)
     if device.type != "cpu" or spec is None:
         return dtype, reason
-    candidates = (["bfloat16"] if dtype == torch.bfloat16 else []) + (["bf16w"] if native.unavailable_reason() is None
-                                                                     else [])
+    candidates = [name for name, runs in (("bfloat16", dtype == torch.bfloat16),
+                                          (native.WEIGHTS_BF16, native.unavailable_reason() is None)) if runs]
     if not candidates:
         return dtype, f"{reason}; no native kernels here ({native.unavailable_reason()}) to stream bf16 weights"
     config = from_pretrained(AutoConfig, local_folder(spec), "config")

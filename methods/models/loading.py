@@ -158,11 +158,6 @@ def compute_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return torch.float32 if isinstance(dtype, str) and dtype in WEIGHT_ONLY else dtype
 
 
-def dtype_name(dtype: torch.dtype | str) -> str:
-    """How results name a precision: float32, bfloat16, float16, bf16w."""
-    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-
-
 @torch.no_grad()
 def round_weights(model, to: torch.dtype) -> None:
     """Every weight matrix of `model` (parameters of two or more dimensions: linears, embeddings, a tied
