@@ -11,7 +11,7 @@ MAX_NEW_TOKENS ?= 256
 TEMPERATURE ?= 0
 ARGS ?=
 
-.PHONY: setup prerequisites bench sweep batch-sweep report figures headline docs perf perf-batch perf-gpu perf-contention perf-lazyllm train-drafts test
+.PHONY: setup prerequisites bench serve-bench sweep batch-sweep report figures headline docs perf perf-batch perf-gpu perf-contention perf-lazyllm train-drafts test
 
 setup: $(VENV)/.installed
 
@@ -151,6 +151,11 @@ perf-gpu: setup
 # cores (spinning processes): what methods/machine/threads.py chooses from. Minutes; run it alone.
 perf-contention: setup
 	$(PY) -m harness.perf.contention $(ARGS)
+
+# Speculation under load (harness/running/serve.py): continuous batching, AR and METHOD at each concurrency of
+# conf/config.yaml's serve.concurrency (or an open loop: ARGS="serve.rate=2"), per-request TTFT, TPOT, latency.
+serve-bench: setup
+	$(PY) -m harness.serve method=$(METHOD) model=$(MODEL) dataset=$(DATASET) $(ARGS)
 
 test: setup
 	$(PY) -m ruff check . && $(PY) -m pytest -q tests

@@ -36,10 +36,14 @@ tree, so a sequence also drafts from the answers beside it (`persist: false` giv
 own cache). REST's reader is shared, and draftretriever drafts at random, so its drafts differ from
 run to run at any batch size. Greedy tokens, and the sampled distribution, are every sequence's own.
 
-Finished sequences: the batch DRAINS. A sequence that stops leaves the batch at the next step (its
-cache row is dropped, the forward shrinks to the sequences still running); no queued prompt joins
-in its place. The harness decodes its prompts B at a time, each group to the end (`batch_size`,
-docs/batching.md), so the last steps of a group run below B.
+Finished sequences leave the batch at the next step (their cache rows dropped, the forward shrinks to
+the sequences still running). A batch that starts together DRAINS: no prompt joins in their place
+(`generate_batch`; the harness decodes its prompts B at a time, each group to the end: `batch_size`,
+docs/batching.md). Continuous batching (`serve`, over `requests.Requests`): a request joins as soon as
+it has arrived and the batch holds fewer than the concurrency; its prefill runs alone into a new last
+row of the batch cache (`ModelRunner.join_rows`), as a step of its own between two of the batch's
+forwards, and the batch drafters (a draft LM's, the EAGLE head's, PARD's) give it a row of theirs at the
+next draft step. Its tokens are the ones it decodes alone, whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from .engine.runner import ForwardOutput
 from .engine.sampling import SamplingConfig, logits_to_probs
 from .engine.stopping import StopCondition
 from .engine.tree import Tree
+from .requests import Requests
 from .state import DecodeOutput, DecodeState, DecodeStats
 
 
@@ -199,49 +204,116 @@ class DraftVerifyDecoder(Decoder):
         with self.target.linear.active():  # draft heads and models run on the same linear path
             return self._generate(states)
 
-    def _generate(self, states: list[DecodeState]) -> list[DecodeOutput]:
+    def serve(self, requests: Requests) -> list[DecodeOutput]:
+        """Continuous batching: the requests decoded at most `requests.concurrency` at a time, each joining
+        the batch once it has arrived and the batch has room (a sequence that stops leaves at the next
+        step). One output per request, in its order; its `ttft` and `total_time` count from its arrival
+        (the wait for room included), its `phase_time` is the loop's until it stopped. A request decodes
+        the tokens it decodes alone (greedy; sampled, from its own generator)."""
+        if requests.concurrency > 1 and not method_settings(self.name).batchable:
+            raise ValueError(f"method {self.name!r} does not decode at batch size > 1; "
+                             f"methods that do: {', '.join(batchable_methods())}")
+        with self.target.linear.active():
+            return self._generate([], requests)
+
+    def _generate(self, states: list[DecodeState], requests: Requests | None = None) -> list[DecodeOutput]:
+        """The one loop. `states`: a batch that starts together and drains. With `requests` (and no
+        states): sequences join as their requests arrive and the batch has room, each prefilled alone
+        into a new row (a step of its own, before the batch's next forward)."""
         target = self.target
+        sizes = [len(s.prompt) + s.stop.max_new_tokens for s in states] or [requests.positions()]
         for state in states:
             target.check_room(len(state.prompt) + state.stop.max_new_tokens)
-        target.reserve_batch(len(states), max(len(s.prompt) + s.stop.max_new_tokens for s in states))
+        for request in requests.requests if requests else ():
+            target.check_room(len(request.prompt) + request.stop.max_new_tokens)
+        if requests is None:
+            target.reserve_batch(len(states), max(sizes))
+        else:
+            target.reserve_batch(0, max(sizes), slots=requests.concurrency)
         phases: dict[str, float] = {}
         clock = PhaseClock(target.device, phases)
         begin = clock.last
-        outputs: list[DecodeOutput | None] = [None] * len(states)
-
-        firsts = target.prefill_rows(states, self.prefill)
-        roots = [Tree(torch.tensor([s.prompt[-1]]), [-1]) for s in states]  # the first token: a root's choice
-        chosen = self.standard_accept_batch(states, roots, torch.stack([first.logits[-1:] for first in firsts]))
-        ttft = clock.now() - begin
-        clock.lap("prefill")
-        done = {}
-        for b, state in enumerate(states):
-            state.stats.ttft = ttft
-            done[b] = state.emit([chosen[b].next_token], chosen[b].margins)
-            self.start(state, firsts[b])
-        clock.lap("draft")
+        admitted: list[DecodeState] = []  # every sequence, in the order it joined
+        done: dict[int, tuple[int, str] | None] = {}
+        outputs: dict[int, DecodeOutput] = {}
+        rows: list[int] = []  # the sequences in the cache (indices into `admitted`), by row
+        # drafter slots (`draft_state`): a slot is free again once a draft step ran without its last
+        # sequence (a batch drafter may hold it until then), so 2 x concurrency always suffice
+        free = list(range(2 * requests.concurrency)) if requests else []
+        leaving: list[int] = []
+        request_of: dict[int, int] = {}  # admitted sequence -> its request
 
         def finish(b: int) -> None:
-            outputs[b] = states[b].conclude(done[b])
-            self.finish(states[b])
+            outputs[b] = admitted[b].conclude(done[b])
+            self.finish(admitted[b])
             clock.lap("other")
-            states[b].stats.total_time = clock.last - begin
-            states[b].stats.phase_time = dict(phases)
+            admitted[b].stats.total_time = clock.last - begin - admitted[b].arrival
+            admitted[b].stats.phase_time = dict(phases)
+            if requests:
+                leaving.append(admitted[b].index)
 
-        rows = list(range(len(states)))  # the sequences in the cache, by row
-        together = len(states) > 1
-        for b in rows:
-            if done[b] is not None:
-                finish(b)
+        def admit(new: list[DecodeState]) -> None:
+            """Each new sequence prefilled alone into its row, its first token chosen, its drafter started."""
+            firsts = (target.join_rows if requests else target.prefill_rows)(new, self.prefill)
+            roots = [Tree(torch.tensor([s.prompt[-1]]), [-1]) for s in new]  # the first token: a root's choice
+            chosen = self.standard_accept_batch(new, roots, torch.stack([first.logits[-1:] for first in firsts]))
+            first_token = clock.now() - begin
+            clock.lap("prefill")
+            joined = []
+            for state, first, pick in zip(new, firsts, chosen):
+                b = len(admitted)
+                admitted.append(state)
+                rows.append(b)
+                joined.append(b)
+                state.stats.ttft = first_token - state.arrival
+                done[b] = state.emit([pick.next_token], pick.margins)
+                self.start(state, first)
+            clock.lap("draft")
+            for b in joined:
+                if done[b] is not None:
+                    finish(b)
+
+        def arrived() -> list[DecodeState]:
+            """The requests that have arrived, as many as the batch has room for, as new sequences."""
+            due = requests.due(clock.now() - begin, requests.concurrency - len(rows))
+            new = []
+            for index in due:
+                request = requests.requests[index]
+                state = self.new_state(free.pop(0), list(request.prompt), request.stop, request.sampling,
+                                       request.generator)
+                state.arrival = request.arrival
+                request_of[len(admitted) + len(new)] = index
+                new.append(state)
+            return new
+
+        if requests is None:
+            admit(states)
+        together = len(states) > 1 or (requests is not None and requests.concurrency > 1)
         while True:
-            running = [b for b in rows if outputs[b] is None]
-            if not running:
+            running = [b for b in rows if b not in outputs]
+            if not running and (requests is None or requests.next_arrival() is None):
                 break
             if running != rows:  # sequences that stopped leave the batch
                 target.keep_sequences([rows.index(b) for b in running])
-                rows = running
+                rows[:] = running
                 clock.lap("commit")
-            trees = self.draft_step([states[b] for b in rows], together)
+            if requests is not None:
+                if not rows:  # no batch drafter holds a slot of a sequence that left
+                    free.extend(leaving)
+                    leaving.clear()
+                new = arrived()
+                if new:
+                    admit(new)  # a step of its own; the batch's next forward follows
+                    continue
+                if not rows:  # nothing to decode until the next request arrives
+                    time.sleep(max(0.0, requests.next_arrival() - (clock.now() - begin)))
+                    clock.lap("idle")
+                    continue
+            limit = requests.speculate_up_to if requests is not None else None
+            quiet = limit is not None and len(rows) > limit  # load-aware: no draft above that batch size
+            trees = self.draft_step([admitted[b] for b in rows], together, draft=not quiet)
+            free.extend(leaving)  # the drafters have drafted without them
+            leaving.clear()
             clock.lap("draft")
             start = target.length
             verified = target.forward_batch([tree.forward_rows() for tree in trees])
@@ -249,7 +321,7 @@ class DraftVerifyDecoder(Decoder):
             # extra rows are never accepted; at temperature 0 their argmax comes back with the step's read
             extras = [None if t.extra_rows is None else verified.logits[row, len(t):len(t) + len(t.extra_rows)]
                       for row, t in enumerate(trees)]
-            acceptances = self.accept_batch([states[b] for b in rows], trees, verified.logits, extras)
+            acceptances = self.accept_batch([admitted[b] for b in rows], trees, verified.logits, extras)
             clock.lap("accept")
             target.commit_batch(start, [acceptance.path for acceptance in acceptances])
             clock.lap("commit")
@@ -258,30 +330,34 @@ class DraftVerifyDecoder(Decoder):
                 # the row of each accepted node chose the token after it: its accepted child, or the next token
                 emitted = acceptance.emitted or tree.tokens[acceptance.path[1:]].tolist() + [acceptance.next_token]
                 margins = acceptance.margins or logit_margins(verified.logits[row, acceptance.path], emitted)
-                done[b] = states[b].emit(emitted, margins)
-                self.count_acceptance(states[b].stats, tree, acceptance)
+                done[b] = admitted[b].emit(emitted, margins)
+                self.count_acceptance(admitted[b].stats, tree, acceptance)
                 if done[b] is None:
                     followed.append((b, tree, acceptance, row))
                 else:
                     finish(b)
             clock.lap("other")  # emitting, stop checks, statistics: the loop's own overhead
             for b, tree, acceptance, row in followed:
-                self.advance(states[b], tree, acceptance, row_output(verified, row, len(tree)))
+                self.advance(admitted[b], tree, acceptance, row_output(verified, row, len(tree)))
             clock.lap("draft")
-        return outputs
+        if requests is None:
+            return [outputs[b] for b in range(len(admitted))]
+        by_request = {request_of[b]: outputs[b] for b in outputs}
+        return [by_request[i] for i in range(len(requests.requests))]
 
-    def draft_step(self, states: list[DecodeState], together: bool) -> list[Tree]:
+    def draft_step(self, states: list[DecodeState], together: bool, draft: bool = True) -> list[Tree]:
         """The running sequences' drafts for one step, each at most the tokens its stopping rule leaves
         along a path. At this batch size each greedy sequence's draft is cut to `Sizing.cut(B)` (`state.cut`:
         a chain's length, a tree's nodes; sampled drafts keep their batch-1 size: a seeded answer draws
         the same at any batch size). A batch drafts `together` (one draft forward per level for all its
-        sequences, to its end); a batch of one, with its sequence's own drafter."""
+        sequences, to its end); a batch of one, with its sequence's own drafter. Not `draft` (load-aware
+        speculation above its batch size): every budget is 0, each tree its root alone."""
         cut = self.sizing.cut(len(states))
         budgets = []
         for state in states:
             state.batch = len(states)
             state.cut = cut if state.sampling.greedy else None
-            budget = state.stop.max_new_tokens - len(state.tokens) - 1
+            budget = state.stop.max_new_tokens - len(state.tokens) - 1 if draft else 0
             budgets.append(budget if state.cut is None else min(budget, state.cut))
         if together:
             return self.propose_batch(states, budgets)

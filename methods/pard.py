@@ -52,7 +52,7 @@ import torch
 from transformers import AutoConfig
 
 from .base import BuildContext, register
-from .engine.kv_cache import rows_kept
+from .engine.kv_cache import batch_change
 from .engine.sampling import draw_children, logits_to_probs
 from .engine.tree import Tree
 from .engine.vocab import draft_vocab_setting
@@ -235,26 +235,35 @@ class PardBatch:
         self.states: list = []
 
     def _rows(self, states: Sequence) -> None:
-        """The cache's rows for `states`: those still running kept (a batch that lost sequences), or a new
-        batch made, each sequence's prefix fed alone and copied into its row."""
-        kept = rows_kept(self.states, states) if self.runner is not None else None
-        if kept is not None:
+        """The cache's rows for `states`: those still running kept (a batch that lost sequences), each
+        sequence that joined (continuous batching) a new last row, or a new batch made; a sequence new to
+        the batch has its prefix fed alone and copied into its row."""
+        change = batch_change(self.states, states) if self.runner is not None else None
+        if change is not None:
+            kept, joining = change
             if len(kept) != len(self.states):
                 self.runner.cache.keep_sequences(kept)
-                self.states = list(states)
+            for state in joining:
+                self.runner.cache.add_sequence(self._fed_alone(state))
+            self.states = list(states)
             return
         if self.runner is None:
             self.runner = self.draft.another().runner
         self.runner.reserve_batch(len(states), max(len(s.prompt) + s.stop.max_new_tokens for s in states),
                                   batch_cache=True)
         for row, state in enumerate(states):
-            lane = state.draft
-            prefix = state.sequence[len(lane.fed):-1]
-            if prefix:
-                lane.runner.forward(prefix, logits_for=None)
-                lane.fed.extend(prefix)
-            self.runner.cache.load_row(row, lane.runner.cache)
+            self.runner.cache.load_row(row, self._fed_alone(state))
         self.states = list(states)
+
+    @staticmethod
+    def _fed_alone(state):
+        """The sequence's draft cache once its draft has taken the sequence but its last token alone."""
+        lane = state.draft
+        prefix = state.sequence[len(lane.fed):-1]
+        if prefix:
+            lane.runner.forward(prefix, logits_for=None)
+            lane.fed.extend(prefix)
+        return lane.runner.cache
 
     @torch.inference_mode()
     def logits(self, states: Sequence, ks: Sequence[int]) -> list[torch.Tensor]:

@@ -100,6 +100,9 @@ class DecodeState:
     # `Sizing.cut` at this batch size, for a greedy sequence; None: the batch-1 size (the loop sets it)
     cut: int | None = None
     values: dict[str, Any] = field(default_factory=dict)  # the method's own per-sequence values (SpS's heuristic γ)
+    # seconds after the loop began that the sequence's request arrived (continuous batching: `Requests`;
+    # 0 for a batch that starts together); its TTFT and total time count from then
+    arrival: float = 0.0
 
     def emit(self, emitted: Sequence[int], margins: Sequence[float]) -> tuple[int, str] | None:
         """The step's tokens and their margins appended; the stopping rule's verdict on them (None: go on).

@@ -58,6 +58,12 @@ SCHEMA: dict[str, Check] = {
     "engine.cuda_graphs": one_of(*GRAPH_MODES),
     "engine.compile": one_of(*COMPILE_MODES),
     "model.draft_vocabulary.dtype": null() | one_of("bfloat16"),
+    "serve.concurrency": Check(lambda v: (isinstance(v, (list, tuple)) or OmegaConf.is_list(v)) and len(v) > 0
+                               and all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in v),
+                               "a non-empty list of integers >= 1, e.g. [1,2,4,8]"),
+    "serve.rate": null() | number(0, low_open=True),
+    "serve.requests": integer(1),
+    "serve.speculate_up_to": null() | integer(0),
 }
 
 

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from ..engine.kv_cache import BatchKVCache, rows_kept
+from ..engine.kv_cache import BatchKVCache, batch_change
 from ..engine.tree import Tree, batch_mask
 
 
@@ -45,20 +45,29 @@ class BatchDraft:
 
     def _rows(self, states: Sequence) -> None:
         """The cache's rows for `states`: a new batch loads each sequence's head cache into a row; a
-        batch that lost sequences keeps the rows of those still running."""
-        kept = rows_kept(self.states, states) if self.cache is not None else None
-        if kept is not None:
+        batch that lost sequences keeps the rows of those still running; a sequence that joined
+        (continuous batching) takes a new last row from its head cache."""
+        change = batch_change(self.states, states) if self.cache is not None else None
+        if change is not None:
+            kept, joining = change
             if len(kept) != len(self.states):
                 self.cache.keep_sequences(kept)
-                self.states = list(states)
+            for state in joining:
+                self.cache.add_sequence(self._committed(state.draft))
+            self.states = list(states)
             return
         drafters = [state.draft for state in states]
         self.cache = BatchKVCache(len(states), max(d.cache.capacity or 0 for d in drafters) or None)
         for row, drafter in enumerate(drafters):
-            if drafter.pending is not None or drafter.cache.get_seq_length() != drafter.committed:
-                raise RuntimeError("a batch's head cache is made from caches holding only committed pairs")
-            self.cache.load_row(row, drafter.cache)
+            self.cache.load_row(row, self._committed(drafter))
         self.states = list(states)
+
+    @staticmethod
+    def _committed(drafter):
+        """A drafter's head cache, which a batch row is made from: it must hold only committed pairs."""
+        if drafter.pending is not None or drafter.cache.get_seq_length() != drafter.committed:
+            raise RuntimeError("a batch's head cache is made from caches holding only committed pairs")
+        return drafter.cache
 
     @torch.inference_mode()
     def roots(self, states: Sequence) -> tuple[torch.Tensor, torch.Tensor]:

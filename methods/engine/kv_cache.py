@@ -204,11 +204,20 @@ class TreeKVCache(Cache):
                 layer.keep(start, index)
 
 
-def rows_kept(previous: Sequence, current: Sequence) -> list[int] | None:
-    """The rows of a batch of `previous` sequences (by identity) that hold `current`, in order; None when
-    `current` has a sequence `previous` lacks (a new batch)."""
-    rows = [next((i for i, p in enumerate(previous) if p is s), None) for s in current]
-    return None if None in rows else rows
+def batch_change(previous: Sequence, current: Sequence) -> tuple[list[int], list] | None:
+    """How a batch of `current` sequences (by identity) follows one of `previous`: (the rows of `previous`
+    that hold current's first sequences, in order; the sequences after them, new to the batch: they
+    joined, continuous batching). None when `current` is no such continuation (a new batch)."""
+    rows = []
+    for s in current:
+        row = next((i for i, p in enumerate(previous) if p is s), None)
+        if row is None:
+            break
+        rows.append(row)
+    joining = list(current[len(rows):])
+    if not rows or any(p is s for s in joining for p in previous):
+        return None
+    return rows, joining
 
 
 class BatchKVCache(TreeKVCache):
@@ -220,29 +229,39 @@ class BatchKVCache(TreeKVCache):
     (`ModelRunner.forward_batch`). A commit moves each sequence's accepted rows to its own length;
     L is then the longest sequence."""
 
-    def __init__(self, batch: int, capacity: int | None = None, layers: int | None = None):
+    def __init__(self, batch: int, capacity: int | None = None, layers: int | None = None,
+                 slots: int | None = None):
         """`layers`: the model's layer count; with a `capacity`, every layer's buffers are made at once,
-        at the first write, as views of one keys and one values tensor [layers, B, kv_heads, capacity,
-        head_dim], so that a commit moves every layer's rows in one gather (`commit_batch`)."""
+        at the first write, as views of one keys and one values tensor [layers, slots, kv_heads,
+        capacity, head_dim] (its first B rows), so that a commit moves every layer's rows in one gather
+        (`commit_batch`). `slots`: the sequences its buffers are made for (default B); more may join
+        (`add_sequence`), the buffers then copied into larger ones."""
         super().__init__(capacity)
         self.lengths = [0] * batch
         self.layer_count = layers
-        self.joined: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.slots = max(slots or batch, batch)
+        self.joined: tuple[torch.Tensor, torch.Tensor] | None = None  # views of `storage`'s first B rows
+        self.storage: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _join(self, like: torch.Tensor) -> None:
         """Every layer's buffers as views of one pair of tensors (`layers` given, no layer written yet)."""
         if self.joined is not None or not self.layer_count or not self.capacity or \
                 any(layer.is_initialized for layer in self.layers):
             return
-        shape = (self.layer_count, len(self.lengths), like.shape[1], self.capacity, like.shape[-1])
-        keys, values = like.new_zeros(shape), like.new_zeros(shape)
+        shape = (self.layer_count, self.slots, like.shape[1], self.capacity, like.shape[-1])
+        self.storage = like.new_zeros(shape), like.new_zeros(shape)
         self.layers = []
-        for index in range(self.layer_count):
+        for _ in range(self.layer_count):
             layer = BufferedLayer(self)
             layer.lazy_initialization(like, like)
-            layer._keys, layer._values = keys[index], values[index]
             self.layers.append(layer)
-        self.joined = keys, values
+        self._view(len(self.lengths))
+
+    def _view(self, rows: int) -> None:
+        """The joined buffers: `storage`'s first `rows` sequences, each layer's keys and values views of them."""
+        self.joined = keys, values = tuple(buffers.narrow(1, 0, rows) for buffers in self.storage)
+        for index, layer in enumerate(self.layers):
+            layer._keys, layer._values = keys[index], values[index]
 
     def _joined(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The joined buffers while every layer's are still their views (no layer grew past them)."""
@@ -301,12 +320,21 @@ class BatchKVCache(TreeKVCache):
         copied into slots 0 .. n - 1 of its row, the buffers made at this cache's capacity first."""
         n = cache.get_seq_length()
         for index, source in enumerate(cache.layers):
+            if source.is_initialized:
+                keys = source.key_buffer
+                self.reserve(index, n, len(self.lengths), keys.shape[1], keys.shape[-1], keys.dtype, keys.device)
+        self._copy_row(row, cache)
+
+    def _copy_row(self, row: int, cache: TreeKVCache) -> None:
+        """Slots 0 .. n - 1 of sequence `row` := the batch-1 cache's n positions (the buffers hold them)."""
+        n = cache.get_seq_length()
+        for index, source in enumerate(cache.layers):
             if not source.is_initialized:
                 continue
-            keys = source.key_buffer
-            self.reserve(index, n, len(self.lengths), keys.shape[1], keys.shape[-1], keys.dtype, keys.device)
             layer = self.layers[index]
-            layer._keys[row, :, :n] = keys[0, :, :n]
+            if layer._keys.shape[-2] < n:
+                raise RuntimeError(f"a sequence of {n} positions does not fit this cache's {layer._keys.shape[-2]}")
+            layer._keys[row, :, :n] = source.key_buffer[0, :, :n]
             layer._values[row, :, :n] = source.value_buffer[0, :, :n]
         self.lengths[row] = n
         for layer in self.layers:
@@ -317,31 +345,65 @@ class BatchKVCache(TreeKVCache):
     def keep_sequences(self, kept: Sequence[int]) -> None:
         """Only sequences `kept` (in this order) stay: the batch shrinks. In order (sequences left, the
         others' order kept), each moves up to its new row (its own slots copied; nothing when it stays
-        in place) and the buffers narrow to the rows kept (views of the same storage); else one copy
-        of the buffers in the new order."""
+        in place) and the buffers narrow to the rows kept (views of the same storage); else the rows
+        gathered in the new order (back into the same storage while the layers' buffers are joined)."""
         kept = list(kept)
         lengths, self.lengths = self.lengths, [self.lengths[b] for b in kept]
+        joined = self._joined()
         if kept == sorted(set(kept)):
             for buffer in self._batch_first():
                 for row, b in enumerate(kept):
                     if row != b:
                         buffer[row, ..., : lengths[b], :] = buffer[b, ..., : lengths[b], :]
-
-            def take(buffer: torch.Tensor, dim: int) -> torch.Tensor:
-                return buffer.narrow(dim, 0, len(kept))
-        else:
-            def take(buffer: torch.Tensor, dim: int) -> torch.Tensor:
-                return buffer.index_select(dim, torch.tensor(kept, device=buffer.device))
-        joined = self._joined()
-        if joined is not None:
-            self.joined = keys, values = tuple(take(buffers, 1) for buffers in joined)
-            for i, layer in enumerate(self.layers):
-                layer._keys, layer._values = keys[i], values[i]
+            if joined is not None:
+                self._view(len(kept))
+            else:
+                self.joined = None
+                for layer in self.layers:
+                    if layer.is_initialized and layer._keys is not None:
+                        layer._keys, layer._values = (buffer.narrow(0, 0, len(kept)) for buffer in (layer._keys,
+                                                                                                   layer._values))
+        elif joined is not None:
+            order = torch.tensor(kept, device=joined[0].device)
+            for full, view in zip(self.storage, joined):
+                full[:, : len(kept)] = view.index_select(1, order)  # gathered first, then written back
+            self._view(len(kept))
         else:
             self.joined = None
             for layer in self.layers:
                 if layer.is_initialized and layer._keys is not None:
-                    layer._keys, layer._values = take(layer._keys, 0), take(layer._values, 0)
+                    order = torch.tensor(kept, device=layer._keys.device)
+                    layer._keys, layer._values = (buffer.index_select(0, order) for buffer in (layer._keys,
+                                                                                             layer._values))
         for layer in self.layers:
             if layer.is_initialized and layer._keys is not None:
                 layer.length = max(self.lengths, default=0)
+
+    @torch.inference_mode()
+    def add_sequence(self, cache: TreeKVCache) -> int:
+        """A sequence joins the batch (continuous batching): a new last row, holding the positions a
+        batch-1 cache holds (its prompt, prefilled alone; `load_row`). Returns its row. The joined
+        buffers take it in place up to `slots` rows, then are made twice as large (a copy); a cache
+        whose layers hold buffers of their own grows each by a row (a copy)."""
+        row = len(self.lengths)
+        self.lengths.append(0)
+        if not any(layer.is_initialized and layer._keys is not None for layer in self.layers):
+            self.load_row(row, cache)  # nothing written yet: the buffers are made now
+            return row
+        if self._joined() is not None:
+            if row >= self.slots:
+                self.slots = max(2 * self.slots, row + 1)
+                shape = (self.storage[0].shape[0], self.slots, *self.storage[0].shape[2:])
+                grown = tuple(old.new_zeros(shape) for old in self.storage)
+                for new, old in zip(grown, self.storage):
+                    new[:, :row] = old[:, :row]
+                self.storage = grown
+            self._view(row + 1)
+        else:
+            self.joined = None
+            for layer in self.layers:
+                if layer.is_initialized and layer._keys is not None:
+                    layer._keys, layer._values = (torch.cat([buffer, buffer.new_zeros(1, *buffer.shape[1:])])
+                                                  for buffer in (layer._keys, layer._values))
+        self._copy_row(row, cache)
+        return row

@@ -185,17 +185,18 @@ class ModelRunner:
             self.fused.rope.reserve(needed, self.dtype, self.device)  # (a table already that long is kept)
         return needed
 
-    def reserve_batch(self, batch: int, positions: int, *, batch_cache: bool = False) -> None:
+    def reserve_batch(self, batch: int, positions: int, *, batch_cache: bool = False, slots: int | None = None) -> None:
         """Before decoding `batch` sequences together (the loop, `methods/loop.py`), each committing at
         most `positions` positions. One sequence: the batch-1 cache (`reserve`: its buffers, static
-        steps and CUDA graphs kept for the next answer). More, or `batch_cache` (a drafter of a batch
-        that has drained to one sequence): a `BatchKVCache` allocated once at positions + ROOM, the
+        steps and CUDA graphs kept for the next answer). More, `batch_cache` (a drafter of a batch
+        that has drained to one sequence) or `slots` (continuous batching: up to that many sequences
+        at once, joining with `join_rows`): a `BatchKVCache` allocated once at positions + ROOM, the
         RoPE table as long."""
-        if batch == 1 and not batch_cache:
+        if batch == 1 and not batch_cache and slots is None:
             self.reset()
             self.reserve(positions)
             return
-        self.cache = BatchKVCache(batch, self._capacity(positions), len(self.decoder.layers))
+        self.cache = BatchKVCache(batch, self._capacity(positions), len(self.decoder.layers), slots)
         self.forward_passes = 0
 
     def prefill_rows(self, states: Sequence, prefill: Callable | None = None) -> list[ForwardOutput]:
@@ -213,13 +214,27 @@ class ModelRunner:
             return [prefill(states[0])]
         if len(states) != len(batch.lengths) or batch.get_seq_length():
             raise RuntimeError("prefill_rows needs an empty BatchKVCache with one row per prompt; call reserve_batch()")
+        return self._prefill_into(batch, states, prefill, lambda row, scratch: batch.load_row(row, scratch))
+
+    def join_rows(self, states: Sequence, prefill: Callable | None = None) -> list[ForwardOutput]:
+        """Sequences join a batch already decoding (continuous batching; `reserve_batch` with `slots`):
+        each prefilled alone, as `prefill_rows` does, into a new last row of the batch cache
+        (`BatchKVCache.add_sequence`), in order. The others' rows are untouched."""
+        batch = self.cache
+        if not isinstance(batch, BatchKVCache):
+            raise RuntimeError("join_rows needs a BatchKVCache; call reserve_batch(..., slots=...)")
+        prefill = prefill or (lambda state: self.prefill(state.prompt))
+        return self._prefill_into(batch, states, prefill, lambda row, scratch: batch.add_sequence(scratch))
+
+    def _prefill_into(self, batch: BatchKVCache, states: Sequence, prefill: Callable, place: Callable) -> list:
+        """Each state prefilled alone into a scratch batch-1 cache, then `place(row, scratch)` copies it in."""
         scratch, outputs = TreeKVCache(max(len(s.prompt) for s in states)), []
         try:
             for row, state in enumerate(states):
                 scratch.clear()
                 self.cache = scratch
                 outputs.append(prefill(state))
-                batch.load_row(row, scratch)
+                place(row, scratch)
         finally:
             self.cache = batch
         return outputs

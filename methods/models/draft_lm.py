@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from ..engine.kv_cache import rows_kept
+from ..engine.kv_cache import batch_change
 from ..engine.runner import ModelRunner
 from ..engine.sampling import SamplingConfig, draw_children, logits_to_probs
 from ..engine.tree import Tree, ancestors_of, level_mask
@@ -244,14 +244,21 @@ class BatchDraftLM:
     def _rows(self, states: Sequence) -> torch.Tensor | None:
         """The cache's rows for `states`. A new batch: each sequence's draft catches up alone, its cache
         copied into its row; returns the roots' logits [B, V]. A batch that lost sequences: the kept
-        slots of the last step committed, then the rows of those still running kept; None."""
-        kept = rows_kept(self.states, states) if self.runner is not None else None
-        if kept is not None:
+        slots of the last step committed, then the rows of those still running kept; None (the step's
+        catch-up gives the roots). Sequences that joined (continuous batching): the others catch up in
+        one forward first, then each new one catches up alone into a new last row; the roots' logits."""
+        change = batch_change(self.states, states) if self.runner is not None else None
+        if change is not None:
+            kept, joining = change
             if len(kept) != len(self.states):
                 self._commit([state.draft.kept if state.draft.batch is self else [] for state in self.states])
                 self.runner.cache.keep_sequences(kept)
-                self.states, self.tree_start = list(states), self.runner.length
-            return None
+                self.states, self.tree_start = list(states[: len(kept)]), self.runner.length
+            if not joining:
+                return None
+            roots = [*self._catch_up(self.states), *(self._join(state) for state in joining)]
+            self.states = list(states)
+            return torch.stack(roots)
         if self.runner is None:
             self.runner = self.draft.another().runner
         runner = self.runner
@@ -265,6 +272,15 @@ class BatchDraftLM:
             lane.batch, lane.kept = self, []
         self.states = list(states)
         return torch.stack(roots)
+
+    def _join(self, state) -> torch.Tensor:
+        """A sequence joining the batch: its draft catches up alone, its cache copied into a new last row;
+        its root's logits."""
+        lane = state.draft
+        root = lane.catch_up(state.sequence)
+        self.runner.cache.add_sequence(lane.runner.cache)
+        lane.batch, lane.kept = self, []
+        return root
 
     def _catch_up(self, states: Sequence) -> torch.Tensor:
         """Every sequence's unseen tokens in one forward, committed with its kept slots; the roots'

@@ -1,0 +1,150 @@
+"""`python -m harness.serve` (`make serve-bench`): speculation under load, with continuous batching.
+
+One point is a decoder (AR, or the method) at one load: a closed loop at concurrency c (every request
+there from the start; c decode at once and the next joins when one ends), or an open loop (requests
+arrive as a Poisson process of `serve.rate` per second, seeded, at most the largest concurrency at
+once). A point decodes `serve.requests` requests, the dataset's first turns (the questions after
+`limit` and `dataset.categories`, cycled when fewer), through `DraftVerifyDecoder.serve`; AR and the
+method run each load back to back, alternately first, on the same requests.
+
+Per request: TTFT (from its arrival to its first token, the wait for room included), TPOT (the time
+after the first token per further token), end-to-end latency, new tokens and τ. Per point: output
+tokens/s over the point's wall time and the percentiles (p50, p90, p99) of the three latencies, with
+the machine's load over the point (the busy flag). Points are appended as they finish to
+`<results_dir>/<model>/<dataset>/serve/<method>/<hardware>-<dtype>-<hash>/points.jsonl`; the same
+command resumes, skipping the points already there (a folder measured with other hardware, software
+or decoding code is refused, as `harness.run` refuses it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+import zlib
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from harness.running import busy
+from harness.running.datasets import load_questions
+from harness.running.environment import environment, hardware_key, hardware_slug
+from harness.running.prompts import Message
+from harness.running.results import RunFolder, settings_hash, write_json
+from harness.running.run import BASELINE, Benchmark, run_settings
+from harness.running.validate import validate
+from methods.models.loading import dtype_name
+from methods.requests import Request, Requests, poisson_arrivals
+
+log = logging.getLogger("harness")
+PERCENTILES = (50, 90, 99)
+
+
+def loads(cfg: DictConfig) -> list[dict]:
+    """The loads of the run, in order: each concurrency (closed loop), or one open loop at the rate."""
+    levels = [int(c) for c in cfg.serve.concurrency]
+    if cfg.serve.rate:
+        return [{"loop": "open", "rate": float(cfg.serve.rate), "concurrency": max(levels)}]
+    return [{"loop": "closed", "concurrency": c} for c in levels]
+
+
+def point_key(name: str, load: dict) -> str:
+    return f"{name}@" + ",".join(f"{k}={v}" for k, v in sorted(load.items()))
+
+
+def build_requests(bench: Benchmark, questions, load: dict, count: int, seed: int,
+                   speculate_up_to: int | None) -> Requests:
+    """`count` requests from the questions' first turns (cycled), each with its own seeded generator
+    (its sampled tokens do not depend on the load), arriving at once (closed) or as a Poisson process."""
+    arrivals = poisson_arrivals(count, load["rate"], seed) if load["loop"] == "open" else [0.0] * count
+    requests = []
+    for i in range(count):
+        question = questions[i % len(questions)]
+        limit = bench.max_new_tokens_for(question.category)
+        prompt = bench.template.prompt_ids([Message("user", bench.user_turn(question.turns[0], limit))])
+        generator = torch.Generator(device=bench.device).manual_seed(
+            zlib.crc32(f"{seed}/{question.question_id}/{i}".encode()))
+        requests.append(Request(prompt, bench.template.stop_condition(limit), bench.sampling, generator, arrivals[i]))
+    return Requests(requests, load["concurrency"], speculate_up_to)
+
+
+def percentiles(values: list[float]) -> dict:
+    return {f"p{q}": float(np.percentile(values, q)) for q in PERCENTILES} if values else {}
+
+
+def measure_point(bench: Benchmark, name: str, requests: Requests, questions) -> dict:
+    """One decoder at one load: its requests served, timed, with the machine's load over them."""
+    decoder = bench.decoders[name]
+    before = busy.snapshot()
+    start = time.perf_counter()
+    outputs = decoder.serve(requests)
+    wall = time.perf_counter() - start
+    machine = busy.state(before, busy.snapshot())
+    rows = []
+    for i, (request, out) in enumerate(zip(requests.requests, outputs)):
+        stats = out.stats
+        tpot = (stats.total_time - stats.ttft) / (stats.new_tokens - 1) if stats.new_tokens > 1 else None
+        rows.append({"request": i, "question_id": questions[i % len(questions)].question_id,
+                     "arrival": request.arrival, "ttft": stats.ttft, "tpot": tpot, "latency": stats.total_time,
+                     "new_tokens": stats.new_tokens, "tau": stats.tau, "output_ids": out.tokens})
+    tokens = sum(row["new_tokens"] for row in rows)
+    return {
+        "decoder": name, "wall_time": wall, "output_tokens_per_second": tokens / wall, "new_tokens": tokens,
+        "ttft": percentiles([r["ttft"] for r in rows]),
+        "tpot": percentiles([r["tpot"] for r in rows if r["tpot"] is not None]),
+        "latency": percentiles([r["latency"] for r in rows]),
+        "tau": statistics.mean(r["tau"] for r in rows), "machine": machine, "busy": busy.is_busy(machine),
+        "requests": rows,
+    }
+
+
+def serve(cfg: DictConfig) -> list[dict]:
+    """Every point of the run not yet in its folder, measured and appended; returns them all."""
+    validate(cfg)
+    bench = Benchmark(cfg)
+    bench.choose_dtype()
+    questions = load_questions(cfg.dataset, cfg.limit)
+    env = environment(bench.device)
+    precision = dtype_name(bench.dtype)
+    settings = {**run_settings(cfg, bench, questions, precision),
+                "serve": OmegaConf.to_container(cfg.serve, resolve=True)}
+    root = f"{cfg.results_dir}/{cfg.model.name}/{cfg.dataset.name}/serve/{cfg.method.name}"
+    folder = RunFolder(f"{root}/{hardware_slug(env)}-{precision}-{settings_hash(settings)}", bench.names)
+    points_file = folder.path / "points.jsonl"
+    key = hardware_key(env)
+    folder.check(key, resume=bool(cfg.resume))
+    done = {}
+    if cfg.resume and points_file.is_file():
+        for line in points_file.read_text().splitlines():
+            point = json.loads(line)
+            done[point_key(point["decoder"], point["load"])] = point
+    todo = [(load, name) for load in loads(cfg) for name in bench.names if point_key(name, load) not in done]
+    log.info("results in %s: %d points, %d already measured", folder.path, len(done) + len(todo), len(done))
+    if not todo:
+        return list(done.values())
+    bench.load()
+    folder.path.mkdir(parents=True, exist_ok=True)
+    write_json(folder.path / "environment.json", {**env, "dtype": precision, "engine": bench.engine_record(),
+                                                  **key})
+    write_json(folder.path / "settings.json", settings)
+    if not cfg.resume:
+        points_file.unlink(missing_ok=True)
+    count = int(cfg.serve.requests)
+    for index, load in enumerate(loads(cfg)):
+        names = [n for n in bench.names if point_key(n, load) not in done]
+        if index % 2:
+            names.reverse()  # AR first at even loads, the method first at odd ones
+        for name in names:
+            limit = cfg.serve.speculate_up_to if name != BASELINE else None
+            requests = build_requests(bench, questions, load, count, int(cfg.seed), limit)
+            point = {"load": load, "speculate_up_to": requests.speculate_up_to,
+                     **measure_point(bench, name, requests, questions)}
+            with open(points_file, "a") as f:
+                f.write(json.dumps(point) + "\n")
+            done[point_key(name, load)] = point
+            log.info("%s, %s: %.1f tokens/s, TTFT p50 %.0f ms, TPOT p50 %.1f ms, tau %.2f%s", name, load,
+                     point["output_tokens_per_second"], 1000 * point["ttft"]["p50"],
+                     1000 * point["tpot"].get("p50", float("nan")), point["tau"], ", BUSY" if point["busy"] else "")
+    return list(done.values())

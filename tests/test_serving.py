@@ -1,0 +1,133 @@
+"""Continuous batching (`DraftVerifyDecoder.serve`, `methods/requests.py`): requests join the batch as
+they arrive and the batch has room; each decodes the tokens it decodes alone, greedy and seeded."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from methods.base import batchable_methods
+from methods.engine.runner import ModelRunner
+from methods.engine.sampling import SamplingConfig
+from methods.engine.stopping import StopCondition
+from methods.engine.tree import Tree
+from methods.requests import Request, Requests, poisson_arrivals
+from tests.test_batched import every_batchable, sampled_batchable, target  # noqa: F401 (fixtures)
+
+LENGTHS, LIMITS = [3, 30, 11, 19, 7, 24], [24, 9, 30, 17, 5, 20]
+
+
+def workload(vocab: int = 32) -> tuple[list[list[int]], list[StopCondition]]:
+    """Six prompts of 3 to 30 tokens with different max_new_tokens: sequences leave at different steps."""
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in LENGTHS]
+    return prompts, [StopCondition(limit) for limit in LIMITS]
+
+
+@pytest.mark.parametrize("method", batchable_methods())
+def test_every_batchable_method_serves_each_request_its_tokens_alone(every_batchable, method):  # noqa: F811
+    """Greedy, closed loop at concurrency 2 and 3 over six requests (each joins when one leaves), and an
+    open loop whose requests arrive while others decode: every request's tokens are its tokens alone."""
+    make = every_batchable[method]
+    prompts, stops = workload()
+    alone = [make().generate(p, s).tokens for p, s in zip(prompts, stops)]
+    for concurrency in (2, 3):
+        outs = make().serve(Requests([Request(p, s) for p, s in zip(prompts, stops)], concurrency))
+        assert [out.tokens for out in outs] == alone, f"concurrency {concurrency}"
+    arrivals = [0.0, 0.0, 0.05, 0.1, 0.1, 0.3]
+    outs = make().serve(Requests([Request(p, s, arrival=a) for p, s, a in zip(prompts, stops, arrivals)], 4))
+    assert [out.tokens for out in outs] == alone, "open loop"
+
+
+@pytest.mark.parametrize("method", sampled_batchable())
+def test_every_batchable_method_serves_each_request_its_seeded_samples(every_batchable, method):  # noqa: F811
+    """Seeded sampling at concurrency 3: each request draws from its own generator what it draws alone."""
+    make = every_batchable[method]
+    prompts, stops = workload()
+    sampling = SamplingConfig(temperature=0.8)
+    alone = [make().generate(p, s, sampling, torch.Generator().manual_seed(i)).tokens
+             for i, (p, s) in enumerate(zip(prompts, stops))]
+    requests = [Request(p, s, sampling, torch.Generator().manual_seed(i))
+                for i, (p, s) in enumerate(zip(prompts, stops))]
+    assert [out.tokens for out in make().serve(Requests(requests, 3))] == alone
+
+
+def test_requests_are_taken_by_arrival_as_the_batch_has_room():
+    stop = StopCondition(4)
+    queue = Requests([Request([1], stop, arrival=a) for a in (0.5, 0.0, 0.2, 0.2)], concurrency=2)
+    assert queue.positions() == 5
+    assert queue.due(0.0, 2) == [1] and queue.due(0.3, 1) == [2] and queue.next_arrival() == 0.2
+    assert queue.due(0.3, 0) == [] and queue.due(0.3, 5) == [3] and queue.due(0.4, 5) == []
+    assert queue.next_arrival() == 0.5 and queue.due(0.5, 1) == [0] and queue.next_arrival() is None
+    times = poisson_arrivals(2000, rate=4.0, seed=1)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert times[0] == 0.0 and all(g >= 0 for g in gaps) and abs(sum(gaps) / len(gaps) - 0.25) < 0.02
+    assert poisson_arrivals(5, 4.0, seed=1) == times[:5]
+    with pytest.raises(ValueError, match="concurrency=0"):
+        Requests([Request([1], stop)], 0)
+    with pytest.raises(ValueError, match="rate=0"):
+        poisson_arrivals(3, 0)
+
+
+def test_serving_records_each_requests_latency_from_its_arrival(every_batchable):  # noqa: F811
+    """A request that arrives while the batch is full waits: its TTFT counts from its arrival and covers
+    the wait; its total time ends after its first token."""
+    make = every_batchable["ar"]
+    prompts, stops = workload()
+    outs = make().serve(Requests([Request(p, StopCondition(20)) for p in prompts[:3]], 1))
+    first, second, third = (out.stats for out in outs)
+    assert 0 < first.ttft < second.ttft < third.ttft  # each waited for the one before it
+    for stats in (first, second, third):
+        assert stats.ttft < stats.total_time and stats.new_tokens == 20
+
+
+@pytest.mark.parametrize("joined", [True, False], ids=["joined", "per-layer"])
+def test_a_sequence_joins_a_batch_cache_in_a_row_of_its_own(target, joined):  # noqa: F811
+    """A batch cache made for 2 sequences: after a verification, a third sequence joins (the buffers made
+    larger: a copy), one leaves, a fourth joins; each row then holds its sequence's KV as the batch-1
+    cache holds it."""
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15], [16, 17]]
+    batched = ModelRunner(target)
+    batched.reserve_batch(0, 64, slots=2)
+    state = [SimpleNamespace(prompt=p) for p in prompts]
+    batched.join_rows(state[:2])
+    cache = batched.cache
+    if not joined:
+        cache.regrowths = 1  # as after a layer grew past the joined buffers
+    start = batched.length
+    batched.forward_batch([Tree.chain(torch.tensor(c)).forward_rows() for c in ([3, 4, 5], [10, 1])])
+    batched.commit_batch(start, [[0, 1], [0]])
+    batched.join_rows(state[2:3])
+    assert cache.lengths == [5, 8, 5] and (cache.slots == 4) == joined
+    cache.keep_sequences([0, 2])
+    batched.join_rows(state[3:])
+    assert cache.lengths == [5, 5, 2] and (cache.joined is not None) == joined
+    histories = {0: ([3, 4, 5], [0, 1]), 2: None, 3: None}
+    for row, b in enumerate([0, 2, 3]):
+        alone = ModelRunner(target)
+        alone.reserve(64)
+        alone.prefill(prompts[b])
+        if histories[b]:
+            chain, path = histories[b]
+            start = alone.length
+            alone.verify(Tree.chain(torch.tensor(chain)))
+            alone.commit(start, path)
+        for mine, theirs in zip(cache.layers, alone.cache.layers):
+            torch.testing.assert_close(mine.key_buffer[row, :, : alone.length], theirs.keys[0])
+            torch.testing.assert_close(mine.value_buffer[row, :, : alone.length], theirs.values[0])
+
+
+@pytest.mark.parametrize("method", batchable_methods())
+def test_load_aware_speculation_drafts_nothing_above_its_batch_size(every_batchable, method):  # noqa: F811
+    """`speculate_up_to` (arctic-inference's `disable_by_batch_size`): at 0 no step drafts a token; at 1,
+    steps draft only while one sequence decodes. Each request's greedy tokens are its tokens alone."""
+    make = every_batchable[method]
+    prompts, stops = workload()
+    alone = [make().generate(p, s).tokens for p, s in zip(prompts, stops)]
+    for limit in (0, 1):
+        outs = make().serve(Requests([Request(p, s) for p, s in zip(prompts, stops)], 3, speculate_up_to=limit))
+        assert [out.tokens for out in outs] == alone, f"speculate_up_to={limit}"
+        if limit == 0:
+            assert sum(out.stats.drafted_tokens for out in outs) == 0
