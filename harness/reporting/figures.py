@@ -150,7 +150,7 @@ def title_of(settings: dict, n) -> str:
             f"max_new_tokens {settings['max_new_tokens']}, {settings['sampling']}{batch}")
 
 
-def _legend_below(ax, ncols: int = 1) -> None:
+def legend_below(ax, ncols: int = 1) -> None:
     """The figure's legend under its axes (method labels are long: inside they hide the data);
     the figure grows by the legend's height so the axes keep theirs."""
     fig = ax.figure
@@ -165,7 +165,7 @@ def _legend_below(ax, ncols: int = 1) -> None:
 METADATA = {".png": None, ".pdf": {"CreationDate": None}}
 
 
-def _save(fig, out: Path, name: str) -> list[Path]:
+def save_figure(fig, out: Path, name: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.png", out / f"{name}.pdf"]
     for path in paths:
@@ -215,8 +215,8 @@ def speedup_by_dataset(table: Table, columns, cells, style, out) -> list[Path]:
     ax.set_xticks(range(len(columns)), [f"{c} (n={counts.get(c, 0)})" for c in columns], rotation=30, ha="right")
     ax.set_ylabel("speedup over AR (×)")
     ax.set_title(title_of(table.settings, len(table.questions)) + f"; bars: 95% intervals where n >= {MIN_INTERVAL_N}")
-    _legend_below(ax, ncols=4)
-    return _save(fig, out, "speedup_by_dataset")
+    legend_below(ax, ncols=4)
+    return save_figure(fig, out, "speedup_by_dataset")
 
 
 def size_sweep(table: Table, cells, style, out) -> list[Path]:
@@ -253,12 +253,12 @@ def size_sweep(table: Table, cells, style, out) -> list[Path]:
             ax.set_xticks(sorted(sizes))
         else:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    _legend_below(ax_tau, ncols=2)
+    legend_below(ax_tau, ncols=2)
     fig.suptitle(
         title_of(table.settings, len(table.questions)) + f"; bars: 95% intervals where n >= {MIN_INTERVAL_N}",
         fontsize=8,
     )
-    return _save(fig, out, "size_sweep")
+    return save_figure(fig, out, "size_sweep")
 
 
 def acceptance_by_position(table: Table, cells, style, out) -> list[Path]:
@@ -296,8 +296,8 @@ def acceptance_by_position(table: Table, cells, style, out) -> list[Path]:
     ax_n.set_ylabel("times tested")
     ax_n.set_xlabel("draft position (depth)")
     ax_n.xaxis.set_major_locator(MaxNLocator(integer=True))
-    _legend_below(ax, ncols=2)
-    return _save(fig, out, "acceptance_by_position")
+    legend_below(ax, ncols=2)
+    return save_figure(fig, out, "acceptance_by_position")
 
 
 def ttft_vs_prompt_length(table: Table, style, out) -> list[Path]:
@@ -330,8 +330,8 @@ def ttft_vs_prompt_length(table: Table, style, out) -> list[Path]:
     _plain_log_axis(ax.xaxis)
     _plain_log_axis(ax.yaxis)
     ax.set_title(title_of(table.settings, len(table.questions)))
-    _legend_below(ax, ncols=3)
-    return _save(fig, out, "ttft_vs_prompt_length")
+    legend_below(ax, ncols=3)
+    return save_figure(fig, out, "ttft_vs_prompt_length")
 
 
 def _turn_ttfts(records) -> list[tuple[int, float]]:
@@ -381,8 +381,8 @@ def speedup_vs_tau(table: Table, cells, style, out) -> list[Path]:
     ax.set_xlim(min(0.9, min(cell["tau"] for _, cell in points) - 0.1), top)
     ax.set_ylim(bottom, top)
     ax.set_title(title_of(table.settings, len(table.questions)) + f"\nbars: 95% intervals where n >= {MIN_INTERVAL_N}")
-    _legend_below(ax, ncols=2)
-    return _save(fig, out, "speedup_vs_tau")
+    legend_below(ax, ncols=2)
+    return save_figure(fig, out, "speedup_vs_tau")
 
 
 AR_STYLE = {"color": method_colour("ar"), "marker": "o", "linestyle": "-"}
@@ -397,7 +397,7 @@ def _axis_ticks(ax, values) -> None:
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
-def _busy_rings(ax, points: list[tuple[float, float]]) -> None:
+def busy_rings(ax, points: list[tuple[float, float]]) -> None:
     if points:
         ax.scatter([x for x, _ in points], [y for _, y in points], s=60, facecolors="none", edgecolors=BUSY_COLOUR,
                    linewidths=0.8, label="measured partly on a busy machine", zorder=3)
@@ -418,7 +418,7 @@ def curve(curves: Curves, metric: str, style, out) -> list[Path]:
         ax.plot(xs, ys, markersize=3, linewidth=1.1, label=names[label], **look)
         values.update(xs)
         busy += [(x, y) for x, y, p in zip(xs, ys, points) if p.busy]
-    _busy_rings(ax, busy)
+    busy_rings(ax, busy)
     _axis_ticks(ax, values)
     if metric == "speedup":
         ax.axhline(1.0, color="black", linewidth=0.6, linestyle="--")
@@ -428,8 +428,8 @@ def curve(curves: Curves, metric: str, style, out) -> list[Path]:
         ax.set_ylim(bottom=0)
     ax.set_xlabel(AXIS_LABELS[curves.axis])
     ax.set_title(title_of(curves.title_settings, curves.n) + "\nAR at the same batch size, same questions")
-    _legend_below(ax, ncols=2)
-    return _save(fig, out, f"{metric}_vs_{along}")
+    legend_below(ax, ncols=2)
+    return save_figure(fig, out, f"{metric}_vs_{along}")
 
 
 def best_draft_length(curves: Curves, out) -> list[Path]:
@@ -459,8 +459,8 @@ def best_draft_length(curves: Curves, out) -> list[Path]:
     ax.set_xlabel(AXIS_LABELS["batch_size"])
     ax.set_ylabel("best draft length (highest tok/s)")
     ax.set_title(title_of(curves.title_settings, curves.n) + "\nlabels: its throughput speedup over AR")
-    _legend_below(ax)  # a method with its other settings: long names
-    return _save(fig, out, "best_draft_length")
+    legend_below(ax)  # a method with its other settings: long names
+    return save_figure(fig, out, "best_draft_length")
 
 
 def figures(paths, out: Path, select: str | None = None, tables_of=None) -> list[Path]:
