@@ -15,6 +15,7 @@ from methods.engine.stopping import StopCondition
 from methods.engine.tree import Tree
 from methods.requests import Request, Requests, poisson_arrivals
 from tests.test_batched import every_batchable, sampled_batchable, target  # noqa: F401 (fixtures)
+from tests.test_harness import questions_file, tiny_model_dir  # noqa: F401 (fixtures)
 
 LENGTHS, LIMITS = [3, 30, 11, 19, 7, 24], [24, 9, 30, 17, 5, 20]
 
@@ -131,3 +132,29 @@ def test_load_aware_speculation_drafts_nothing_above_its_batch_size(every_batcha
         assert [out.tokens for out in outs] == alone, f"speculate_up_to={limit}"
         if limit == 0:
             assert sum(out.stats.drafted_tokens for out in outs) == 0
+
+
+def test_serve_bench_measures_each_point_once_and_resumes(tiny_model_dir, questions_file, tmp_path):  # noqa: F811
+    """`python -m harness.serve` on a tiny model: AR and PLD at concurrency 1 and 2, per request TTFT, TPOT,
+    latency and tokens; each request's tokens the same at every load and for AR and PLD (greedy, lossless);
+    a rerun measures nothing again; the report writes its table and figures."""
+    from harness.reporting.serving import find_serve_runs
+    from harness.reporting.serving import main as report
+    from harness.running.serve import serve
+    from tests.test_harness import config, tiny_overrides
+
+    overrides = tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=pld", "serve.concurrency=[1,2]",
+                               "serve.requests=4")
+    points = serve(config(*overrides))
+    assert sorted((p["decoder"], p["load"]["concurrency"]) for p in points) == [("ar", 1), ("ar", 2), ("pld", 1),
+                                                                                ("pld", 2)]
+    tokens = {(p["decoder"], p["load"]["concurrency"]): [r["output_ids"] for r in p["requests"]] for p in points}
+    assert len({str(t) for t in tokens.values()}) == 1
+    for point in points:
+        assert len(point["requests"]) == 4 and point["output_tokens_per_second"] > 0
+        assert point["ttft"]["p50"] <= point["latency"]["p50"] and point["tpot"]["p50"] > 0
+    assert serve(config(*overrides)) and len(find_serve_runs([tmp_path])) == 1  # resumed: nothing measured again
+    run = find_serve_runs([tmp_path])[0]
+    assert len((run / "points.jsonl").read_text().splitlines()) == 4
+    assert report([str(tmp_path), "--out", str(tmp_path / "report"), "--plots", str(tmp_path / "plots")]) == 0
+    assert list((tmp_path / "plots").rglob("throughput_vs_concurrency.png"))
