@@ -42,7 +42,19 @@ def test_every_batchable_method_serves_each_request_its_tokens_alone(every_batch
     assert [out.tokens for out in outs] == alone, "open loop"
 
 
-@pytest.mark.parametrize("method", sampled_batchable())
+# methods whose drafts depend on the answers finished before a request joined (upstream's state that persists
+# across requests): greedy tokens equal alone (above), seeded samples need not
+PERSISTS = {"recycling": "Token Recycling's adjacency matrix persists across requests (upstream's): a request's "
+                         "drafts, hence its draws, depend on the answers finished before it joined"}
+
+
+def served_sampled() -> list:
+    return [pytest.param(m.values[0], marks=pytest.mark.skip(reason=PERSISTS[m.values[0]]))
+            if not m.marks and m.values[0] in PERSISTS else m
+            for m in map(lambda p: p if hasattr(p, "values") else pytest.param(p), sampled_batchable())]
+
+
+@pytest.mark.parametrize("method", served_sampled())
 def test_every_batchable_method_serves_each_request_its_seeded_samples(every_batchable, method):  # noqa: F811
     """Seeded sampling at concurrency 3: each request draws from its own generator what it draws alone."""
     make = every_batchable[method]
