@@ -35,7 +35,7 @@ from harness.running.prompts import Message
 from harness.running.results import RunFolder, settings_hash, write_json
 from harness.running.run import BASELINE, Benchmark, run_settings
 from harness.running.validate import validate
-from methods.models.loading import dtype_name
+from methods.engine.native import dtype_name
 from methods.requests import Request, Requests, poisson_arrivals
 
 log = logging.getLogger("harness")
@@ -125,6 +125,9 @@ def serve(cfg: DictConfig) -> list[dict]:
     if not todo:
         return list(done.values())
     bench.load()
+    if cfg.warmup:
+        log.info("warming up: %d untimed generation(s) per decoder", cfg.warmup)
+        bench.warm_up(questions[0])
     folder.path.mkdir(parents=True, exist_ok=True)
     write_json(folder.path / "environment.json", {**env, "dtype": precision, "engine": bench.engine_record(),
                                                   **key})
