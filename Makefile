@@ -11,7 +11,7 @@ MAX_NEW_TOKENS ?= 256
 TEMPERATURE ?= 0
 ARGS ?=
 
-.PHONY: setup prerequisites bench serve-bench sweep batch-sweep report figures headline docs perf perf-batch perf-gpu perf-contention perf-lazyllm train-drafts test
+.PHONY: setup prerequisites bench serve-bench serve-sweep sweep batch-sweep report figures headline docs perf perf-batch perf-gpu perf-contention perf-lazyllm train-drafts test
 
 setup: $(VENV)/.installed
 
@@ -152,10 +152,28 @@ perf-gpu: setup
 perf-contention: setup
 	$(PY) -m harness.perf.contention $(ARGS)
 
-# Speculation under load (harness/running/serve.py): continuous batching, AR and METHOD at each concurrency of
-# conf/config.yaml's serve.concurrency (or an open loop: ARGS="serve.rate=2"), per-request TTFT, TPOT, latency.
+# Speculation under load (harness/running/serve.py, docs/serving.md): continuous batching, AR and METHOD at
+# each concurrency of conf/config.yaml's serve.concurrency (or an open loop: ARGS="serve.rate=2"),
+# per-request TTFT, TPOT, latency; then the tables and figures of every serving run under SERVE_DIR
+# (results/report/serving/, plots/serving/; SERVE_REPORT="--out DIR --plots DIR" elsewhere).
+SERVE_DIR ?= results
+SERVE_REPORT ?=
 serve-bench: setup
-	$(PY) -m harness.serve method=$(METHOD) model=$(MODEL) dataset=$(DATASET) $(ARGS)
+	$(PY) -m harness.serve method=$(METHOD) model=$(MODEL) dataset=$(DATASET) results_dir=$(SERVE_DIR) $(ARGS)
+	$(PY) -m harness.reporting.serving $(SERVE_DIR) $(SERVE_REPORT)
+
+# Every lossless method of the headline (conf/headline/$(HEADLINE).yaml: its methods and settings, its
+# questions and new tokens, one request per question) under load, one method after another, each beside AR;
+# then the tables and figures. The committed set: SERVE_DIR=results/reference/serve
+# SERVE_REPORT="--out results/reference/serve/report --plots plots/reference/serving".
+SERVE_METHODS ?= $(filter-out lazyllm,$(BATCH_METHODS))
+serve_setting = $(shell $(call headline_config,'dataset=%s limit=%s max_new_tokens=%s serve.requests=%s' \
+	% (c['dataset'], c['limit'], c['max_new_tokens'], c['limit'])))
+serve-sweep: setup
+	status=0; $(foreach m,$(SERVE_METHODS),\
+	$(PY) -m harness.serve method=$(firstword $(subst @, ,$(m))) $(call batch_settings,$(m)) $(serve_setting) \
+		results_dir=$(SERVE_DIR) $(ARGS) || status=1;) \
+	$(PY) -m harness.reporting.serving $(SERVE_DIR) $(SERVE_REPORT) || status=1; exit $$status
 
 test: setup
 	$(PY) -m ruff check . && $(PY) -m pytest -q tests

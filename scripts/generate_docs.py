@@ -32,7 +32,9 @@ from omegaconf import OmegaConf  # noqa: E402
 from harness.perf.peers import COLUMNS as PEER_COLUMNS  # noqa: E402
 from harness.reporting.breakdown import breakdown_rows  # noqa: E402
 from harness.reporting.curves import find_curves  # noqa: E402
+from harness.reporting.serving import find_serve_runs, read_points, read_settings, summary_table  # noqa: E402
 from harness.reporting.tables import build_tables, find_runs  # noqa: E402
+from harness.running.environment import hardware_name  # noqa: E402
 from harness.running.results import read_answers  # noqa: E402
 from harness.stats import decoder_stats  # noqa: E402
 from harness.stats.text import format_summary  # noqa: E402
@@ -46,8 +48,10 @@ BLOCK = re.compile(r"(?P<open><!-- generated: (?P<name>[\w-]+)[^>]*-->\n)(?P<bod
                    r"(?P=name) -->)", re.S)
 PERF = REFERENCE / "perf"  # `make perf`'s draft split and `make perf-batch`'s files, committed from a quiet run
 BATCH = REFERENCE / "batch"  # a `make sweep` of batch sizes (docs/batching.md), not a headline run set
+SERVE = REFERENCE / "serve"  # `make serve-sweep`'s runs (docs/serving.md)
+SERVE_PLOTS = REPO / "plots" / "reference" / "serving" / "summary"
 DOCUMENTS = (REPO / "README.md", REPO / "docs" / "headline.md", REPO / "docs" / "performance.md",
-             REPO / "docs" / "batching.md")
+             REPO / "docs" / "batching.md", REPO / "docs" / "serving.md")
 
 
 # ------------------------------------------------------------------------------------------
@@ -517,11 +521,40 @@ def block_batchable(_sets) -> str:
                       f"{method_settings(m)().batch_problem()}.\n" for m in no))
 
 
+def block_serving(_sets) -> str:
+    """docs/serving.md: the committed serving runs (results/reference/serve/): each method's throughput and
+    TPOT p50 beside AR's at each load, and the figures across them (`make serve-sweep`'s report)."""
+    runs = find_serve_runs([SERVE]) if SERVE.is_dir() else []
+    if not runs:
+        return NOTHING.format("serve/")
+    envs = [json.loads((run / "environment.json").read_text()) for run in runs]
+    settings = read_settings(runs[0])
+    points = read_points(runs[0])
+    commits = ", ".join(sorted({env.get("git", {}).get("commit", "")[:7] for env in envs} - {""})) or "unrecorded"
+    dirty = " (uncommitted changes)" if any(env.get("git", {}).get("dirty") for env in envs) else ""
+    loads = sorted({p["load"]["concurrency"] for p in points if p["load"]["loop"] == "closed"})
+    lines = [f"**{hardware_name(envs[0])}, {envs[0].get('cpu_count', '?')} cores, {settings['dtype']}**, "
+             f"commit {commits}{dirty}; {settings['model']['name']}, {len(settings['questions'])} "
+             f"{settings['dataset']['name']} questions, {settings['serve']['requests']} requests per point, "
+             f"{settings['max_new_tokens']} new tokens at most, greedy; closed loops at c = "
+             f"{', '.join(map(str, loads))}; each method beside the AR point measured next to it.", "",
+             summary_table(runs)]
+    for name, what in (("speedup_vs_concurrency", "output tokens/s over AR's against concurrency"),
+                       ("throughput_vs_tpot", "output tokens/s against TPOT p50")):
+        figure = SERVE_PLOTS / f"{name}.png"
+        if not figure.is_file():
+            raise SystemExit(f"{figure}: missing (make serve-sweep's report: python -m harness.reporting.serving "
+                             "results/reference/serve --out results/reference/serve/report "
+                             "--plots plots/reference/serving)")
+        lines += [f"![{what}](../{figure.relative_to(REPO)})", ""]
+    return "\n".join(lines)
+
+
 BLOCKS = {"figure": block_figure, "batchable": block_batchable, "reference": block_reference, "latest": block_latest,
           "run-sets": block_run_sets,
           "quickstart": block_quickstart, "models": block_models, "methods": block_methods,
           "draft-split": block_draft_split, "engine": block_engine, "mixed-lengths": block_mixed_lengths,
-          "batch-curve": block_batch_curve}
+          "batch-curve": block_batch_curve, "serving": block_serving}
 
 
 def fill(text: str, blocks: dict[str, str], where: Path) -> str:

@@ -170,3 +170,39 @@ def test_serve_bench_measures_each_point_once_and_resumes(tiny_model_dir, questi
     assert len((run / "points.jsonl").read_text().splitlines()) == 4
     assert report([str(tmp_path), "--out", str(tmp_path / "report"), "--plots", str(tmp_path / "plots")]) == 0
     assert list((tmp_path / "plots").rglob("throughput_vs_concurrency.png"))
+
+
+def test_serve_bench_resumes_after_a_crash_and_reports_each_policy(  # noqa: F811
+        tiny_model_dir, questions_file, tmp_path, monkeypatch):  # noqa: F811
+    """A run that dies in its third point keeps the two it finished: the rerun measures only the other two. A
+    second run of the same method with load-aware speculation is its own folder, and the summary table names
+    each run's policy beside AR at each load."""
+    import harness.running.serve as serving_run
+    from harness.reporting.serving import find_serve_runs, summary_table
+    from tests.test_harness import config, tiny_overrides
+
+    overrides = tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=pld", "serve.concurrency=[1,2]",
+                               "serve.requests=3")
+    measure, measured = serving_run.measure_point, []
+
+    def dies_third(bench, name, requests, questions):
+        if len(measured) == 2:
+            raise KeyboardInterrupt
+        measured.append((name, requests.concurrency))
+        return measure(bench, name, requests, questions)
+
+    monkeypatch.setattr(serving_run, "measure_point", dies_third)
+    with pytest.raises(KeyboardInterrupt):
+        serving_run.serve(config(*overrides))
+    first = list(measured)
+    monkeypatch.setattr(serving_run, "measure_point", measure)
+    points = serving_run.serve(config(*overrides))
+    assert len(points) == 4 and {(p["decoder"], p["load"]["concurrency"]) for p in points[:2]} == set(first)
+    run = find_serve_runs([tmp_path])[0]
+    assert len((run / "points.jsonl").read_text().splitlines()) == 4  # the first two were not measured again
+    serving_run.serve(config(*overrides, "serve.speculate_up_to=1"))
+    runs = find_serve_runs([tmp_path])
+    assert len(runs) == 2
+    text = summary_table(runs)
+    assert "| pld | " in text and "| pld (drafts nothing above 1 running sequences) | " in text
+    assert "| method | c = 1 | c = 2 |" in text and text.count("×**") == 4

@@ -7,13 +7,17 @@ load, on the same requests. Per run, a table (`serving.md` in `--out/<run>/`): p
 output tokens/s and AR's, their ratio, TTFT p50, TPOT p50 and p90 (ms) of each, τ, and whether the
 point ran on a busy machine; and figures (`--plots/<run>/`): throughput against concurrency and TPOT
 (p50, p90) against concurrency, the method's lines beside AR's, and throughput against TPOT p50 (the
-throughput-latency trade, one point per load). A point measured busy is marked.
+throughput-latency trade, one point per load). A point measured busy is marked. Across the runs: one
+table of every method's throughput over AR's at each load and of their TPOT p50 (`summary.md`), and two
+figures with a line per method (`--plots/summary/`): throughput over AR's against concurrency, and
+throughput against TPOT p50 (the throughput-latency Pareto, AR's line beside).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -24,6 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from harness.reporting.figures import (  # noqa: E402
     AR_STYLE,
     COLUMN_WIDTH,
+    MARKERS,
     busy_rings,
     legend_below,
     method_colour,
@@ -128,6 +133,108 @@ def figures(points: list[dict], out: Path) -> list[Path]:
     return written
 
 
+def read_settings(run: Path) -> dict:
+    path = run / "settings.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def run_labels(runs: list[Path]) -> dict[Path, str]:
+    """Each run's method, with the method settings that tell it apart from another run of the same method
+    (`sam` and `sam auxiliary=eagle2`)."""
+    methods = {run: read_settings(run).get("method", {}) for run in runs}
+    labels = {}
+    for run, config in methods.items():
+        name = config.get("name") or next(p["decoder"] for p in read_points(run) if p["decoder"] != BASELINE)
+        others = [c for r, c in methods.items() if r != run and c.get("name") == name]
+        differ = sorted(k for k, v in config.items() if any(o.get(k) != v for o in others) and k != "name")
+        labels[run] = " ".join([name] + [f"{k}={config[k]}" for k in differ if config[k] is not None])
+    return labels
+
+
+def policy(points: list[dict]) -> str:
+    limits = {p.get("speculate_up_to") for p in points if p["decoder"] != BASELINE}
+    if limits == {None}:
+        return "always speculates"
+    return "drafts nothing above " + "/".join(str(n) for n in sorted(limits - {None})) + " running sequences"
+
+
+def summary_table(runs: list[Path]) -> str:
+    """Every run's method beside AR at each load: output tokens/s over AR's (both tokens/s), and TPOT p50
+    (method / AR, ms); a busy point is starred."""
+    labels = run_labels(runs)
+    loads = {}
+    rows = []
+    for run in sorted(runs, key=lambda r: labels[r]):
+        points = read_points(run)
+        cells = {}
+        for load, mine, ar in paired(points):
+            if mine is None or ar is None:
+                continue
+            key = json.dumps(load, sort_keys=True)
+            loads.setdefault(key, load)
+            busy = " *" if mine["busy"] or ar["busy"] else ""
+            cells[key] = (f"**{mine['output_tokens_per_second'] / ar['output_tokens_per_second']:.2f}×** "
+                          f"({mine['output_tokens_per_second']:.0f} / {ar['output_tokens_per_second']:.0f}){busy}",
+                          f"{ms(mine, 'tpot', 'p50')} / {ms(ar, 'tpot', 'p50')}{busy}")
+        rows.append((labels[run], policy(points), cells))
+    order = sorted(loads, key=lambda k: (loads[k]["loop"], loads[k]["concurrency"], loads[k].get("rate", 0)))
+    head = "| method | " + " | ".join(load_name(loads[k]) for k in order) + " |\n|---|" + "---|" * len(order) + "\n"
+    parts = []
+    for index, what in ((0, "Output tokens/s over AR's (method / AR tokens/s)"), (1, "TPOT p50, ms (method / AR)")):
+        body = "".join(f"| {label}{'' if rule == 'always speculates' else f' ({rule})'} | "
+                       + " | ".join(cells[k][index] if k in cells else "–" for k in order) + " |\n"
+                       for label, rule, cells in rows)
+        parts.append(f"{what}:\n\n{head}{body}")
+    return "\n".join(parts) + "\n\\* measured partly on a busy machine.\n"
+
+
+def summary_figures(runs: list[Path], out: Path) -> list[Path]:
+    """A line per method: throughput over AR's against concurrency, and throughput against TPOT p50 with
+    AR's line (AR's points pooled over the runs: the median at each load)."""
+    labels = run_labels(runs)
+    written = []
+    for name in ("speedup_vs_concurrency", "throughput_vs_tpot"):
+        fig, ax = plt.subplots(layout="constrained", figsize=(COLUMN_WIDTH, 3.0))
+        busy, ar_points = [], {}
+        for i, run in enumerate(sorted(runs, key=lambda r: labels[r])):
+            closed = [(load, mine, ar) for load, mine, ar in paired(read_points(run))
+                      if load["loop"] == "closed" and mine and ar]
+            if not closed:
+                continue
+            look = {"color": method_colour(labels[run].split()[0]), "marker": MARKERS[i % len(MARKERS)],
+                    "markersize": 3, "linewidth": 0.8}
+            for load, _, ar in closed:
+                ar_points.setdefault(load["concurrency"], []).append(ar)
+            if name == "speedup_vs_concurrency":
+                xy = [(load["concurrency"], mine["output_tokens_per_second"] / ar["output_tokens_per_second"])
+                      for load, mine, ar in closed]
+            else:
+                xy = [(1000 * mine["tpot"]["p50"], mine["output_tokens_per_second"]) for _, mine, _ in closed]
+            ax.plot([x for x, _ in xy], [y for _, y in xy], label=labels[run], **look)
+            busy += [point for point, (_, mine, ar) in zip(xy, closed) if mine["busy"] or ar["busy"]]
+        if name == "speedup_vs_concurrency":
+            xs = sorted(ar_points)
+            ax.axhline(1.0, color="black", linewidth=0.6, linestyle=":")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.set_xlabel("concurrency (requests decoding at once)")
+            ax.set_ylabel("output tokens/s over AR's")
+        else:
+            pooled = [(statistics.median(1000 * p["tpot"]["p50"] for p in ar_points[c]),
+                       statistics.median(p["output_tokens_per_second"] for p in ar_points[c]))
+                      for c in sorted(ar_points)]
+            ax.plot([x for x, _ in pooled], [y for _, y in pooled], label="AR (median over the runs)",
+                    **{**AR_STYLE, "linewidth": 1.2})
+            for (x, y), c in zip(pooled, sorted(ar_points)):
+                ax.annotate(f"c={c}", (x, y), fontsize=5, textcoords="offset points", xytext=(2, -6))
+            ax.set_xlabel("TPOT p50 (ms)")
+            ax.set_ylabel("output tokens/s")
+        busy_rings(ax, busy)
+        legend_below(ax, ncols=3)
+        written += save_figure(fig, out, name)
+    return written
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="*", default=["results"])
@@ -145,6 +252,9 @@ def main(argv=None) -> int:
         (args.out / name / "serving.md").write_text(table(points))
         figures(points, args.plots / name)
         print(f"{run}: {args.out / name / 'serving.md'}, {args.plots / name}/")
+    (args.out / "summary.md").write_text(summary_table(runs))
+    summary_figures(runs, args.plots / "summary")
+    print(f"all {len(runs)} runs: {args.out / 'summary.md'}, {args.plots / 'summary'}/")
     return 0
 
 
