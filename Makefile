@@ -11,7 +11,7 @@ MAX_NEW_TOKENS ?= 256
 TEMPERATURE ?= 0
 ARGS ?=
 
-.PHONY: setup prerequisites bench serve-bench serve-sweep sweep batch-sweep report figures headline docs perf perf-batch perf-gpu perf-contention perf-lazyllm train-drafts test
+.PHONY: setup prerequisites bench serve-bench serve-peer serve-sweep sweep batch-sweep report figures headline docs perf perf-batch perf-gpu perf-contention perf-lazyllm train-drafts test
 
 setup: $(VENV)/.installed
 
@@ -160,6 +160,12 @@ SERVE_DIR ?= results
 SERVE_REPORT ?=
 serve-bench: setup
 	$(PY) -m harness.serve method=$(METHOD) model=$(MODEL) dataset=$(DATASET) results_dir=$(SERVE_DIR) $(ARGS)
+	$(PY) -m harness.reporting.serving $(SERVE_DIR) $(SERVE_REPORT)
+
+# llama.cpp's server (parallel slots, continuous batching) under the same loads and requests as serve-bench:
+# its AR and its n-gram speculation, fp32 (harness/running/serve_peer.py; builds llama.cpp once, needs cmake)
+serve-peer: setup
+	$(PY) -m harness.serve serve.peer=llama.cpp model=$(MODEL) dataset=$(DATASET) results_dir=$(SERVE_DIR) $(ARGS)
 	$(PY) -m harness.reporting.serving $(SERVE_DIR) $(SERVE_REPORT)
 
 # Every lossless method of the headline (conf/headline/$(HEADLINE).yaml: its methods and settings, its

@@ -281,15 +281,15 @@ def capture_figures(runs, tmp_path) -> dict:
     """name -> the matplotlib figure of each figure written (the last table's, by name)."""
     from harness.reporting import figures as module
 
-    drawn, save = {}, module._save
+    drawn, save = {}, module.save_figure
     def keep(fig, out, name):
         drawn[name] = fig
         return save(fig, out, name)
-    original, module._save = module._save, keep
+    original, module.save_figure = module.save_figure, keep
     try:
         figures(runs, tmp_path / "plots")
     finally:
-        module._save = original
+        module.save_figure = original
     return drawn
 
 

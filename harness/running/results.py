@@ -131,11 +131,13 @@ class RunFolder:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def check(self, hardware_key: dict, resume: bool) -> None:
+    def check(self, hardware_key: dict, resume: bool, measured: list[Path] | None = None) -> None:
         """Raises FolderMismatch when resuming would mix answers measured with another `hardware_key`
-        (hardware, software, decoding code) into this folder."""
+        (hardware, software, decoding code) into this folder. `measured`: the files that hold its
+        measurements (default: its decoders' answers files)."""
         env_file = self.path / "environment.json"
-        if env_file.is_file() and resume and any(self.answers(d).is_file() for d in self.decoders):
+        measured = [self.answers(d) for d in self.decoders] if measured is None else measured
+        if env_file.is_file() and resume and any(path.is_file() for path in measured):
             previous = json.loads(env_file.read_text())
             differ = [f"{k} {previous.get(k)!r} there, {v!r} here" for k, v in hardware_key.items()
                       if previous.get(k) != v]

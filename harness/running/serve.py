@@ -85,10 +85,22 @@ def measure_point(bench: Benchmark, name: str, requests: Requests, questions) ->
     rows = []
     for i, (request, out) in enumerate(zip(requests.requests, outputs)):
         stats = out.stats
-        tpot = (stats.total_time - stats.ttft) / (stats.new_tokens - 1) if stats.new_tokens > 1 else None
-        rows.append({"request": i, "question_id": questions[i % len(questions)].question_id,
-                     "arrival": request.arrival, "ttft": stats.ttft, "tpot": tpot, "latency": stats.total_time,
-                     "new_tokens": stats.new_tokens, "tau": stats.tau, "output_ids": out.tokens})
+        rows.append(request_row(i, questions[i % len(questions)].question_id, request.arrival, stats.ttft,
+                                stats.total_time, out.tokens, stats.tau))
+    return point_record(name, rows, wall, machine)
+
+
+def request_row(index: int, question_id, arrival: float, ttft: float, latency: float, tokens: list[int],
+                tau: float) -> dict:
+    """One request's record: TTFT and end-to-end latency from its arrival, TPOT after its first token."""
+    tpot = (latency - ttft) / (len(tokens) - 1) if len(tokens) > 1 else None
+    return {"request": index, "question_id": question_id, "arrival": arrival, "ttft": ttft, "tpot": tpot,
+            "latency": latency, "new_tokens": len(tokens), "tau": tau, "output_ids": tokens}
+
+
+def point_record(name: str, rows: list[dict], wall: float, machine: dict) -> dict:
+    """A point: the decoder's output tokens/s over the point's wall time, the percentiles of its requests'
+    latencies, their mean τ, the machine's load, and every request's record."""
     tokens = sum(row["new_tokens"] for row in rows)
     return {
         "decoder": name, "wall_time": wall, "output_tokens_per_second": tokens / wall, "new_tokens": tokens,
@@ -106,44 +118,56 @@ def serve(cfg: DictConfig) -> list[dict]:
     bench = Benchmark(cfg)
     bench.choose_dtype()
     questions = load_questions(cfg.dataset, cfg.limit)
-    env = environment(bench.device)
     precision = dtype_name(bench.dtype)
     settings = {**run_settings(cfg, bench, questions, precision),
                 "serve": OmegaConf.to_container(cfg.serve, resolve=True)}
-    root = f"{cfg.results_dir}/{cfg.model.name}/{cfg.dataset.name}/serve/{cfg.method.name}"
-    folder = RunFolder(f"{root}/{hardware_slug(env)}-{precision}-{settings_hash(settings)}", bench.names)
+
+    def prepare() -> dict:
+        bench.load()
+        if cfg.warmup:
+            log.info("warming up: %d untimed generation(s) per decoder", cfg.warmup)
+            bench.warm_up(questions[0])
+        return {"engine": bench.engine_record()}
+
+    def measure(name: str, load: dict) -> dict:
+        limit = cfg.serve.speculate_up_to if name != BASELINE else None
+        requests = build_requests(bench, questions, load, int(cfg.serve.requests), int(cfg.seed), limit)
+        return {"speculate_up_to": requests.speculate_up_to, **measure_point(bench, name, requests, questions)}
+
+    return measure_points(cfg, cfg.method.name, bench.names, settings, environment(bench.device), prepare, measure)
+
+
+def measure_points(cfg: DictConfig, method: str, names: list[str], settings: dict, env: dict, prepare, measure
+                   ) -> list[dict]:
+    """The points of a serving run (`names` at each load) not yet in its folder, `measure(name, load)`d and
+    appended one by one, after `prepare()` (what it returns joins environment.json); returns them all.
+    The folder: `<results_dir>/<model>/<dataset>/serve/<method>/<hardware>-<dtype>-<settings hash>`."""
+    root = f"{cfg.results_dir}/{cfg.model.name}/{cfg.dataset.name}/serve/{method}"
+    folder = RunFolder(f"{root}/{hardware_slug(env)}-{settings['dtype']}-{settings_hash(settings)}", names)
     points_file = folder.path / "points.jsonl"
     key = hardware_key(env)
-    folder.check(key, resume=bool(cfg.resume))
+    folder.check(key, resume=bool(cfg.resume), measured=[points_file])
     done = {}
     if cfg.resume and points_file.is_file():
         for line in points_file.read_text().splitlines():
             point = json.loads(line)
             done[point_key(point["decoder"], point["load"])] = point
-    todo = [(load, name) for load in loads(cfg) for name in bench.names if point_key(name, load) not in done]
+    todo = [(load, name) for load in loads(cfg) for name in names if point_key(name, load) not in done]
     log.info("results in %s: %d points, %d already measured", folder.path, len(done) + len(todo), len(done))
     if not todo:
         return list(done.values())
-    bench.load()
-    if cfg.warmup:
-        log.info("warming up: %d untimed generation(s) per decoder", cfg.warmup)
-        bench.warm_up(questions[0])
+    record = prepare()
     folder.path.mkdir(parents=True, exist_ok=True)
-    write_json(folder.path / "environment.json", {**env, "dtype": precision, "engine": bench.engine_record(),
-                                                  **key})
+    write_json(folder.path / "environment.json", {**env, "dtype": settings["dtype"], **record, **key})
     write_json(folder.path / "settings.json", settings)
     if not cfg.resume:
         points_file.unlink(missing_ok=True)
-    count = int(cfg.serve.requests)
     for index, load in enumerate(loads(cfg)):
-        names = [n for n in bench.names if point_key(n, load) not in done]
+        order = [n for n in names if point_key(n, load) not in done]
         if index % 2:
-            names.reverse()  # AR first at even loads, the method first at odd ones
-        for name in names:
-            limit = cfg.serve.speculate_up_to if name != BASELINE else None
-            requests = build_requests(bench, questions, load, count, int(cfg.seed), limit)
-            point = {"load": load, "speculate_up_to": requests.speculate_up_to,
-                     **measure_point(bench, name, requests, questions)}
+            order.reverse()  # AR first at even loads, the method first at odd ones
+        for name in order:
+            point = {"load": load, **measure(name, load)}
             with open(points_file, "a") as f:
                 f.write(json.dumps(point) + "\n")
             done[point_key(name, load)] = point

@@ -64,6 +64,7 @@ SCHEMA: dict[str, Check] = {
     "serve.rate": null() | number(0, low_open=True),
     "serve.requests": integer(1),
     "serve.speculate_up_to": null() | integer(0),
+    "serve.peer": null() | one_of("llama.cpp"),
 }
 
 

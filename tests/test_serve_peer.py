@@ -1,0 +1,83 @@
+"""The llama.cpp serving peer's client (harness/running/serve_peer.py) against a server that speaks
+llama-server's streamed `/completion` (server-task.cpp: `data: {json}` events with `tokens`, `stop` and,
+last, `timings` with `draft_n_accepted`); and, where the suite's build of llama-server is in the cache,
+the real server decoding the embedded model."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+
+from harness.running.serve_peer import complete, serve_load
+from methods.engine.stopping import StopCondition
+from methods.requests import Request, Requests
+
+STEP = 0.02  # seconds per streamed event
+
+
+class FakeLlamaServer(BaseHTTPRequestHandler):
+    """Streams each prompt's tokens reversed, two per event (a draft accepted per step), and counts how many
+    completions run at once."""
+
+    running = 0
+    most = 0
+    lock = threading.Lock()
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["stream"] and body["return_tokens"] and body["temperature"] == 0
+        with self.lock:
+            type(self).running += 1
+            type(self).most = max(type(self).most, type(self).running)
+        tokens = list(reversed(body["prompt"]))[:body["n_predict"]]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for i in range(0, len(tokens), 2):
+            time.sleep(STEP)
+            self.wfile.write(f"data: {json.dumps({'tokens': tokens[i:i + 2], 'stop': False})}\n\n".encode())
+            self.wfile.flush()
+        with self.lock:
+            type(self).running -= 1
+        last = {"tokens": [], "stop": True, "timings": {"draft_n": len(tokens), "draft_n_accepted": len(tokens) // 2}}
+        self.wfile.write(f"data: {json.dumps(last)}\n\n".encode())
+
+    def log_message(self, *_):
+        pass
+
+
+@pytest.fixture
+def fake_server():
+    FakeLlamaServer.running = FakeLlamaServer.most = 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeLlamaServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+
+
+def test_a_streamed_completion_has_its_tokens_first_token_time_and_accepted_drafts(fake_server):
+    began = time.perf_counter()
+    out = complete(fake_server, [5, 6, 7, 8, 9, 10], 4, began)
+    assert out["tokens"] == [10, 9, 8, 7] and out["accepted"] == 2
+    assert STEP * 0.9 <= out["ttft"] < out["latency"] and out["latency"] >= 2 * STEP * 0.9
+
+
+def test_the_load_keeps_at_most_its_concurrency_in_flight_and_counts_the_wait_in_ttft(fake_server):
+    """Six requests at concurrency 2 (a closed loop): never more than two at the server; the last to get a
+    slot waited for two others to finish, and its TTFT (from its arrival) says so; τ from the accepted drafts."""
+    prompts = [[i, i + 1, i + 2, i + 3] for i in range(0, 60, 10)]
+    requests = Requests([Request(p, StopCondition(max_new_tokens=4)) for p in prompts], 2)
+    questions = [SimpleNamespace(question_id=q) for q in range(3)]
+    rows, wall = serve_load(fake_server, requests, questions)
+    assert FakeLlamaServer.most == 2
+    assert [row["output_ids"] for row in rows] == [list(reversed(p)) for p in prompts]
+    assert [row["question_id"] for row in rows] == [0, 1, 2, 0, 1, 2]
+    assert all(row["tau"] == 2.0 and row["ttft"] < row["latency"] <= wall for row in rows)
+    assert max(row["ttft"] for row in rows) >= 2 * (2 * STEP) * 0.9  # waited for two completions of two events
+    assert wall >= 3 * (2 * STEP) * 0.9  # three rounds of two
