@@ -3,6 +3,7 @@ they arrive and the batch has room; each decodes the tokens it decodes alone, gr
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -179,6 +180,7 @@ def test_serve_bench_resumes_after_a_crash_and_reports_each_policy(  # noqa: F81
     each run's policy beside AR at each load."""
     import harness.running.serve as serving_run
     from harness.reporting.serving import find_serve_runs, summary_table
+    from harness.running.results import FolderMismatch
     from tests.test_harness import config, tiny_overrides
 
     overrides = tiny_overrides(tiny_model_dir, questions_file, tmp_path, "method=pld", "serve.concurrency=[1,2]",
@@ -200,6 +202,11 @@ def test_serve_bench_resumes_after_a_crash_and_reports_each_policy(  # noqa: F81
     assert len(points) == 4 and {(p["decoder"], p["load"]["concurrency"]) for p in points[:2]} == set(first)
     run = find_serve_runs([tmp_path])[0]
     assert len((run / "points.jsonl").read_text().splitlines()) == 4  # the first two were not measured again
+    env = json.loads((run / "environment.json").read_text())
+    (run / "environment.json").write_text(json.dumps({**env, "cpu": "another CPU"}))
+    with pytest.raises(FolderMismatch, match="another CPU"):  # never mixed with points measured elsewhere
+        serving_run.serve(config(*overrides))
+    (run / "environment.json").write_text(json.dumps(env))
     serving_run.serve(config(*overrides, "serve.speculate_up_to=1"))
     runs = find_serve_runs([tmp_path])
     assert len(runs) == 2

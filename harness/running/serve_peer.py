@@ -3,7 +3,7 @@
 
 `llama-server` is built once from the llama.cpp sources that the pinned `llama-cpp-python` sdist vendors
 (the `peers` extra's pin in pyproject.toml: downloaded from PyPI, built with cmake under the suite's cache,
-a few minutes on 2 cores), with `llama-quantize`, which requantizes the model's GGUF to F32 (the run's
+about 10 minutes on 2 cores), with `llama-quantize`, which requantizes the model's GGUF to F32 (the run's
 dtype must be float32: ours then decodes the same weights in the same precision). At each load of
 `serve:` the server starts on loopback with `concurrency` parallel slots (continuous batching, its
 default), the run's threads, a context of `concurrency` x the longest request, and decodes the same
@@ -70,28 +70,33 @@ def build_tools(version: str | None = None) -> Path:
     """The folder holding `llama-server` and `llama-quantize`, built once from the pinned sdist's llama.cpp."""
     version = version or pinned_version()
     root = cache_root() / "llama.cpp" / version
-    bin_dir = root / "build" / "bin"
+    source = root / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    bin_dir = source / "build" / "bin"
     if (bin_dir / "llama-server").is_file() and (bin_dir / "llama-quantize").is_file():
         return bin_dir
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing:
         raise PeerUnavailable(f"building llama.cpp needs {' and '.join(missing)} (Debian: cmake, g++)")
     root.mkdir(parents=True, exist_ok=True)
-    source = root / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
     if not source.is_dir():
         log.info("downloading llama-cpp-python %s's sdist from PyPI (llama.cpp's sources)", version)
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
                         f"llama-cpp-python=={version}", "-d", str(root)], check=True)
         with tarfile.open(root / f"llama_cpp_python-{version}.tar.gz") as sdist:
             sdist.extractall(root, filter="data")
-    log.info("building llama-server and llama-quantize in %s (cmake, a few minutes)", root / "build")
+    log.info("building llama-server and llama-quantize in %s (cmake, about 10 minutes on 2 cores)", source / "build")
     flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_SERVER=ON",
              "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON"]
-    subprocess.run(["cmake", "-S", str(source), "-B", str(root / "build"), *flags], check=True,
+    subprocess.run(["cmake", "-S", str(source), "-B", str(source / "build"), *flags], check=True,
                    stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(root / "build"), "--target", "llama-server", "llama-quantize",
+    subprocess.run(["cmake", "--build", str(source / "build"), "--target", "llama-server", "llama-quantize",
                     "-j", str(os.cpu_count() or 1)], check=True, stdout=subprocess.DEVNULL)
     return bin_dir
+
+
+def tool_env(tools: Path) -> dict:
+    """The environment the tools run in: their shared libraries (ggml, llama) beside them."""
+    return {**os.environ, "LD_LIBRARY_PATH": ":".join(filter(None, (str(tools), os.environ.get("LD_LIBRARY_PATH"))))}
 
 
 def f32_gguf(tools: Path, source: Path) -> Path:
@@ -101,7 +106,7 @@ def f32_gguf(tools: Path, source: Path) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(".partial")
         subprocess.run([str(tools / "llama-quantize"), "--allow-requantize", str(source), str(partial), "F32"],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=tool_env(tools))
         partial.rename(target)
     return target
 
@@ -116,13 +121,14 @@ class Server:
     """`llama-server` on loopback for one load, stopped on exit."""
 
     def __init__(self, tools: Path, gguf: Path, slots: int, context: int, threads: int, flags=()):
-        self.port = free_port()
+        self.port, self.tools = free_port(), tools
         self.command = [str(tools / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
                         "-np", str(slots), "-c", str(slots * context), "-t", str(threads), "-tb", str(threads),
                         "--no-webui", "--log-disable", *flags]
 
     def __enter__(self) -> Server:
-        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                        env=tool_env(self.tools))
         deadline = time.monotonic() + STARTUP_SECONDS
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
