@@ -208,7 +208,8 @@ class DraftVerifyDecoder(Decoder):
         """Continuous batching: the requests decoded at most `requests.concurrency` at a time, each joining
         the batch once it has arrived and the batch has room (a sequence that stops leaves at the next
         step). One output per request, in its order; its `ttft` and `total_time` count from its arrival
-        (the wait for room included), its `phase_time` is the loop's until it stopped. A request decodes
+        (an open loop's: the wait for room included) or, in a closed loop, from when it joined; its
+        `phase_time` is the loop's until it stopped. A request decodes
         the tokens it decodes alone (greedy; sampled, from its own generator)."""
         if requests.concurrency > 1 and not method_settings(self.name).batchable:
             raise ValueError(f"method {self.name!r} does not decode at batch size > 1; "
@@ -230,120 +231,16 @@ class DraftVerifyDecoder(Decoder):
             target.reserve_batch(len(states), max(sizes))
         else:
             target.reserve_batch(0, max(sizes), slots=requests.concurrency)
-        phases: dict[str, float] = {}
-        clock = PhaseClock(target.device, phases)
-        begin = clock.last
-        admitted: list[DecodeState] = []  # every sequence, in the order it joined
-        done: dict[int, tuple[int, str] | None] = {}
-        outputs: dict[int, DecodeOutput] = {}
-        rows: list[int] = []  # the sequences in the cache (indices into `admitted`), by row
-        # drafter slots (`draft_state`): a slot is free again once a draft step ran without its last
-        # sequence (a batch drafter may hold it until then), so 2 x concurrency always suffice
-        free = list(range(2 * requests.concurrency)) if requests else []
-        leaving: list[int] = []
-        request_of: dict[int, int] = {}  # admitted sequence -> its request
-
-        def finish(b: int) -> None:
-            outputs[b] = admitted[b].conclude(done[b])
-            self.finish(admitted[b])
-            clock.lap("other")
-            admitted[b].stats.total_time = clock.last - begin - admitted[b].arrival
-            admitted[b].stats.phase_time = dict(phases)
-            if requests:
-                leaving.append(admitted[b].index)
-
-        def admit(new: list[DecodeState]) -> None:
-            """Each new sequence prefilled alone into its row, its first token chosen, its drafter started."""
-            firsts = (target.join_rows if requests else target.prefill_rows)(new, self.prefill)
-            roots = [Tree(torch.tensor([s.prompt[-1]]), [-1]) for s in new]  # the first token: a root's choice
-            chosen = self.standard_accept_batch(new, roots, torch.stack([first.logits[-1:] for first in firsts]))
-            first_token = clock.now() - begin
-            clock.lap("prefill")
-            joined = []
-            for state, first, pick in zip(new, firsts, chosen):
-                b = len(admitted)
-                admitted.append(state)
-                rows.append(b)
-                joined.append(b)
-                state.stats.ttft = first_token - state.arrival
-                done[b] = state.emit([pick.next_token], pick.margins)
-                self.start(state, first)
-            clock.lap("draft")
-            for b in joined:
-                if done[b] is not None:
-                    finish(b)
-
-        def arrived() -> list[DecodeState]:
-            """The requests that have arrived, as many as the batch has room for, as new sequences."""
-            due = requests.due(clock.now() - begin, requests.concurrency - len(rows))
-            new = []
-            for index in due:
-                request = requests.requests[index]
-                state = self.new_state(free.pop(0), list(request.prompt), request.stop, request.sampling,
-                                       request.generator)
-                state.arrival = request.arrival
-                request_of[len(admitted) + len(new)] = index
-                new.append(state)
-            return new
-
+        batch = _Batch(self, requests)
         if requests is None:
-            admit(states)
+            batch.admit(states)
         together = len(states) > 1 or (requests is not None and requests.concurrency > 1)
-        while True:
-            running = [b for b in rows if b not in outputs]
-            if not running and (requests is None or requests.next_arrival() is None):
-                break
-            if running != rows:  # sequences that stopped leave the batch
-                target.keep_sequences([rows.index(b) for b in running])
-                rows[:] = running
-                clock.lap("commit")
-            if requests is not None:
-                if not rows:  # no batch drafter holds a slot of a sequence that left
-                    free.extend(leaving)
-                    leaving.clear()
-                new = arrived()
-                if new:
-                    admit(new)  # a step of its own; the batch's next forward follows
-                    continue
-                if not rows:  # nothing to decode until the next request arrives
-                    time.sleep(max(0.0, requests.next_arrival() - (clock.now() - begin)))
-                    clock.lap("idle")
-                    continue
-            limit = requests.speculate_up_to if requests is not None else None
-            quiet = limit is not None and len(rows) > limit  # load-aware: no draft above that batch size
-            trees = self.draft_step([admitted[b] for b in rows], together, draft=not quiet)
-            free.extend(leaving)  # the drafters have drafted without them
-            leaving.clear()
-            clock.lap("draft")
-            start = target.length
-            verified = target.forward_batch([tree.forward_rows() for tree in trees])
-            clock.lap("verify")
-            # extra rows are never accepted; at temperature 0 their argmax comes back with the step's read
-            extras = [None if t.extra_rows is None else verified.logits[row, len(t):len(t) + len(t.extra_rows)]
-                      for row, t in enumerate(trees)]
-            acceptances = self.accept_batch([admitted[b] for b in rows], trees, verified.logits, extras)
-            clock.lap("accept")
-            target.commit_batch(start, [acceptance.path for acceptance in acceptances])
-            clock.lap("commit")
-            followed = []
-            for row, (b, tree, acceptance) in enumerate(zip(rows, trees, acceptances)):
-                # the row of each accepted node chose the token after it: its accepted child, or the next token
-                emitted = acceptance.emitted or tree.tokens[acceptance.path[1:]].tolist() + [acceptance.next_token]
-                margins = acceptance.margins or logit_margins(verified.logits[row, acceptance.path], emitted)
-                done[b] = admitted[b].emit(emitted, margins)
-                self.count_acceptance(admitted[b].stats, tree, acceptance)
-                if done[b] is None:
-                    followed.append((b, tree, acceptance, row))
-                else:
-                    finish(b)
-            clock.lap("other")  # emitting, stop checks, statistics: the loop's own overhead
-            for b, tree, acceptance, row in followed:
-                self.advance(admitted[b], tree, acceptance, row_output(verified, row, len(tree)))
-            clock.lap("draft")
-        if requests is None:
-            return [outputs[b] for b in range(len(admitted))]
-        by_request = {request_of[b]: outputs[b] for b in outputs}
-        return [by_request[i] for i in range(len(requests.requests))]
+        while batch.running() or (requests is not None and requests.next_arrival() is not None):
+            batch.leave_stopped()
+            if requests is not None and batch.take_arrivals():
+                continue  # a joining request's prefill, or the wait for one, is a step of its own
+            batch.step(together)
+        return batch.results()
 
     def draft_step(self, states: list[DecodeState], together: bool, draft: bool = True) -> list[Tree]:
         """The running sequences' drafts for one step, each at most the tokens its stopping rule leaves
@@ -377,3 +274,134 @@ class DraftVerifyDecoder(Decoder):
         else:
             stats.count_step(max(tree.depths), [bool(tree.children[n]) for n in acceptance.path],
                              acceptance.accepted_drafts)
+
+
+class _Batch:
+    """The sequences of one `_generate` call: every sequence admitted (in the order it joined), the rows
+    of the cache (indices into `admitted`), each one's output once it stopped, and in a serving run the
+    drafter slots (`draft_state`: a slot is free again once a draft step ran without its last sequence,
+    which a batch drafter may hold until then, so 2 x concurrency always suffice) and each sequence's
+    request."""
+
+    def __init__(self, decoder: DraftVerifyDecoder, requests: Requests | None):
+        self.decoder, self.target, self.requests = decoder, decoder.target, requests
+        self.phases: dict[str, float] = {}
+        self.clock = PhaseClock(self.target.device, self.phases)
+        self.begin = self.clock.last
+        self.admitted: list[DecodeState] = []
+        self.done: dict[int, tuple[int, str] | None] = {}
+        self.outputs: dict[int, DecodeOutput] = {}
+        self.rows: list[int] = []
+        self.free = list(range(2 * requests.concurrency)) if requests else []
+        self.leaving: list[int] = []
+        self.request_of: dict[int, int] = {}  # admitted sequence -> its request
+
+    def running(self) -> list[int]:
+        return [b for b in self.rows if b not in self.outputs]
+
+    def finish(self, b: int) -> None:
+        state, clock = self.admitted[b], self.clock
+        self.outputs[b] = state.conclude(self.done[b])
+        self.decoder.finish(state)
+        clock.lap("other")
+        state.stats.total_time = clock.last - self.begin - state.arrival
+        state.stats.phase_time = dict(self.phases)
+        if self.requests:
+            self.leaving.append(state.index)
+
+    def admit(self, new: list[DecodeState]) -> None:
+        """Each new sequence prefilled alone into its row, its first token chosen, its drafter started."""
+        decoder, clock = self.decoder, self.clock
+        firsts = (self.target.join_rows if self.requests else self.target.prefill_rows)(new, decoder.prefill)
+        roots = [Tree(torch.tensor([s.prompt[-1]]), [-1]) for s in new]  # the first token: a root's choice
+        chosen = decoder.standard_accept_batch(new, roots, torch.stack([first.logits[-1:] for first in firsts]))
+        first_token = clock.now() - self.begin
+        clock.lap("prefill")
+        joined = []
+        for state, first, pick in zip(new, firsts, chosen):
+            b = len(self.admitted)
+            self.admitted.append(state)
+            self.rows.append(b)
+            joined.append(b)
+            state.stats.ttft = first_token - state.arrival
+            self.done[b] = state.emit([pick.next_token], pick.margins)
+            decoder.start(state, first)
+        clock.lap("draft")
+        for b in joined:
+            if self.done[b] is not None:
+                self.finish(b)
+
+    def leave_stopped(self) -> None:
+        """Sequences that stopped leave the batch: their cache rows are dropped."""
+        running = self.running()
+        if running != self.rows:
+            self.target.keep_sequences([self.rows.index(b) for b in running])
+            self.rows[:] = running
+            self.clock.lap("commit")
+
+    def take_arrivals(self) -> bool:
+        """The requests that have arrived, as many as the batch has room for, admitted; with none and an
+        empty batch, the wait for the next. Whether it did either (else the batch steps)."""
+        requests, clock = self.requests, self.clock
+        if not self.rows:  # no batch drafter holds a slot of a sequence that left
+            self.free.extend(self.leaving)
+            self.leaving.clear()
+        new = []
+        for index in requests.due(clock.now() - self.begin, requests.concurrency - len(self.rows)):
+            request = requests.requests[index]
+            state = self.decoder.new_state(self.free.pop(0), list(request.prompt), request.stop, request.sampling,
+                                           request.generator)
+            # a closed loop's request is sent now, as the batch has room; an open loop's arrived at its time
+            state.arrival = clock.now() - self.begin if request.arrival is None else request.arrival
+            self.request_of[len(self.admitted) + len(new)] = index
+            new.append(state)
+        if new:
+            self.admit(new)
+            return True
+        if not self.rows:  # nothing to decode until the next request arrives
+            time.sleep(max(0.0, requests.next_arrival() - (clock.now() - self.begin)))
+            clock.lap("idle")
+            return True
+        return False
+
+    def step(self, together: bool) -> None:
+        """One step of the running sequences: draft, verify in one forward, accept, commit, emit, advance."""
+        decoder, target, clock, rows = self.decoder, self.target, self.clock, self.rows
+        limit = self.requests.speculate_up_to if self.requests is not None else None
+        quiet = limit is not None and len(rows) > limit  # load-aware: no draft above that batch size
+        trees = decoder.draft_step([self.admitted[b] for b in rows], together, draft=not quiet)
+        self.free.extend(self.leaving)  # the drafters have drafted without them
+        self.leaving.clear()
+        clock.lap("draft")
+        start = target.length
+        verified = target.forward_batch([tree.forward_rows() for tree in trees])
+        clock.lap("verify")
+        # extra rows are never accepted; at temperature 0 their argmax comes back with the step's read
+        extras = [None if t.extra_rows is None else verified.logits[row, len(t):len(t) + len(t.extra_rows)]
+                  for row, t in enumerate(trees)]
+        acceptances = decoder.accept_batch([self.admitted[b] for b in rows], trees, verified.logits, extras)
+        clock.lap("accept")
+        target.commit_batch(start, [acceptance.path for acceptance in acceptances])
+        clock.lap("commit")
+        followed = []
+        for row, (b, tree, acceptance) in enumerate(zip(rows, trees, acceptances)):
+            # the row of each accepted node chose the token after it: its accepted child, or the next token
+            emitted = acceptance.emitted or tree.tokens[acceptance.path[1:]].tolist() + [acceptance.next_token]
+            margins = acceptance.margins or logit_margins(verified.logits[row, acceptance.path], emitted)
+            self.done[b] = self.admitted[b].emit(emitted, margins)
+            decoder.count_acceptance(self.admitted[b].stats, tree, acceptance)
+            if self.done[b] is None:
+                followed.append((b, tree, acceptance, row))
+            else:
+                self.finish(b)
+        clock.lap("other")  # emitting, stop checks, statistics: the loop's own overhead
+        for b, tree, acceptance, row in followed:
+            decoder.advance(self.admitted[b], tree, acceptance, row_output(verified, row, len(tree)))
+        clock.lap("draft")
+
+    def results(self) -> list[DecodeOutput]:
+        """One output per sequence given (a drained batch) or per request (a serving run), in their order."""
+        if self.requests is None:
+            return [self.outputs[b] for b in range(len(self.admitted))]
+        by_request = {self.request_of[b]: self.outputs[b] for b in self.outputs}
+        return [by_request[i] for i in range(len(self.requests.requests))]

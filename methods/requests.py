@@ -1,9 +1,11 @@
 """Requests that arrive while a batch decodes (continuous batching, `DraftVerifyDecoder.serve`).
 
-A `Requests` holds every request of a run (bounded), each with the time it arrives (seconds after the
-loop began: 0 for all of them in a closed loop, whose concurrency alone paces admission; a Poisson
-schedule in an open loop, `poisson_arrivals`), and the concurrency: the most sequences the batch holds
-at once. The loop takes the requests that have arrived, in arrival order, whenever the batch has room.
+A `Requests` holds every request of a run (bounded) and the concurrency: the most sequences the batch
+holds at once. In an open loop each request arrives at its time (seconds after the loop began, a Poisson
+schedule: `poisson_arrivals`) and waits for room when the batch is full: the wait counts in its TTFT and
+latency. In a closed loop (arrival None) c clients each send a request when their previous one ended: a
+request is sent when the batch has room, and its TTFT and latency count from then. The loop takes the
+requests due, in order, whenever the batch has room.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ class Request:
     stop: StopCondition
     sampling: SamplingConfig = SamplingConfig()
     generator: torch.Generator | None = None
-    arrival: float = 0.0  # seconds after the loop began
+    # seconds after the loop began (an open loop's arrival: a wait for room counts in its TTFT and latency);
+    # None: a closed loop's request, sent when the batch has room (its client's previous request ended)
+    arrival: float | None = None
 
 
 class Requests:
@@ -45,8 +49,13 @@ class Requests:
         self.requests = list(requests)
         self.concurrency = concurrency
         self.speculate_up_to = speculate_up_to
-        self.order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i))  # arrival order
+        self.order = sorted(range(len(requests)), key=lambda i: (self.due_at(i), i))  # arrival order
         self.taken = 0
+
+    def due_at(self, index: int) -> float:
+        """When request `index` may join: its arrival, or at once (a closed loop's, paced by the concurrency)."""
+        arrival = self.requests[index].arrival
+        return 0.0 if arrival is None else arrival
 
     def positions(self) -> int:
         """The most positions a request commits (prompt + max new tokens): the cache's reservation."""
@@ -56,14 +65,14 @@ class Requests:
         """Up to `room` requests (their indices) that arrived by `now`, not taken before, in arrival order."""
         found = []
         while len(found) < room and self.taken < len(self.order) and \
-                self.requests[self.order[self.taken]].arrival <= now:
+                self.due_at(self.order[self.taken]) <= now:
             found.append(self.order[self.taken])
             self.taken += 1
         return found
 
     def next_arrival(self) -> float | None:
         """When the next request not yet taken arrives (None: every request was taken)."""
-        return self.requests[self.order[self.taken]].arrival if self.taken < len(self.order) else None
+        return self.due_at(self.order[self.taken]) if self.taken < len(self.order) else None
 
 
 def poisson_arrivals(count: int, rate: float, seed: int = 0) -> list[float]:

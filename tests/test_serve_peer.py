@@ -68,16 +68,24 @@ def test_a_streamed_completion_has_its_tokens_first_token_time_and_accepted_draf
     assert STEP * 0.9 <= out["ttft"] < out["latency"] and out["latency"] >= 2 * STEP * 0.9
 
 
-def test_the_load_keeps_at_most_its_concurrency_in_flight_and_counts_the_wait_in_ttft(fake_server):
-    """Six requests at concurrency 2 (a closed loop): never more than two at the server; the last to get a
-    slot waited for two others to finish, and its TTFT (from its arrival) says so; τ from the accepted drafts."""
+def test_the_load_keeps_at_most_its_concurrency_in_flight_and_times_each_request_from_when_it_was_sent(
+        fake_server):
+    """Six requests at concurrency 2: never more than two at the server, three rounds of two. A closed loop's
+    request is sent as a slot frees, so its TTFT is its own first event; an open loop's arrived at 0, and the
+    last to get a slot waited for two others, which its TTFT counts. τ from the accepted drafts."""
     prompts = [[i, i + 1, i + 2, i + 3] for i in range(0, 60, 10)]
-    requests = Requests([Request(p, StopCondition(max_new_tokens=4)) for p in prompts], 2)
     questions = [SimpleNamespace(question_id=q) for q in range(3)]
-    rows, wall = serve_load(fake_server, requests, questions)
-    assert FakeLlamaServer.most == 2
-    assert [row["output_ids"] for row in rows] == [list(reversed(p)) for p in prompts]
-    assert [row["question_id"] for row in rows] == [0, 1, 2, 0, 1, 2]
-    assert all(row["tau"] == 2.0 and row["ttft"] < row["latency"] <= wall for row in rows)
-    assert max(row["ttft"] for row in rows) >= 2 * (2 * STEP) * 0.9  # waited for two completions of two events
-    assert wall >= 3 * (2 * STEP) * 0.9  # three rounds of two
+    for arrival in (None, 0.0):
+        FakeLlamaServer.most = 0
+        requests = Requests([Request(p, StopCondition(max_new_tokens=4), arrival=arrival) for p in prompts], 2)
+        rows, wall = serve_load(fake_server, requests, questions)
+        assert FakeLlamaServer.most == 2
+        assert [row["output_ids"] for row in rows] == [list(reversed(p)) for p in prompts]
+        assert [row["question_id"] for row in rows] == [0, 1, 2, 0, 1, 2]
+        assert all(row["tau"] == 2.0 and row["ttft"] < row["latency"] <= wall for row in rows)
+        assert wall >= 3 * (2 * STEP) * 0.9  # three rounds of two
+        waited = max(row["ttft"] for row in rows)
+        if arrival is None:
+            assert waited < 2 * STEP  # one event after it was sent
+        else:
+            assert waited >= 2 * (2 * STEP) * 0.9  # waited for two completions of two events

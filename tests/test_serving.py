@@ -86,14 +86,18 @@ def test_requests_are_taken_by_arrival_as_the_batch_has_room():
 
 
 def test_serving_records_each_requests_latency_from_its_arrival(every_batchable):  # noqa: F811
-    """A request that arrives while the batch is full waits: its TTFT counts from its arrival and covers
-    the wait; its total time ends after its first token."""
+    """Open loop: a request that arrives while the batch is full waits, and its TTFT counts from its
+    arrival and covers the wait. Closed loop: a request is sent as the batch has room, so its TTFT is its
+    own prefill, shorter than the decoding of the one before it. Each total time ends after its first token."""
     make = every_batchable["ar"]
     prompts, stops = workload()
-    outs = make().serve(Requests([Request(p, StopCondition(20)) for p in prompts[:3]], 1))
+    outs = make().serve(Requests([Request(p, StopCondition(20), arrival=0.0) for p in prompts[:3]], 1))
     first, second, third = (out.stats for out in outs)
     assert 0 < first.ttft < second.ttft < third.ttft  # each waited for the one before it
-    for stats in (first, second, third):
+    assert second.ttft > first.total_time
+    closed = [out.stats for out in make().serve(Requests([Request(p, StopCondition(20)) for p in prompts[:3]], 1))]
+    assert all(0 < stats.ttft < closed[0].total_time - closed[0].ttft for stats in closed[1:])
+    for stats in (first, second, third, *closed):
         assert stats.ttft < stats.total_time and stats.new_tokens == 20
 
 

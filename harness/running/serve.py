@@ -1,14 +1,16 @@
 """`python -m harness.serve` (`make serve-bench`): speculation under load, with continuous batching.
 
-One point is a decoder (AR, or the method) at one load: a closed loop at concurrency c (every request
-there from the start; c decode at once and the next joins when one ends), or an open loop (requests
-arrive as a Poisson process of `serve.rate` per second, seeded, at most the largest concurrency at
-once). A point decodes `serve.requests` requests, the dataset's first turns (the questions after
-`limit` and `dataset.categories`, cycled when fewer), through `DraftVerifyDecoder.serve`; AR and the
-method run each load back to back, alternately first, on the same requests.
+One point is a decoder (AR, or the method) at one load: a closed loop at concurrency c (c clients, each
+sending its next request when its previous one ended: c decode at once and the next joins when one
+ends), or an open loop (requests arrive as a Poisson process of `serve.rate` per second, seeded, at most
+the largest concurrency at once, the others waiting for room). A point decodes `serve.requests`
+requests, the dataset's first turns (the questions after `limit` and `dataset.categories`, cycled when
+fewer), through `DraftVerifyDecoder.serve`; AR and the method run each load back to back, alternately
+first, on the same requests.
 
-Per request: TTFT (from its arrival to its first token, the wait for room included), TPOT (the time
-after the first token per further token), end-to-end latency, new tokens and τ. Per point: output
+Per request: TTFT (from when it was sent to its first token: in a closed loop when it joined, in an open
+loop its arrival, the wait for room included), TPOT (the time after the first token per further token),
+end-to-end latency (from the same start), new tokens and τ. Per point: output
 tokens/s over the point's wall time and the percentiles (p50, p90, p99) of the three latencies, with
 the machine's load over the point (the busy flag). Points are appended as they finish to
 `<results_dir>/<model>/<dataset>/serve/<method>/<hardware>-<dtype>-<hash>/points.jsonl`; the same
@@ -57,8 +59,9 @@ def point_key(name: str, load: dict) -> str:
 def build_requests(bench: Benchmark, questions, load: dict, count: int, seed: int,
                    speculate_up_to: int | None) -> Requests:
     """`count` requests from the questions' first turns (cycled), each with its own seeded generator
-    (its sampled tokens do not depend on the load), arriving at once (closed) or as a Poisson process."""
-    arrivals = poisson_arrivals(count, load["rate"], seed) if load["loop"] == "open" else [0.0] * count
+    (its sampled tokens do not depend on the load), each sent when the batch has room (closed) or arriving
+    as a Poisson process (open)."""
+    arrivals = poisson_arrivals(count, load["rate"], seed) if load["loop"] == "open" else [None] * count
     requests = []
     for i in range(count):
         question = questions[i % len(questions)]

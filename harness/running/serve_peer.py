@@ -8,8 +8,9 @@ dtype must be float32: ours then decodes the same weights in the same precision)
 `serve:` the server starts on loopback with `concurrency` parallel slots (continuous batching, its
 default), the run's threads, a context of `concurrency` x the longest request, and decodes the same
 requests `harness.serve` builds (the chat template's token ids, the same new tokens at most, greedy),
-sent by the client at their arrival times with at most `concurrency` in flight, streamed: a request's
-TTFT is its first streamed token's time from its arrival, its TPOT and latency as ours. Two decoders,
+sent by the client with at most `concurrency` in flight (a closed loop's as a slot frees, an open loop's at
+its arrival time), streamed: a request's TTFT is its first streamed token's time from when it was sent (an
+open loop's arrival), its TPOT and latency as ours. Two decoders,
 each at every load, AR and the method alternately first: its autoregressive decoding (`ar`) and its
 n-gram self-speculation (`SPECULATION`, prompt lookup as PLD's: no draft model). τ is its tokens per
 target step, from the server's draft counts. Points go to `serve/llama.cpp/...` as `harness.serve`'s do,
@@ -181,8 +182,9 @@ def complete(port: int, prompt: list[int], max_new_tokens: int, began: float) ->
 
 
 def serve_load(port: int, requests, questions) -> tuple[list[dict], float]:
-    """The requests sent to the server on `port` at their arrival times, at most the load's concurrency in
-    flight; their rows and the wall time until the last one finished."""
+    """The requests sent to the server on `port` (a closed loop's as one in flight ends, an open loop's at its
+    arrival time), at most the load's concurrency in flight; their rows and the wall time until the last
+    one finished."""
     permits = threading.Semaphore(requests.concurrency)
     results: dict[int, dict] = {}
     errors: list[BaseException] = []
@@ -190,10 +192,11 @@ def serve_load(port: int, requests, questions) -> tuple[list[dict], float]:
 
     def one(index: int) -> None:
         request = requests.requests[index]
-        time.sleep(max(0.0, request.arrival - (time.perf_counter() - start)))
-        with permits:
+        time.sleep(max(0.0, requests.due_at(index) - (time.perf_counter() - start)))
+        with permits:  # a closed loop's request is sent now (its TTFT counts from here); an open loop's arrived
+            began = time.perf_counter() if request.arrival is None else start + request.arrival
             try:
-                results[index] = complete(port, request.prompt, request.stop.max_new_tokens, start + request.arrival)
+                results[index] = complete(port, request.prompt, request.stop.max_new_tokens, began)
             except BaseException as err:  # noqa: BLE001 (re-raised below, in the caller's thread)
                 errors.append(err)
 
