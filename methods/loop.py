@@ -231,7 +231,9 @@ class DraftVerifyDecoder(Decoder):
             target.reserve_batch(len(states), max(sizes))
         else:
             target.reserve_batch(0, max(sizes), slots=requests.concurrency)
-        batch = _Batch(self, requests)
+        for state in states:
+            state.batch_room = max(sizes)
+        batch = _Batch(self, requests, max(sizes))
         if requests is None:
             batch.admit(states)
         together = len(states) > 1 or (requests is not None and requests.concurrency > 1)
@@ -283,8 +285,8 @@ class _Batch:
     which a batch drafter may hold until then, so 2 x concurrency always suffice) and each sequence's
     request."""
 
-    def __init__(self, decoder: DraftVerifyDecoder, requests: Requests | None):
-        self.decoder, self.target, self.requests = decoder, decoder.target, requests
+    def __init__(self, decoder: DraftVerifyDecoder, requests: Requests | None, room: int):
+        self.decoder, self.target, self.requests, self.room = decoder, decoder.target, requests, room
         self.phases: dict[str, float] = {}
         self.clock = PhaseClock(self.target.device, self.phases)
         self.begin = self.clock.last
@@ -353,6 +355,7 @@ class _Batch:
                                            request.generator)
             # a closed loop's request is sent now, as the batch has room; an open loop's arrived at its time
             state.arrival = clock.now() - self.begin if request.arrival is None else request.arrival
+            state.batch_room = self.room
             self.request_of[len(self.admitted) + len(new)] = index
             new.append(state)
         if new:

@@ -249,7 +249,7 @@ class PardBatch:
             return
         if self.runner is None:
             self.runner = self.draft.another().runner
-        self.runner.reserve_batch(len(states), max(len(s.prompt) + s.stop.max_new_tokens for s in states),
+        self.runner.reserve_batch(len(states), max(s.room() for s in states),
                                   batch_cache=True)
         for row, state in enumerate(states):
             self.runner.cache.load_row(row, self._fed_alone(state))

@@ -103,6 +103,13 @@ class DecodeState:
     # seconds after the loop began that the sequence's request arrived (continuous batching: `Requests`;
     # 0 for a batch that starts together); its TTFT and total time count from then
     arrival: float = 0.0
+    # the most positions a sequence of its batch (or serving run) commits, prompt and new tokens (the loop
+    # sets it): a batch drafter's cache reserves `room()` once, for sequences that join later too
+    batch_room: int = 0
+
+    def room(self) -> int:
+        """The positions a batch drafter's cache reserves for the batch this sequence is in."""
+        return max(self.batch_room, len(self.prompt) + self.stop.max_new_tokens)
 
     def emit(self, emitted: Sequence[int], margins: Sequence[float]) -> tuple[int, str] | None:
         """The step's tokens and their margins appended; the stopping rule's verdict on them (None: go on).

@@ -43,6 +43,19 @@ def test_every_batchable_method_serves_each_request_its_tokens_alone(every_batch
     assert [out.tokens for out in outs] == alone, "open loop"
 
 
+@pytest.mark.parametrize("method", batchable_methods())
+def test_a_request_longer_than_the_first_batch_joins_every_drafter(every_batchable, method):  # noqa: F811
+    """A request whose prompt is longer than the first batch's reservation by more than its spare room joins
+    later: every cache (the target's, a batch drafter's) holds it, and it decodes its tokens alone."""
+    make = every_batchable[method]
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 32, (n,), generator=generator).tolist() for n in (5, 8, 600)]
+    stops = [StopCondition(limit) for limit in (6, 9, 12)]
+    alone = [make().generate(p, s).tokens for p, s in zip(prompts, stops)]
+    outs = make().serve(Requests([Request(p, s) for p, s in zip(prompts, stops)], 2))
+    assert [out.tokens for out in outs] == alone
+
+
 # methods whose drafts depend on the answers finished before a request joined (upstream's state that persists
 # across requests): greedy tokens equal alone (above), seeded samples need not
 PERSISTS = {"recycling": "Token Recycling's adjacency matrix persists across requests (upstream's): a request's "

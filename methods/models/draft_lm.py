@@ -262,7 +262,7 @@ class BatchDraftLM:
         if self.runner is None:
             self.runner = self.draft.another().runner
         runner = self.runner
-        runner.reserve_batch(len(states), max(len(s.prompt) + s.stop.max_new_tokens for s in states),
+        runner.reserve_batch(len(states), max(s.room() for s in states),
                              batch_cache=True)
         roots = []
         for row, state in enumerate(states):
