@@ -222,18 +222,17 @@ class DraftVerifyDecoder(Decoder):
         states): sequences join as their requests arrive and the batch has room, each prefilled alone
         into a new row (a step of its own, before the batch's next forward)."""
         target = self.target
-        sizes = [len(s.prompt) + s.stop.max_new_tokens for s in states] or [requests.positions()]
-        for state in states:
-            target.check_room(len(state.prompt) + state.stop.max_new_tokens)
-        for request in requests.requests if requests else ():
-            target.check_room(len(request.prompt) + request.stop.max_new_tokens)
+        needs = [len(s.prompt) + s.stop.max_new_tokens for s in (requests.requests if requests else states)]
+        for need in needs:
+            target.check_room(need)
+        room = max(needs)  # the most positions a sequence commits: every cache reserves it
         if requests is None:
-            target.reserve_batch(len(states), max(sizes))
+            target.reserve_batch(len(states), room)
         else:
-            target.reserve_batch(0, max(sizes), slots=requests.concurrency)
+            target.reserve_batch(0, room, slots=requests.concurrency)
         for state in states:
-            state.batch_room = max(sizes)
-        batch = _Batch(self, requests, max(sizes))
+            state.batch_room = room
+        batch = _Batch(self, requests, room)
         if requests is None:
             batch.admit(states)
         together = len(states) > 1 or (requests is not None and requests.concurrency > 1)
