@@ -192,13 +192,15 @@ def summary_figures(runs: list[Path], out: Path) -> list[Path]:
     """A line per method: throughput over AR's against concurrency, and throughput against TPOT p50 with
     AR's line (AR's points pooled over the runs: the median at each load)."""
     labels = run_labels(runs)
+    ordered = sorted(runs, key=lambda r: labels[r])
+    closed_by_run = {run: [(load, mine, ar) for load, mine, ar in paired(read_points(run))
+                           if load["loop"] == "closed" and mine and ar] for run in ordered}
     written = []
     for name in ("speedup_vs_concurrency", "throughput_vs_tpot"):
         fig, ax = plt.subplots(layout="constrained", figsize=(COLUMN_WIDTH, 3.0))
         busy, ar_points = [], {}
-        for i, run in enumerate(sorted(runs, key=lambda r: labels[r])):
-            closed = [(load, mine, ar) for load, mine, ar in paired(read_points(run))
-                      if load["loop"] == "closed" and mine and ar]
+        for i, run in enumerate(ordered):
+            closed = closed_by_run[run]
             if not closed:
                 continue
             look = {"color": method_colour(labels[run].split()[0]), "marker": MARKERS[i % len(MARKERS)],
