@@ -57,6 +57,11 @@ class Decoder(ABC):
         """One prompt: a batch of one."""
         return self.generate_batch([prompt], [stop], sampling, [generator])[0]
 
+    def reset(self) -> None:
+        """Forgets what earlier prompts taught it: a method whose drafts learn across prompts (Suffix
+        Decoding's cache, Token Recycling's matrix, REST's reader) starts again as built. Nothing to
+        forget for the others."""
+
     def describe(self) -> dict[str, Any]:
         """Method parameters for the results record."""
         sizing = self.sizing.describe()

@@ -173,12 +173,16 @@ class RestDecoder(DraftVerifyDecoder):
                  num_draft: int | Sizing | None = None):
         """`num_draft`: the draft's nodes (`method.num_draft` settled: a `Sizing`; None: the settings'
         number, upstream's 64 when they say `auto`)."""
-        import draftretriever  # lazy: draftretriever, only where a datastore is read
-
         if num_draft is None:
             num_draft = settings.num_draft if isinstance(settings.num_draft, int) else UPSTREAM_DRAFT
         super().__init__(target, Sizing.of(num_draft))
         self.settings, self.datastore = settings, Path(datastore)
+        self.reset()
+
+    def reset(self) -> None:
+        """A fresh reader of the datastore: none of the trigrams it learnt from decoded text."""
+        import draftretriever  # lazy: draftretriever, only where a datastore is read
+
         self.reader = draftretriever.Reader(str(self.datastore))
 
     def describe(self):

@@ -230,3 +230,34 @@ def test_serve_bench_resumes_after_a_crash_and_reports_each_policy(  # noqa: F81
     text = summary_table(runs)
     assert "| pld | " in text and "| pld (drafts nothing above 1 running sequences) | " in text
     assert "| method | c = 1 | c = 2 |" in text and text.count("×**") == 4
+
+
+LEARNT = {"suffix": lambda decoder: len(decoder.cache.cached_requests),
+          "recycling": lambda decoder: int(decoder.filled.sum())}
+
+
+@pytest.mark.parametrize("method", sorted(LEARNT))
+def test_a_method_that_learns_across_prompts_starts_every_point_afresh(  # noqa: F811
+        tiny_model_dir, questions_file, tmp_path, monkeypatch, method):  # noqa: F811
+    """Suffix Decoding's cache and Token Recycling's matrix learn from every answer; a serving point of the
+    method starts with neither learnt (no point drafts from another point's answers of the same requests),
+    and learns within the point."""
+    import harness.running.serve as serving_run
+    from tests.test_harness import config, tiny_overrides
+
+    overrides = tiny_overrides(tiny_model_dir, questions_file, tmp_path, f"method={method}",
+                               "serve.concurrency=[1,2]", "serve.requests=3")
+    measure, learnt = serving_run.measure_point, []
+
+    def noting(bench, name, requests, questions):
+        decoder = bench.decoders[name]
+        if name == method:
+            learnt.append(LEARNT[method](decoder))
+        point = measure(bench, name, requests, questions)
+        if name == method:
+            learnt.append(LEARNT[method](decoder))
+        return point
+
+    monkeypatch.setattr(serving_run, "measure_point", noting)
+    serving_run.serve(config(*overrides))
+    assert learnt[0] == learnt[2] == 0 and learnt[1] > 0 and learnt[3] > 0, learnt

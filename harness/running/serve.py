@@ -6,7 +6,10 @@ ends), or an open loop (requests arrive as a Poisson process of `serve.rate` per
 the largest concurrency at once, the others waiting for room). A point decodes `serve.requests`
 requests, the dataset's first turns (the questions after `limit` and `dataset.categories`, cycled when
 fewer), through `DraftVerifyDecoder.serve`; AR and the method run each load back to back, alternately
-first, on the same requests.
+first, on the same requests. A method that learns across prompts (Suffix Decoding's cache, Token
+Recycling's matrix, REST's reader) starts each point as built, as a server started for that load: its
+requests draft from the answers of earlier requests of the point, never from another point's answers
+of the same requests.
 
 Per request: TTFT (from when it was sent to its first token: in a closed loop when it joined, in an open
 loop its arrival, the wait for room included), TPOT (the time after the first token per further token),
@@ -134,6 +137,7 @@ def serve(cfg: DictConfig) -> list[dict]:
 
     def measure(name: str, load: dict) -> dict:
         limit = cfg.serve.speculate_up_to if name != BASELINE else None
+        bench.decoders[name].reset()  # a point drafts from no other point's answers
         requests = build_requests(bench, questions, load, int(cfg.serve.requests), int(cfg.seed), limit)
         return {"speculate_up_to": requests.speculate_up_to, **measure_point(bench, name, requests, questions)}
 
