@@ -89,3 +89,26 @@ def test_the_load_keeps_at_most_its_concurrency_in_flight_and_times_each_request
             assert waited < 2 * STEP  # one event after it was sent
         else:
             assert waited >= 2 * (2 * STEP) * 0.9  # waited for two completions of two events
+
+
+def test_a_measured_servers_cpu_time_is_not_other_work():
+    """A process spinning on a core beside the measurement is other work (the machine busy), unless it is
+    the server being measured (its pid handed to the snapshots): then its CPU time is the point's own."""
+    import subprocess
+    import sys
+
+    from methods.machine.load import process_cpu, snapshot, state
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        plain, measured = snapshot(), snapshot([spinner.pid])
+        time.sleep(1.0)
+        other, own = state(plain, snapshot()), state(measured, snapshot([spinner.pid]))
+        assert process_cpu(spinner.pid) > 0.5
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert other["other_cores"] >= 0.6 and other["busy"]
+    assert own["other_cores"] <= other["other_cores"] - 0.5
+    assert process_cpu(spinner.pid) == 0.0  # gone

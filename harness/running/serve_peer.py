@@ -249,9 +249,9 @@ def serve_peer(cfg: DictConfig) -> list[dict]:
                     flags) as server:
             warm = requests.requests[0]
             complete(server.port, warm.prompt, min(32, warm.stop.max_new_tokens), time.perf_counter())
-            before = busy.snapshot()
+            before = busy.snapshot([server.process.pid])  # the server's CPU time is the measurement's own
             rows, wall = serve_load(server.port, requests, questions)
-            machine = busy.state(before, busy.snapshot())
+            machine = busy.state(before, busy.snapshot([server.process.pid]))
         return {"speculate_up_to": None, **point_record(name, rows, wall, machine)}
 
     return measure_points(cfg, "llama.cpp", [BASELINE, SPECULATION], settings, environment(bench.device), prepare,

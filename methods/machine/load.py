@@ -2,7 +2,8 @@
 (`harness.running.busy`) and for the hardware profile's measurements (`hardware`).
 
 Over the interval: the load averages at both ends, the CPU time other processes used (in cores:
-the machine's busy time from `/proc/stat` minus this process's own and its children's) and the
+the machine's busy time from `/proc/stat` minus this process's own and its children's, and a
+measured server's) and the
 fraction of time the hypervisor stole (`steal`, where the OS reports it). Busy: other processes
 used at least `BUSY_CORES` cores on average, steal reached `BUSY_STEAL`, or (under SLURM, recorded
 by the harness) other jobs ran on the node.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 
 BUSY_CORES = 0.25  # other processes' average CPU use over the interval, in cores
 BUSY_STEAL = 0.05  # fraction of CPU time stolen by the hypervisor
@@ -31,12 +33,24 @@ def _proc_stat() -> tuple[float, float, float] | None:
     return busy / _TICKS, steal / _TICKS, (busy + idle + iowait + steal) / _TICKS
 
 
-def snapshot() -> dict:
+def process_cpu(pid: int) -> float:
+    """A running process's CPU time in seconds, its waited-for children's included (`/proc/<pid>/stat`'s
+    utime, stime, cutime, cstime); 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return sum(float(x) for x in fields[11:15]) / _TICKS
+
+
+def snapshot(measured: Sequence[int] = ()) -> dict:
     """The counters at one instant; `state(before, after)` turns two of them into a record. This
-    process's own CPU time includes its finished children's (a compiler it ran is not other work)."""
+    process's own CPU time includes its finished children's (a compiler it ran is not other work) and that
+    of the running processes `measured` names (a server it measures is not other work either)."""
     times = os.times()
     return {"wall": time.monotonic(), "self_cpu": times.user + times.system + times.children_user
-            + times.children_system,
+            + times.children_system + sum(process_cpu(pid) for pid in measured),
             "stat": _proc_stat(), "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 
