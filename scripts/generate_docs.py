@@ -32,7 +32,15 @@ from omegaconf import OmegaConf  # noqa: E402
 from harness.perf.peers import COLUMNS as PEER_COLUMNS  # noqa: E402
 from harness.reporting.breakdown import breakdown_rows  # noqa: E402
 from harness.reporting.curves import find_curves  # noqa: E402
-from harness.reporting.serving import find_serve_runs, read_points, read_settings, summary_table  # noqa: E402
+from harness.reporting.serving import (  # noqa: E402
+    find_serve_runs,
+    group_folder,
+    group_table,
+    groups,
+    policy,
+    read_points,
+    read_settings,
+)
 from harness.reporting.tables import build_tables, find_runs  # noqa: E402
 from harness.running.environment import hardware_name  # noqa: E402
 from harness.running.results import read_answers  # noqa: E402
@@ -522,32 +530,34 @@ def block_batchable(_sets) -> str:
 
 
 def block_serving(_sets) -> str:
-    """docs/serving.md: the committed serving runs (results/reference/serve/): each method's throughput and
-    TPOT p50 beside AR's at each load, and the figures across them (`make serve-sweep`'s report)."""
+    """docs/serving.md: the committed serving runs (results/reference/serve/), per group of runs that served
+    the same prompts with the same speculation policy: each method's throughput and TPOT p50 beside AR's at
+    each load, and the group's figures (`make serve-sweep`'s report)."""
     runs = find_serve_runs([SERVE]) if SERVE.is_dir() else []
     if not runs:
         return NOTHING.format("serve/")
     envs = [json.loads((run / "environment.json").read_text()) for run in runs]
-    settings = read_settings(runs[0])
-    points = read_points(runs[0])
     commits = ", ".join(sorted({env.get("git", {}).get("commit", "")[:7] for env in envs} - {""})) or "unrecorded"
     dirty = " (uncommitted changes)" if any(env.get("git", {}).get("dirty") for env in envs) else ""
-    loads = sorted({p["load"]["concurrency"] for p in points if p["load"]["loop"] == "closed"})
-    lines = [f"**{hardware_name(envs[0])}, {envs[0].get('cpu_count', '?')} cores, {settings['dtype']}**, "
-             f"commit {commits}{dirty}; {settings['model']['name']}, {len(settings['questions'])} "
-             f"{settings['dataset']['name']} questions, {settings['serve']['requests']} requests per point, "
-             f"{settings['max_new_tokens']} new tokens at most, greedy; closed loops at c = "
-             f"{', '.join(map(str, loads))}; each method beside the AR point measured next to it.", "",
-             summary_table(runs)]
-    for name, what in (("speedup_vs_concurrency", "output tokens/s over AR's against concurrency"),
-                       ("throughput_vs_tpot", "output tokens/s against TPOT p50")):
-        figure = SERVE_PLOTS / f"{name}.png"
-        if not figure.is_file():
-            raise SystemExit(f"{figure}: missing (make serve-sweep's report: python -m harness.reporting.serving "
-                             "results/reference/serve --out results/reference/serve/report "
-                             "--plots plots/reference/serving)")
-        lines += [f"![{what}](../{figure.relative_to(REPO)})", ""]
-    return "\n".join(lines)
+    lines = [f"**{hardware_name(envs[0])}, {envs[0].get('cpu_count', '?')} cores**, commit {commits}{dirty}; "
+             "greedy; each method beside the AR point measured next to it.", ""]
+    for key, members in groups(runs).items():
+        settings = read_settings(members[0])
+        loads = sorted({p["load"]["concurrency"] for p in read_points(members[0]) if p["load"]["loop"] == "closed"})
+        lines += [f"### {key[0]}, {policy(key[1])}", "",
+                  f"{settings['dtype']}, {settings['model']['name']}, {len(settings['questions'])} "
+                  f"{settings['dataset']['name']} prompts, {settings['serve']['requests']} requests per point, "
+                  f"{settings['max_new_tokens']} new tokens at most; closed loops at c = {', '.join(map(str, loads))}.",
+                  "", group_table(members), ""]
+        for name, what in (("speedup_vs_concurrency", "output tokens/s over AR's against concurrency"),
+                           ("throughput_vs_tpot", "output tokens/s against TPOT p50")):
+            figure = SERVE_PLOTS / group_folder(key) / f"{name}.png"
+            if not figure.is_file():
+                raise SystemExit(f"{figure}: missing (make serve-sweep's report: python -m harness.reporting.serving "
+                                 "results/reference/serve --out results/reference/serve/report "
+                                 "--plots plots/reference/serving)")
+            lines += [f"![{key[0]}, {policy(key[1])}: {what}](../{figure.relative_to(REPO)})", ""]
+    return "\n".join(lines) + "\\* measured partly on a busy machine.\n"
 
 
 BLOCKS = {"figure": block_figure, "batchable": block_batchable, "reference": block_reference, "latest": block_latest,

@@ -4,6 +4,7 @@ they arrive and the batch has room; each decodes the tokens it decodes alone, gr
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -196,7 +197,7 @@ def test_serve_bench_resumes_after_a_crash_and_reports_each_policy(  # noqa: F81
     second run of the same method with load-aware speculation is its own folder, and the summary table names
     each run's policy beside AR at each load."""
     import harness.running.serve as serving_run
-    from harness.reporting.serving import find_serve_runs, summary_table
+    from harness.reporting.serving import find_serve_runs, summary_figures, summary_table
     from harness.running.results import FolderMismatch
     from tests.test_harness import config, tiny_overrides
 
@@ -225,11 +226,20 @@ def test_serve_bench_resumes_after_a_crash_and_reports_each_policy(  # noqa: F81
         serving_run.serve(config(*overrides))
     (run / "environment.json").write_text(json.dumps(env))
     serving_run.serve(config(*overrides, "serve.speculate_up_to=1"))
+    serving_run.serve(config(*tiny_overrides(tiny_model_dir, None, tmp_path, "method=pld", "dataset=needle",
+                                             "dataset.lengths=[100]", "dataset.per_length=2",
+                                             "serve.concurrency=[1,2]", "serve.requests=2")))
     runs = find_serve_runs([tmp_path])
-    assert len(runs) == 2
+    assert len(runs) == 3
     text = summary_table(runs)
-    assert "| pld | " in text and "| pld (drafts nothing above 1 running sequences) | " in text
-    assert "| method | c = 1 | c = 2 |" in text and text.count("×**") == 4
+    sections = re.split(r"^\*\*(.+)\.\*\*$", text, flags=re.M)
+    tables = dict(zip(sections[1::2], sections[2::2]))  # a table each, pld beside AR at both loads
+    assert sorted(tables) == ["needle ≈100 tokens, always speculating", "spec_bench, always speculating",
+                              "spec_bench, drafting nothing above 1 running sequence(s)"]
+    assert all("| method | c = 1 | c = 2 |" in t and "| pld | " in t for t in tables.values())
+    assert text.count("×**") == 6
+    written = summary_figures(runs, tmp_path / "summary")
+    assert {p.parent.name for p in written if p.suffix == ".png"} == {"spec_bench", "spec_bench-up-to-1", "needle-100"}
 
 
 LEARNT = {"suffix": lambda decoder: len(decoder.cache.cached_requests),

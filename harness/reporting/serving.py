@@ -7,10 +7,12 @@ load, on the same requests. Per run, a table (`serving.md` in `--out/<run>/`): p
 output tokens/s and AR's, their ratio, TTFT p50, TPOT p50 and p90 (ms) of each, τ, and whether the
 point ran on a busy machine; and figures (`--plots/<run>/`): throughput against concurrency and TPOT
 (p50, p90) against concurrency, the method's lines beside AR's, and throughput against TPOT p50 (the
-throughput-latency trade, one point per load). A point measured busy is marked. Across the runs: one
-table of every method's throughput over AR's at each load and of their TPOT p50 (`summary.md`), and two
-figures with a line per method (`--plots/summary/`): throughput over AR's against concurrency, and
-throughput against TPOT p50 (the throughput-latency Pareto, AR's line beside).
+throughput-latency trade, one point per load). A point measured busy is marked. Across the runs, per group
+of runs that served the same prompts (the dataset, and its input-length bucket) with the same speculation
+policy (`serve.speculate_up_to`): one table of every method's throughput over AR's at each load and of
+their TPOT p50 (`summary.md`), and two figures with a line per method (`--plots/summary/<group>/`:
+`spec_bench`, `needle-2000`, `spec_bench-up-to-1`): throughput over AR's against concurrency, and
+throughput against TPOT p50 (the throughput-latency Pareto of the bucket, AR's line beside).
 """
 
 from __future__ import annotations
@@ -151,46 +153,85 @@ def run_labels(runs: list[Path]) -> dict[Path, str]:
     return labels
 
 
-def policy(points: list[dict]) -> str:
-    limits = {p.get("speculate_up_to") for p in points if p["decoder"] != BASELINE}
-    if limits == {None}:
-        return "always speculates"
-    return "drafts nothing above " + "/".join(str(n) for n in sorted(limits - {None})) + " running sequences"
+def workload(run: Path) -> str:
+    """The prompts a run served: its dataset, and its input-length bucket where it has one (the needle set's
+    `lengths`, in tokens)."""
+    dataset = read_settings(run).get("dataset", {})
+    lengths = dataset.get("lengths")
+    return (dataset.get("name") or run.parts[-4]) + (f" ≈{'/'.join(map(str, lengths))} tokens" if lengths else "")
+
+
+def policy(limit: int | None) -> str:
+    """A run's speculation policy (`serve.speculate_up_to`)."""
+    return "always speculating" if limit is None else f"drafting nothing above {limit} running sequence(s)"
+
+
+def groups(runs: list[Path]) -> dict[tuple[str, int | None], list[Path]]:
+    """The runs by (workload, `serve.speculate_up_to`): one group's runs are the rows of one table and the
+    lines of one figure."""
+    grouped: dict[tuple[str, int | None], list[Path]] = {}
+    for run in runs:
+        grouped.setdefault((workload(run), (read_settings(run).get("serve") or {}).get("speculate_up_to")),
+                           []).append(run)
+    return dict(sorted(grouped.items(), key=lambda item: (item[0][0], item[0][1] or 0)))
+
+
+def group_folder(key: tuple[str, int | None]) -> str:
+    """A group's figures' folder: `spec_bench`, `needle-2000`, `spec_bench-up-to-1`."""
+    name = key[0].replace(" ≈", "-").replace(" tokens", "").replace("/", "-").replace(" ", "-")
+    return name + ("" if key[1] is None else f"-up-to-{key[1]}")
 
 
 def summary_table(runs: list[Path]) -> str:
-    """Every run's method beside AR at each load: output tokens/s over AR's (both tokens/s), and TPOT p50
-    (method / AR, ms); a busy point is starred."""
+    """Per group of runs (`groups`): every run's method beside AR at each load: output tokens/s over AR's
+    (both tokens/s), TPOT p50 (method / AR, ms), and the ratio's two factors (τ, and a step's time in AR
+    steps); a busy point is starred."""
+    parts = [f"**{key[0]}, {policy(key[1])}.**\n\n{group_table(members)}" for key, members in groups(runs).items()]
+    return "\n".join(parts) + "\n\\* measured partly on a busy machine.\n"
+
+
+def group_table(runs: list[Path]) -> str:
     labels = run_labels(runs)
     loads = {}
     rows = []
     for run in sorted(runs, key=lambda r: labels[r]):
-        points = read_points(run)
         cells = {}
-        for load, mine, ar in paired(points):
+        for load, mine, ar in paired(read_points(run)):
             if mine is None or ar is None:
                 continue
             key = json.dumps(load, sort_keys=True)
             loads.setdefault(key, load)
             busy = " *" if mine["busy"] or ar["busy"] else ""
-            cells[key] = (f"**{mine['output_tokens_per_second'] / ar['output_tokens_per_second']:.2f}×** "
+            ratio = mine["output_tokens_per_second"] / ar["output_tokens_per_second"]
+            cells[key] = (f"**{ratio:.2f}×** "
                           f"({mine['output_tokens_per_second']:.0f} / {ar['output_tokens_per_second']:.0f}){busy}",
-                          f"{ms(mine, 'tpot', 'p50')} / {ms(ar, 'tpot', 'p50')}{busy}")
-        rows.append((labels[run], policy(points), cells))
+                          f"{ms(mine, 'tpot', 'p50')} / {ms(ar, 'tpot', 'p50')}{busy}",
+                          f"{mine['tau']:.2f} / {mine['tau'] / ratio:.2f}{busy}")
+        rows.append((labels[run], cells))
     order = sorted(loads, key=lambda k: (loads[k]["loop"], loads[k]["concurrency"], loads[k].get("rate", 0)))
     head = "| method | " + " | ".join(load_name(loads[k]) for k in order) + " |\n|---|" + "---|" * len(order) + "\n"
     parts = []
-    for index, what in ((0, "Output tokens/s over AR's (method / AR tokens/s)"), (1, "TPOT p50, ms (method / AR)")):
-        body = "".join(f"| {label}{'' if rule == 'always speculates' else f' ({rule})'} | "
-                       + " | ".join(cells[k][index] if k in cells else "–" for k in order) + " |\n"
-                       for label, rule, cells in rows)
+    for index, what in ((0, "Output tokens/s over AR's (method / AR tokens/s)"), (1, "TPOT p50, ms (method / AR)"),
+                        (2, "Why: τ (tokens per step of a sequence) / a step's time in AR steps at the same load "
+                            "(τ over the throughput ratio: drafting, verifying the draft rows, the method's own "
+                            "work, its share of the joins' prefills); the ratio is their quotient")):
+        body = "".join(f"| {label} | " + " | ".join(cells[k][index] if k in cells else "–" for k in order) + " |\n"
+                       for label, cells in rows)
         parts.append(f"{what}:\n\n{head}{body}")
-    return "\n".join(parts) + "\n\\* measured partly on a busy machine.\n"
+    return "\n".join(parts)
 
 
 def summary_figures(runs: list[Path], out: Path) -> list[Path]:
-    """A line per method: throughput over AR's against concurrency, and throughput against TPOT p50 with
-    AR's line (AR's points pooled over the runs: the median at each load)."""
+    """Per group of runs (`groups`, in `out/<group>/`): a line per method, throughput over AR's against
+    concurrency, and throughput against TPOT p50 with AR's line (the throughput-latency Pareto; AR's points
+    pooled over the group's runs: the median at each load)."""
+    written = []
+    for key, members in groups(runs).items():
+        written += group_figures(members, out / group_folder(key))
+    return written
+
+
+def group_figures(runs: list[Path], out: Path) -> list[Path]:
     labels = run_labels(runs)
     ordered = sorted(runs, key=lambda r: labels[r])
     closed_by_run = {run: [(load, mine, ar) for load, mine, ar in paired(read_points(run))
