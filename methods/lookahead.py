@@ -19,7 +19,9 @@ The window rows are `Tree.extra_rows` (engine/tree.py): in the verify forward, n
 their KV dropped by the commit. The pool is an LRU list of at most G n-grams per first token, kept
 across the steps of one generation and reset per prompt (as upstream). The window starts as random
 prompt tokens and fills one level per step (N - 2 warm-up steps, the first one inside the prefill,
-as upstream's first forward); the verification branch starts once it is full.
+as upstream's first forward); the verification branch starts once it is full. A step with nothing to
+speculate (a sequence's last token, or load-aware speculation off at its batch size) forwards the root
+alone: the window waits, its levels kept for the next step that speculates.
 
 Differences from upstream, none affecting the output: the n-grams are a trie; when a whole n-gram
 is accepted the target's next token is emitted too (upstream drops it); with `pool_from_prompt`
@@ -165,6 +167,8 @@ class LookaheadDecoder(DraftVerifyDecoder):
         ngrams = values["pool"].get(root, []) if full and self.guess > 0 else []
         values["with_guesses"] += bool(ngrams and budget > 0)
         tree = trie(root, [list(g[:budget]) for g in ngrams] if budget > 0 else [])
+        if budget <= 0:  # nothing to speculate (its last token, or drafting off at this load): no window rows
+            return tree
         size0 = len(levels[0])
         width = size0 + 1
         tokens = list(levels[0])

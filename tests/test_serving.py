@@ -153,16 +153,25 @@ def test_a_sequence_joins_a_batch_cache_in_a_row_of_its_own(target, joined):  # 
 
 @pytest.mark.parametrize("method", batchable_methods())
 def test_load_aware_speculation_drafts_nothing_above_its_batch_size(every_batchable, method):  # noqa: F811
-    """`speculate_up_to` (arctic-inference's `disable_by_batch_size`): at 0 no step drafts a token; at 1,
-    steps draft only while one sequence decodes. Each request's greedy tokens are its tokens alone."""
+    """`speculate_up_to` (arctic-inference's `disable_by_batch_size`): at 0 no step drafts a token, and each
+    verify forward holds one row per running sequence, as AR's (no draft, no Lookahead window); at 1, steps
+    draft only while one sequence decodes. Each request's greedy tokens are its tokens alone."""
     make = every_batchable[method]
     prompts, stops = workload()
     alone = [make().generate(p, s).tokens for p, s in zip(prompts, stops)]
     for limit in (0, 1):
-        outs = make().serve(Requests([Request(p, s) for p, s in zip(prompts, stops)], 3, speculate_up_to=limit))
+        decoder, rows = make(), []
+        forward = decoder.target.forward_batch
+
+        def counting(batch_rows, *args, **kwargs):
+            rows.extend(len(tokens) for tokens, _, _ in batch_rows)
+            return forward(batch_rows, *args, **kwargs)
+
+        decoder.target.forward_batch = counting
+        outs = decoder.serve(Requests([Request(p, s) for p, s in zip(prompts, stops)], 3, speculate_up_to=limit))
         assert [out.tokens for out in outs] == alone, f"speculate_up_to={limit}"
         if limit == 0:
-            assert sum(out.stats.drafted_tokens for out in outs) == 0
+            assert sum(out.stats.drafted_tokens for out in outs) == 0 and set(rows) == {1}, rows
 
 
 def test_serve_bench_measures_each_point_once_and_resumes(tiny_model_dir, questions_file, tmp_path):  # noqa: F811
