@@ -109,11 +109,11 @@ def test_auto_dtype_on_a_cpu_is_decided_by_timing(monkeypatch, tiny_chat_model_d
     cpu, spec = torch.device("cpu"), ModelSpec(path=str(tiny_chat_model_dir))
     flags = {"avx2", "avx512f", "avx512_bf16"}
     monkeypatch.setattr(dtype_module, "auto_dtype", lambda device: hardware.auto_dtype(device, flags))
-    timed, half = [], {}
-    def curve(self, runner, name, sizes):
-        timed.append((runner.precision, tuple(sizes)))
-        return {1: 1.0, 4: 1.2} if runner.precision == "float32" else half[runner.precision]
-    monkeypatch.setattr(MachineProfile, "latency_curve", curve)
+    timed, half = [], {}  # each timing: the precisions timed together (interleaved), at which sizes
+    def latencies(runners, sizes, repeats):
+        timed.append((tuple(runner.precision for runner in runners.values()), tuple(sizes)))
+        return {name: {1: 1.0, 4: 1.2} if name == "float32" else half[name] for name in runners}
+    monkeypatch.setattr(dtype_module, "forward_latencies", latencies)
     monkeypatch.setattr(MachineProfile, "linear_path", lambda self, models: LinearPath(None))  # no plan to measure
     busy = [False]  # the machine's load while the ratios were measured, as the profile judges it
     monkeypatch.setattr(load, "is_busy", lambda record: busy[0])
@@ -124,23 +124,28 @@ def test_auto_dtype_on_a_cpu_is_decided_by_timing(monkeypatch, tiny_chat_model_d
     dtype, why = MachineProfile(cpu).dtype("auto", spec, "tiny")
     assert dtype == torch.float32, why
     assert "bfloat16 0.90x (1 token), 0.58x (4 tokens); bf16w 0.85x (1 token), 0.75x (4 tokens)" in why
-    assert timed == [("float32", (1, 4)), ("bfloat16", (1, 4)), ("bf16w", (1, 4))] and len(stored()) == 1
-    assert MachineProfile(cpu).dtype("auto", spec, "tiny") == (dtype, why) and len(timed) == 3  # kept: nothing timed
+    assert timed == [(("float32", "bfloat16", "bf16w"), (1, 4))] and len(stored()) == 1  # loaded together
+    assert MachineProfile(cpu).dtype("auto", spec, "tiny") == (dtype, why) and len(timed) == 1  # kept: nothing timed
     busy[0] = True  # measured beside other work: measured again by the next run
     half.update(bfloat16={1: 0.6, 4: 0.66}, bf16w={1: 0.55, 4: 0.6})  # both clearly faster: bf16w at both sizes
     dtype, why = MachineProfile(cpu).dtype("auto", spec, "tiny")
-    assert dtype == "bf16w" and why.endswith("bf16w, clearly faster") and len(timed) == 6
+    assert dtype == "bf16w" and why.endswith("bf16w, clearly faster") and len(timed) == 2
     busy[0] = False
     flags.difference_update({"avx512f", "avx512_bf16"})  # an AVX2 CPU: bf16w alone is a candidate
-    assert MachineProfile(cpu).dtype("auto", spec, "tiny")[0] == "bf16w" and timed[6:] == [("float32", (1, 4)),
-                                                                                          ("bf16w", (1, 4))]
+    assert MachineProfile(cpu).dtype("auto", spec, "tiny")[0] == "bf16w" and timed[2:] == [(("float32", "bf16w"),
+                                                                                           (1, 4))]
     stored()[0].unlink()
+    parameters = dtype_module._parameter_count(dtype_module.AutoConfig.from_pretrained(tiny_chat_model_dir))
+    monkeypatch.setattr(dtype_module, "_available_memory", lambda: 2 * 9 * parameters)  # fp32 + bf16w: 10 bytes
+    assert MachineProfile(cpu).dtype("auto", spec, "tiny")[0] == "bf16w" and timed[3:] == [(("float32",), (1, 4)),
+                                                                                           (("bf16w",), (1, 4))]
+    stored()[0].unlink()  # too large to load together: each timed alone, one after another
     assert MachineProfile(cpu).dtype("auto", None)[0] == torch.float32  # no model to time: the flags decide
     assert MachineProfile(cpu).dtype("float32", spec) == (torch.float32, "dtype=float32 asked for")
     flags.update({"avx512f", "avx512_bf16"})  # native bf16, and fp32 weights too large to load twice
     monkeypatch.setattr(dtype_module, "_available_memory", lambda: 1000)
     dtype, why = MachineProfile(cpu).dtype("auto", spec, "tiny")
-    assert dtype == torch.bfloat16 and "more than half the memory" in why and len(timed) == 8 and not stored()
+    assert dtype == torch.bfloat16 and "more than half the memory" in why and len(timed) == 5 and not stored()
 
 
 def test_off_switch_and_bad_mode():
