@@ -111,10 +111,13 @@ class MultiCandidateDecoder(DraftVerifyDecoder):
                                       without_replacement=not self.replacement)
 
     def propose_batch(self, states, budgets) -> list[Tree]:
-        """A batch's trees with one draft forward per depth for all its sequences (`BatchDraftLM`)."""
-        return self.batch_draft.draft_trees(states, [self.k_config_of(state)[:budget]
-                                                     for state, budget in zip(states, budgets)],
-                                            without_replacement=not self.replacement)
+        """A batch's trees with one draft forward per depth for all its sequences (`BatchDraftLM`). A step
+        with nothing to draft (load-aware speculation off at this batch size) runs no draft forward: the
+        draft catches up on the tokens it missed at the next step that drafts, in one forward."""
+        k_configs = [self.k_config_of(state)[:budget] for state, budget in zip(states, budgets)]
+        if not any(k_configs):
+            return [Tree(torch.tensor([state.sequence[-1]]), [-1]) for state in states]
+        return self.batch_draft.draft_trees(states, k_configs, without_replacement=not self.replacement)
 
     def advance(self, state, tree, acceptance, verified) -> None:
         state.draft.keep_path(tree, acceptance.path, acceptance.emitted)

@@ -53,12 +53,14 @@ class BatchDraft:
             if len(kept) != len(self.states):
                 self.cache.keep_sequences(kept)
             for state in joining:
+                state.draft.settle()  # what it accepted before its first draft step in the batch
                 self.cache.add_sequence(self._committed(state.draft))
             self.states = list(states)
             return
         drafters = [state.draft for state in states]
         self.cache = BatchKVCache(len(states), max(d.cache.capacity or 0 for d in drafters) or None)
         for row, drafter in enumerate(drafters):
+            drafter.settle()
             self.cache.load_row(row, self._committed(drafter))
         self.states = list(states)
 

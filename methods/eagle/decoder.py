@@ -45,7 +45,11 @@ class EagleBase(DraftVerifyDecoder):
 
     def propose_batch(self, states, budgets) -> list[Tree]:
         """A batch's drafts with one head forward per step of the draft for all its sequences
-        (`batch_draft.py`) where the head's layer runs on the fused forward; else one after another."""
+        (`batch_draft.py`) where the head's layer runs on the fused forward; else one after another. A
+        step with nothing to draft (load-aware speculation off at this batch size) runs no head forward:
+        the accepted paths wait (`EagleDrafter.defer`) for the next step that drafts."""
+        if not any(budgets):
+            return [Tree(torch.tensor([state.sequence[-1]]), [-1]) for state in states]
         if self.drafter.fused is None:
             return super().propose_batch(states, budgets)
         return self.batch_draft.trees(states, budgets)

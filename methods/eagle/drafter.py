@@ -111,8 +111,11 @@ class EagleDrafter:
 
     def defer(self, tokens: Sequence[int], features: torch.Tensor) -> None:
         """`follow` left for the next draft step: the static draft step (`StaticDraft`) feeds the path
-        and drafts the levels in one computation; any other reader of the root calls `settle` first."""
-        self.settle()
+        and drafts the levels in one computation; any other reader of the root calls `settle` first.
+        Paths of steps that drafted nothing (load-aware speculation off, or another drafter's turn in
+        SAM) join the one deferred: the next draft step feeds them all, in one forward."""
+        if self.pending is not None:
+            tokens, features = self.pending[0] + list(tokens), torch.cat([self.pending[1], features])
         self.pending = (list(tokens), features)
 
     def settle(self) -> None:

@@ -52,7 +52,7 @@ class Eagle2Decoder(EagleBase):
     def propose_batch(self, states, budgets) -> list[Tree]:
         """`EagleBase.propose_batch`; each sequence is charged its share of the batch's time (one after
         another, each `propose` charges its own)."""
-        if self.drafter.fused is None:
+        if self.drafter.fused is None or not any(budgets):  # (a step that drafts nothing is not timed)
             return super().propose_batch(states, budgets)
         started = time.perf_counter()
         trees = super().propose_batch(states, budgets)
