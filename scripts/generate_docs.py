@@ -544,13 +544,16 @@ def block_serving(_sets) -> str:
     for key, members in groups(runs).items():
         settings = read_settings(members[0])
         loads = sorted({p["load"]["concurrency"] for p in read_points(members[0]) if p["load"]["loop"] == "closed"})
+        rate = settings["serve"]["rate"]
+        how = (f"closed loops at c = {', '.join(map(str, loads))}" if loads else
+               f"an open loop, Poisson arrivals at {rate:g} requests/s, at most {max(settings['serve']['concurrency'])}"
+               " decoding at once")
         lines += [f"### {key[0]}, {policy(key[1])}", "",
                   f"{settings['dtype']}, {settings['model']['name']}, {len(settings['questions'])} "
                   f"{settings['dataset']['name']} prompts, {settings['serve']['requests']} requests per point, "
-                  f"{settings['max_new_tokens']} new tokens at most; closed loops at c = {', '.join(map(str, loads))}.",
-                  "", group_table(members), ""]
+                  f"{settings['max_new_tokens']} new tokens at most; {how}.", "", group_table(members), ""]
         for name, what in (("speedup_vs_concurrency", "output tokens/s over AR's against concurrency"),
-                           ("throughput_vs_tpot", "output tokens/s against TPOT p50")):
+                           ("throughput_vs_tpot", "output tokens/s against TPOT p50"))[: 2 if loads else 0]:
             figure = SERVE_PLOTS / group_folder(key) / f"{name}.png"
             if not figure.is_file():
                 raise SystemExit(f"{figure}: missing (make serve-sweep's report: python -m harness.reporting.serving "

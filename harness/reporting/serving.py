@@ -155,10 +155,12 @@ def run_labels(runs: list[Path]) -> dict[Path, str]:
 
 def workload(run: Path) -> str:
     """The prompts a run served: its dataset, and its input-length bucket where it has one (the needle set's
-    `lengths`, in tokens)."""
-    dataset = read_settings(run).get("dataset", {})
+    `lengths`, in tokens), and how they came: in closed loops, or arriving (an open loop)."""
+    settings = read_settings(run)
+    dataset, rate = settings.get("dataset", {}), (settings.get("serve") or {}).get("rate")
     lengths = dataset.get("lengths")
-    return (dataset.get("name") or run.parts[-4]) + (f" ≈{'/'.join(map(str, lengths))} tokens" if lengths else "")
+    return ((dataset.get("name") or run.parts[-4]) + (f" ≈{'/'.join(map(str, lengths))} tokens" if lengths else "")
+            + (", open loop" if rate else ""))
 
 
 def policy(limit: int | None) -> str:
@@ -177,8 +179,8 @@ def groups(runs: list[Path]) -> dict[tuple[str, int | None], list[Path]]:
 
 
 def group_folder(key: tuple[str, int | None]) -> str:
-    """A group's figures' folder: `spec_bench`, `needle-2000`, `spec_bench-up-to-1`."""
-    name = key[0].replace(" ≈", "-").replace(" tokens", "").replace("/", "-").replace(" ", "-")
+    """A group's figures' folder: `spec_bench`, `needle-2000`, `spec_bench-up-to-1`, `spec_bench-open-loop`."""
+    name = key[0].replace(" ≈", "-").replace(" tokens", "").replace(",", "").replace("/", "-").replace(" ", "-")
     return name + ("" if key[1] is None else f"-up-to-{key[1]}")
 
 
@@ -236,6 +238,8 @@ def group_figures(runs: list[Path], out: Path) -> list[Path]:
     ordered = sorted(runs, key=lambda r: labels[r])
     closed_by_run = {run: [(load, mine, ar) for load, mine, ar in paired(read_points(run))
                            if load["loop"] == "closed" and mine and ar] for run in ordered}
+    if not any(closed_by_run.values()):  # an open loop's group: one load, its table says it all
+        return []
     written = []
     for name in ("speedup_vs_concurrency", "throughput_vs_tpot"):
         fig, ax = plt.subplots(layout="constrained", figsize=(COLUMN_WIDTH, 3.0))
