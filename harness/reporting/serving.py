@@ -153,10 +153,10 @@ def run_labels(runs: list[Path]) -> dict[Path, str]:
     return labels
 
 
-def workload(run: Path) -> str:
-    """The prompts a run served: its dataset, and its input-length bucket where it has one (the needle set's
-    `lengths`, in tokens), and how they came: in closed loops, or arriving (an open loop)."""
-    settings = read_settings(run)
+def workload(run: Path, settings: dict) -> str:
+    """The prompts a run served (`settings`: its settings.json): its dataset, and its input-length bucket where
+    it has one (the needle set's `lengths`, in tokens), and how they came: in closed loops, or arriving (an
+    open loop)."""
     dataset, rate = settings.get("dataset", {}), (settings.get("serve") or {}).get("rate")
     lengths = dataset.get("lengths")
     return ((dataset.get("name") or run.parts[-4]) + (f" ≈{'/'.join(map(str, lengths))} tokens" if lengths else "")
@@ -173,7 +173,8 @@ def groups(runs: list[Path]) -> dict[tuple[str, int | None], list[Path]]:
     lines of one figure."""
     grouped: dict[tuple[str, int | None], list[Path]] = {}
     for run in runs:
-        grouped.setdefault((workload(run), (read_settings(run).get("serve") or {}).get("speculate_up_to")),
+        settings = read_settings(run)
+        grouped.setdefault((workload(run, settings), (settings.get("serve") or {}).get("speculate_up_to")),
                            []).append(run)
     return dict(sorted(grouped.items(), key=lambda item: (item[0][0], item[0][1] or 0)))
 

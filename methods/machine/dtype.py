@@ -99,17 +99,12 @@ def _time_half(profile, spec: ModelSpec, model_name: str, file: Path, candidates
     how = "together, interleaved round by round" if together else "one after another (too large to load together)"
 
     def measure() -> dict[str, dict[int, float]]:
-        if together:
+        seconds = {}
+        for loaded in [names] if together else [[name] for name in names]:
             runners = {name: ModelRunner(load_model(spec, DTYPES.get(name, name), profile.device), profile=profile)
-                       for name in names}
-            seconds = forward_latencies(runners, SIZES, repeats=REPEATS)
+                       for name in loaded}
+            seconds.update(forward_latencies(runners, SIZES, repeats=REPEATS))
             del runners
-        else:
-            seconds = {}
-            for name in names:
-                runner = ModelRunner(load_model(spec, DTYPES.get(name, name), profile.device), profile=profile)
-                seconds[name] = forward_latencies({name: runner}, SIZES, repeats=REPEATS)[name]
-                del runner
         return {half: {n: seconds[half][n] / seconds["float32"][n] for n in SIZES} for half in candidates}
 
     ratios, record = profile.measure(file, f"{model_name}'s forward in {', '.join(candidates)} against fp32 "
