@@ -11,7 +11,7 @@ MAX_NEW_TOKENS ?= 256
 TEMPERATURE ?= 0
 ARGS ?=
 
-.PHONY: setup prerequisites bench serve-bench serve-peer serve-sweep sweep batch-sweep report figures headline docs perf perf-batch perf-gpu perf-contention perf-lazyllm train-drafts test
+.PHONY: setup prerequisites bench serve-bench serve-peer serve-sweep sweep batch-sweep report figures headline docs perf perf-batch perf-gpu perf-contention perf-lazyllm train-drafts train-block-drafts test
 
 setup: $(VENV)/.installed
 
@@ -202,6 +202,18 @@ train-drafts: setup
 	$(PY) -m harness.training vocab --model $(DRAFT_MODEL)
 	$(PY) -m harness.training states --model $(DRAFT_MODEL)
 	for kind in $(DRAFT_KINDS); do $(PY) -m harness.training $$kind --model $(DRAFT_MODEL) || exit 1; done
+
+# The block drafters' drafts (DFlash, PARD) as committed, sized for a CPU: the target answers the corpus's
+# first BLOCK_PROMPTS prompts here (its manifest drafts/<model>/corpus-first-<N>.json), then the two
+# recipes train on those answers with the settings below; each model card records its minutes and machine.
+BLOCK_PROMPTS ?= 1600
+BLOCK_DATA = data/distill/$(DRAFT_MODEL)/first-$(BLOCK_PROMPTS)/answers.jsonl
+train-block-drafts: setup
+	test -f $(BLOCK_DATA) || $(PY) -m harness.training data --model $(DRAFT_MODEL) --prompts $(BLOCK_PROMPTS) \
+		--distill-dtype float32 --data $(BLOCK_DATA)
+	$(PY) -m harness.training dflash --model $(DRAFT_MODEL) --data $(BLOCK_DATA) --layers 2 --block-size 8 \
+		--anchors 32 --epochs 2 --lr 1e-3 $(ARGS)
+	$(PY) -m harness.training pard --model $(DRAFT_MODEL) --data $(BLOCK_DATA) --epochs 1 --lr 5e-4 $(ARGS)
 
 # REST's datastore for the embedded model, from the suite's draft-training corpus (built on first use
 # anyway; cached under ~/.cache/decodebench/rest/). Other models: python -m methods.rest --help.

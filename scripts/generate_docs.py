@@ -59,7 +59,9 @@ BATCH = REFERENCE / "batch"  # a `make sweep` of batch sizes (docs/batching.md),
 SERVE = REFERENCE / "serve"  # `make serve-sweep`'s runs (docs/serving.md)
 SERVE_PLOTS = REPO / "plots" / "reference" / "serving" / "summary"
 DOCUMENTS = (REPO / "README.md", REPO / "docs" / "headline.md", REPO / "docs" / "performance.md",
-             REPO / "docs" / "batching.md", REPO / "docs" / "serving.md")
+             REPO / "docs" / "batching.md", REPO / "docs" / "serving.md", REPO / "docs" / "drafts.md",
+             REPO / "docs" / "models.md")
+DRAFTS = REPO / "drafts" / "smollm2-135m"  # the embedded model's drafts (docs/drafts.md)
 
 
 # ------------------------------------------------------------------------------------------
@@ -292,7 +294,7 @@ DRAFT_COLUMNS = {"sps": "draft LM", "eagle": "EAGLE", "eagle3": "EAGLE-3", "medu
 
 
 def block_models(_sets) -> str:
-    """README: every model config, its target and the drafts it names (Hub ids; `ours`: trained by
+    """docs/models.md: every model config, its target and the drafts it names (Hub ids; `ours`: trained by
     the suite, in drafts/), each column naming the methods that draft with it."""
     methods = [m for m in available_methods() if method_settings(m).__module__.startswith("methods.")]
     users = {kind: [m for m in methods if method_settings(m).draft_kind == kind] for kind in DRAFT_COLUMNS}
@@ -563,11 +565,47 @@ def block_serving(_sets) -> str:
     return "\n".join(lines) + "\\* measured partly on a busy machine.\n"
 
 
+def block_block_drafts(_sets) -> str:
+    """docs/drafts.md: the block drafters' drafts of the embedded model (DFlash, PARD), each row from its
+    `training.json`, `config.json` and the manifest of the corpus it was trained on."""
+    lines = ["| draft | what is trained | data | training | held-out top-1 agreement per draft position, before → "
+             "after | file |", "|---|---|---|---|---|---|"]
+    for kind in ("dflash", "pard"):
+        folder = DRAFTS / kind
+        if not (folder / "training.json").is_file():
+            lines.append(f"| `{kind}` | not trained yet: `make train-block-drafts` | | | | |")
+            continue
+        run = json.loads((folder / "training.json").read_text())
+        config = json.loads((folder / "config.json").read_text())
+        args = run["args"]
+        if kind == "dflash":
+            ids = config["dflash_config"]["target_layer_ids"]
+            what = (f"{config['num_hidden_layers']} decoder layers (from the target's last) + fc over the outputs of "
+                    f"layers {', '.join(map(str, ids))} + norm; blocks of {config['block_size']} (mask id "
+                    f"{config['dflash_config']['mask_token_id']}), {args['anchors']} anchored blocks per conversation")
+        else:
+            what = (f"the draft LM (`draft-lm`) adapted by conditional drop-token: {args['para_num']} tokens per "
+                    f"position, mask id {config['pard_token']}")
+        data = Path(args["data"]) if args.get("data") else None
+        manifest = DRAFTS / (f"corpus-{data.parent.name}.json" if data else "corpus.json")
+        corpus = json.loads(manifest.read_text()) if manifest.is_file() else {}
+        source = (f"{run['train']:,} conversations ({run['held_out']} held out) of `{manifest.relative_to(REPO)}`: "
+                  f"{corpus['prompts']:,} prompts, {corpus['answer_tokens']:,} answer tokens" if corpus else
+                  f"{run['train']:,} conversations ({run['held_out']} held out)")
+        agree = " / ".join(f"{run['held_out_acceptance_before'][k]:.2f} → **{v:.2f}**"
+                           for k, v in run["held_out_acceptance"].items())
+        size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e6
+        lines.append(f"| `{kind}` | {what} | {source} | {args['epochs']:g} epochs, {run['steps']} steps of "
+                     f"{run['batch']}, lr {args['lr']:g}, {run['seconds'] / 60:.0f} min on {run['machine']} | "
+                     f"{agree} | {size:.0f} MB |")
+    return "\n".join(lines) + "\n"
+
+
 BLOCKS = {"figure": block_figure, "batchable": block_batchable, "reference": block_reference, "latest": block_latest,
           "run-sets": block_run_sets,
           "quickstart": block_quickstart, "models": block_models, "methods": block_methods,
           "draft-split": block_draft_split, "engine": block_engine, "mixed-lengths": block_mixed_lengths,
-          "batch-curve": block_batch_curve, "serving": block_serving}
+          "batch-curve": block_batch_curve, "serving": block_serving, "block-drafts": block_block_drafts}
 
 
 def fill(text: str, blocks: dict[str, str], where: Path) -> str:

@@ -178,3 +178,18 @@ def test_corpus_writes_the_answers_and_a_manifest_with_their_checksum(tiny_chat_
     assert [r["id"] for r in again] == [r["id"] for r in rows[:5]]
     assert [r["ids"] for r in again if r["mode"] == "greedy"] == [r["ids"] for r in rows[:5] if r["mode"] == "greedy"]
     assert "--prompts-file" in json.loads((elsewhere / "corpus.json").read_text())["command"]
+
+
+def test_a_named_corpus_has_its_own_manifest_and_the_drafts_trained_on_it_name_it():
+    import argparse
+
+    from harness.training.loop import ROOT, corpus_manifest, default_corpus, recipe_command
+
+    assert corpus_manifest("m", default_corpus("m")) == ROOT / "drafts" / "m" / "corpus.json"
+    named = ROOT / "data" / "distill" / "m" / "first-100" / "answers.jsonl"
+    assert corpus_manifest("m", named) == ROOT / "drafts" / "m" / "corpus-first-100.json"
+    args = argparse.Namespace(kind="pard", model="m", seed=0, epochs=1.0, lr=1e-3, batch=4, para_num=4,
+                              mask_token=7, data=named)
+    assert "--data data/distill/m/first-100/answers.jsonl" in recipe_command(args)
+    assert "--data" not in recipe_command(argparse.Namespace(**(vars(args) | {"data": None})))
+    assert "--data" not in recipe_command(argparse.Namespace(**(vars(args) | {"data": default_corpus("m")})))

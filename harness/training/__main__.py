@@ -26,7 +26,7 @@ from .eagle import EagleRecipe
 from .eagle3 import Eagle3Recipe, attach_cached_features, attach_features
 from .examples import attach_hidden, choose_mask_token, feature_spread, load_examples, split
 from .hydra import HydraRecipe
-from .loop import ROOT, evaluate, load_target, model_card, train
+from .loop import ROOT, default_corpus, evaluate, load_target, model_card, train
 from .medusa import MedusaRecipe
 from .pard import PARA_NUM, PardRecipe
 
@@ -46,7 +46,7 @@ DEFAULTS = {  # kind: (epochs, lr, batch, noise): the committed zoo's settings (
     "medusa": (6.0, 1e-3, 16, 0.0),
     "eagle3": (8.0, 2e-3, 16, 0.0),
     "hydra": (2.0, 1e-3, 16, 0.0),
-    "dflash": (6.0, 6e-4, 16, 0.0),  # SpecForge's lr and epochs (not trained yet: no committed draft)
+    "dflash": (6.0, 6e-4, 16, 0.0),  # SpecForge's lr and epochs
     "pard": (4.0, 3e-4, 16, 0.0),  # 4 epochs as upstream's examples; lr: ours (upstream's 3e-5 fine-tunes a 0.5B draft)
 }
 
@@ -124,7 +124,7 @@ def main(argv=None) -> None:
     batch_tokens = args.state_batch_tokens or (16384 if device.type == "cuda" else None)
     state_batch = {"batch_tokens": batch_tokens} if batch_tokens else {}
     torch.manual_seed(args.seed)
-    data_file = args.data or ROOT / "data" / "distill" / args.model / "answers.jsonl"
+    data_file = args.data or default_corpus(args.model)
     if args.kind == "data":
         corpus(args, data_file)
         return

@@ -32,7 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from harness.running.datasets import FILLER
 from harness.running.prompts import ChatTemplate, Message
 from harness.running.results import read_jsonl, rewrite_jsonl
-from harness.training.loop import ROOT, load_target, machine_label
+from harness.training.loop import ROOT, corpus_manifest, default_corpus, load_target, machine_label
 from methods.engine.hardware import native_bf16
 from methods.models.corpus import KINDS, training_prompts
 
@@ -199,7 +199,8 @@ def measure_batches(model_name: str, prompts: list[dict], max_new_tokens: int, s
 def corpus(args, data_file: Path, manifest_file: Path | None = None) -> None:
     """`python -m harness.training data`: the prompts (checked disjoint from every evaluation set on
     this machine), the target's answers (journalled: an interrupted run resumes) and a manifest with
-    the recipe and the corpus's checksum (`drafts/<model>/corpus.json`, committed; the corpus is not)."""
+    the recipe and the corpus's checksum (`loop.corpus_manifest`: `drafts/<model>/corpus.json`, or
+    `corpus-<name>.json` for `--data data/distill/<model>/<name>/answers.jsonl`; committed, the corpus is not)."""
     prompts_file = getattr(args, "prompts_file", None)
     prompts = read_jsonl(prompts_file) if prompts_file else training_prompts(args.prompts, args.seed)
     files = question_files(args.questions)
@@ -226,13 +227,15 @@ def corpus(args, data_file: Path, manifest_file: Path | None = None) -> None:
     data_file.write_text("".join(json.dumps(r) + "\n" for r in records))
     journal.unlink()
     tokens = sum(len(r["ids"]) - r["answer_start"] for r in records)
+    shown = str(data_file.relative_to(ROOT) if data_file.is_relative_to(ROOT) else data_file)
     manifest = {
-        "file": str(data_file.relative_to(ROOT) if data_file.is_relative_to(ROOT) else data_file),
+        "file": shown,
         "sha256": hashlib.sha256(data_file.read_bytes()).hexdigest(),
         "command": f"python -m harness.training data --model {args.model} --prompts {args.prompts} --seed {args.seed} "
                    f"--max-new-tokens {args.max_new_tokens} --distill-batch {args.distill_batch} "
                    f"--distill-dtype {args.distill_dtype}"
-                   + (f" --prompts-file {prompts_file}" if prompts_file else ""),
+                   + (f" --prompts-file {prompts_file}" if prompts_file else "")
+                   + ("" if data_file.resolve() == default_corpus(args.model).resolve() else f" --data {shown}"),
         "prompts_sha256": hashlib.sha256(prompt_copy.read_bytes()).hexdigest(),
         "prompts": len(records), "answer_tokens": tokens,
         "prompt_tokens": sum(r["answer_start"] for r in records),
@@ -247,7 +250,7 @@ def corpus(args, data_file: Path, manifest_file: Path | None = None) -> None:
                     "passages": "the Python language reference shipped as pydoc_data.topics (PSF License)",
                     "code": "first lines of standard-library docstrings (PSF License)"},
     }
-    manifest_file = manifest_file or ROOT / "drafts" / args.model / "corpus.json"
+    manifest_file = manifest_file or corpus_manifest(args.model, data_file)
     manifest_file.parent.mkdir(parents=True, exist_ok=True)
     manifest_file.write_text(json.dumps(manifest, indent=2) + "\n")
     print(f"wrote {data_file}: {len(records)} answers, {tokens} answer tokens; manifest {manifest_file}")

@@ -229,6 +229,9 @@ Trained by `{command}` (`make train-drafts` runs the same recipe with its defaul
 def recipe_command(args) -> str:
     """The command that trains this draft again: the recipe, the model, and every setting that shaped it."""
     options = {"--seed": args.seed, "--epochs": args.epochs, "--lr": args.lr, "--batch": args.batch}
+    data = Path(args.data).resolve() if getattr(args, "data", None) is not None else None
+    if data is not None and data != default_corpus(args.model).resolve():
+        options["--data"] = data.relative_to(ROOT) if data.is_relative_to(ROOT) else data
     if getattr(args, "train_examples", None) is not None:
         options["--train-examples"] = args.train_examples
     if args.kind == "eagle3":
@@ -248,16 +251,30 @@ def recipe_command(args) -> str:
     )
 
 
+def default_corpus(model: str) -> Path:
+    """Where `python -m harness.training data` writes a model's corpus unless told otherwise."""
+    return ROOT / "data" / "distill" / model / "answers.jsonl"
+
+
+def corpus_manifest(model: str, data_file: Path) -> Path:
+    """The committed manifest of a corpus: `drafts/<model>/corpus.json` for the default one, and
+    `drafts/<model>/corpus-<name>.json` for one written to `data/distill/<model>/<name>/answers.jsonl`."""
+    if data_file.resolve() == default_corpus(model).resolve():
+        return ROOT / "drafts" / model / "corpus.json"
+    return ROOT / "drafts" / model / f"corpus-{data_file.parent.name}.json"
+
+
 def _corpus_summary(data_file: Path, model: str) -> str:
-    """The corpus manifest's counts, where `drafts/<model>/corpus.json` describes this file."""
-    manifest = ROOT / "drafts" / model / "corpus.json"
+    """The corpus manifest's counts, where the manifest (`corpus_manifest`) describes this file."""
+    manifest = corpus_manifest(model, data_file)
     m = json.loads(manifest.read_text()) if manifest.is_file() else {}
     if not m or (ROOT / m["file"]).resolve() != data_file.resolve():
         return "no manifest describes it"
     modes = m.get("modes", {})
     return (f"{m['prompts']:,} prompts, {m['answer_tokens']:,} answer tokens, {modes.get('greedy', 0):,} answered "
             "greedily and "
-            f"{modes.get('sample', 0):,} sampled at T = 1, in {m.get('dtype')}; manifest `drafts/{model}/corpus.json`")
+            f"{modes.get('sample', 0):,} sampled at T = 1, in {m.get('dtype')}; manifest "
+            f"`{manifest.relative_to(ROOT)}`")
 
 
 def machine_label(device: torch.device | str = "cpu") -> str:
