@@ -413,6 +413,11 @@ def block_draft_split(_sets) -> str:
                       f"{sec['lm head'] / one:.3f} + top-1 {sec['top-1'] / one:.3f}; its weights "
                       f"{lm['weight_share']:.3f} of the target's ({lm['whole_model_weight_share']:.3f} with its whole "
                       "LM head)."]
+        blocks = [f"{method} **{part['step_seconds'] / one:.3f}** t(1) ({part['draft_tokens']} drafts, "
+                  f"{part['forwards_per_step']:.2f} draft forwards a step, τ {part['tau']:.2f})"
+                  for method, part in split.items() if method in ("dflash", "pard")]
+        if blocks:
+            lines += ["", "Block drafters, a step's draft as a greedy answer ran it: " + "; ".join(blocks) + "."]
         parts.append("\n".join(lines) + "\n")
     return "\n".join(parts) or NOTHING.format("perf/draft-split-*.json")
 

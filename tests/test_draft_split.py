@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from harness.perf.draft_split import HEADLINE_TREES, draft_split, print_split
+from harness.perf.draft_split import BLOCK_DRAFTERS, HEADLINE_TREES, draft_split, print_split
 from methods.base import BuildContext
 from methods.engine.runner import ModelRunner
 from tests.conftest import tiny_model
+from tests.test_dflash import write_dflash
 from tests.test_eagle3 import write_eagle3
+from tests.test_pard import pard_draft, write_pard
 from tests.test_tree_methods import write_eagle
 
 PARTS = {"follow", "inputs", "layer", "lm head", "top-k", "expansion", "rerank"}
@@ -20,12 +22,18 @@ def test_the_split_times_every_part_of_a_draft_step(tmp_path, capsys):
     target = tiny_model("llama", seed=5, vocab_size=64, layers=7)  # EAGLE-3 reads layers 2, 3 and 4
     write_eagle(tmp_path / "eagle", target)
     write_eagle3(tmp_path / "eagle3", target, draft_ids=list(range(0, 64, 2)))
-    context = BuildContext(target, "tiny", {"drafts": {"eagle": {"path": str(tmp_path / "eagle")},
-                                                       "eagle3": {"path": str(tmp_path / "eagle3")}}})
+    write_dflash(tmp_path / "dflash", target, ids=[1, 4], block=4)
+    write_pard(tmp_path / "pard", pard_draft(target))
+    context = BuildContext(target, "tiny", {"drafts": {kind: {"path": str(tmp_path / kind)}
+                                                       for kind in ("eagle", "eagle3", "dflash", "pard")}})
     config = OmegaConf.create({"drafts": {"sps": {"target_layers": 1}}})
     runner = ModelRunner(target)
-    split = draft_split(target, runner, context, config, {1: 1e-3, 8: 1.2e-3, 64: 5e-3}, rounds=2)
-    assert set(split) == {"eagle2", "eagle3", "draft LM"}
+    split = draft_split(target, runner, context, config, {1: 1e-3, 8: 1.2e-3, 64: 5e-3}, rounds=2, prompt=[1, 2, 3])
+    assert set(split) == {"eagle2", "eagle3", "draft LM", "dflash", "pard"}
+    for method in BLOCK_DRAFTERS:  # at most one draft forward a step (none where nothing is left to draft)
+        part = split[method]
+        assert part["step_seconds"] > 0 and 0.9 <= part["forwards_per_step"] <= 1 and part["tau"] >= 1
+    assert split["dflash"]["draft_tokens"] == 3 and split["pard"]["draft_tokens"] == 12  # no profile: upstream's
     for method, settings in HEADLINE_TREES.items():
         part = split[method]
         seconds = part["seconds"]
@@ -41,3 +49,4 @@ def test_the_split_times_every_part_of_a_draft_step(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "eagle2, depth 3, top-4" in printed and "eagle3, depth 4, top-4" in printed
     assert "draft LM token (full vocabulary)" in printed
+    assert "dflash draft step (3 drafts, one block)" in printed and "pard draft step (12 drafts" in printed

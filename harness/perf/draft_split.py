@@ -13,7 +13,11 @@ target's weights and so evicts the draft's from the caches as a step's verificat
     the depth + 1 head forwards of a step;
   * one token of SpS's draft LM over its draft vocabulary: its forward without logits, its LM head
     (and the scatter onto the target's vocabulary), the greedy top-1, beside the share of the
-    target's weights it reads.
+    target's weights it reads;
+  * the block drafters, DFlash and PARD, at the headline's settings (`auto`): one draft forward a step
+    fills the whole block, so the step is timed as decoding runs it, a greedy answer's draft phase over
+    its steps (each draft right after that step's verification), beside the drafts it proposes and the
+    draft forwards it ran per step.
 
     python -m harness.perf.draft_split [--rounds 9]     # writes results/perf/draft-split-<hardware>-float32.json
 """
@@ -30,14 +34,16 @@ from omegaconf import OmegaConf
 
 from harness.perf.workload import write_result
 from harness.running.environment import environment, hardware_name, hardware_slug
+from harness.running.prompts import ChatTemplate, Message
 from methods.base import BuildContext, get_method
 from methods.eagle.decoder import one_sequence
 from methods.engine.runner import ModelRunner
+from methods.engine.stopping import StopCondition
 from methods.engine.tree import level_mask
 from methods.machine.probes import streamed_size, weight_bytes
 from methods.machine.profile import MachineProfile
-from methods.models.loading import load_draft_lm, load_model, resolve_device
-from methods.models.specs import ModelSpec, model_config
+from methods.models.loading import load_draft_lm, load_model, load_tokenizer, resolve_device
+from methods.models.specs import ModelSpec, ModelUnavailableError, model_config
 
 EMBEDDED = "smollm2-135m"
 
@@ -174,14 +180,47 @@ def draft_lm_split(model, runner: ModelRunner, context: BuildContext, config, cl
             "whole_model_weight_share": weight_bytes(draft) / weight_bytes(model)}
 
 
+BLOCK_DRAFTERS = ("dflash", "pard")  # one draft forward a step; the headline runs both at their defaults (`auto`)
+BLOCK_PROMPT = "Explain how a refrigerator keeps food cold, step by step, for a curious ten-year-old."
+
+
+def block_prompt(config, tokenizer) -> list[int]:
+    """The prompt the block drafters answer in the split: `BLOCK_PROMPT` in the model's chat template."""
+    return ChatTemplate.for_model(config, tokenizer).prompt_ids([Message("user", BLOCK_PROMPT)])
+
+
+@torch.inference_mode()
+def block_step_split(model, runner: ModelRunner, context: BuildContext, method: str, prompt: list[int],
+                     rounds: int = 3, new_tokens: int = 48) -> dict | None:
+    """A block drafter's draft step as decoding runs it: the median over `rounds` greedy answers of `new_tokens`
+    to `prompt` of the loop's draft phase per step (each draft follows that step's verification, which
+    evicts the draft's weights), the drafts it proposes (`draft_tokens`) and the draft forwards per step.
+    None where the model has no such draft."""
+    try:
+        decoder = get_method(method)(ModelRunner(model, profile=runner.profile), {"name": method}, context)
+    except (ValueError, OSError, ModelUnavailableError) as err:
+        print(f"  (no {method} draft for this model: {' '.join(str(err).split())}; its split skipped)")
+        return None
+    samples = []
+    for _ in range(rounds + 1):  # the first answer warms up
+        stats = decoder.generate(prompt, StopCondition(new_tokens)).stats
+        samples.append((stats.phase_time["draft"] / stats.steps, stats.new_tokens / stats.steps,
+                        stats.extra.get("draft_forwards", stats.steps) / stats.steps))
+    step, tau, forwards = (statistics.median(s[i] for s in samples[1:]) for i in range(3))
+    return {"step_seconds": step, "draft_tokens": decoder.sizing.value, "tau": tau, "forwards_per_step": forwards,
+            "new_tokens": new_tokens}
+
+
 def draft_split(model, runner: ModelRunner, context: BuildContext, config, curve: dict[int, float],
-                rounds: int = 9) -> dict:
+                rounds: int = 9, prompt: list[int] | None = None) -> dict:
     """`eagle_step_split` for EAGLE-2 and EAGLE-3 at the headline's settings and `draft_lm_split`, each part
-    after a target forward (as a step sees it)."""
+    after a target forward (as a step sees it); with a `prompt`, `block_step_split` for DFlash and PARD."""
     clock = StepClock(runner)
     split = {method: eagle_step_split(model, runner, context, method, curve, clock, rounds)
              for method in HEADLINE_TREES}
     split["draft LM"] = draft_lm_split(model, runner, context, config, clock, rounds)
+    if prompt is not None:
+        split |= {method: block_step_split(model, runner, context, method, prompt) for method in BLOCK_DRAFTERS}
     return {name: part for name, part in split.items() if part is not None}
 
 
@@ -193,7 +232,7 @@ def print_split(split: dict, one: float) -> None:
 
     print("drafting as a step runs it (each part timed after a target forward), in units of the target's t(1):")
     for method, part in split.items():
-        if method == "draft LM":
+        if method == "draft LM" or method in BLOCK_DRAFTERS:
             continue
         s = part["seconds"]
         level = sum(s[p] for p in ("inputs", "layer", "lm head", "top-k"))
@@ -214,6 +253,12 @@ def print_split(split: dict, one: float) -> None:
               + ", ".join(f"{p} {1000 * s[p]:.3f}" for p in ("forward", "lm head", "top-1"))
               + f" ms; its weights: {lm['weight_share']:.3f} of the target's "
               f"({lm['whole_model_weight_share']:.3f} with its whole LM head)")
+    for method in BLOCK_DRAFTERS:
+        if method in split:
+            part = split[method]
+            print(f"  {method} draft step ({part['draft_tokens']} drafts, one block) {units(part['step_seconds'])}: "
+                  f"{part['forwards_per_step']:.2f} draft forwards a step, tau {part['tau']:.2f} "
+                  f"(a greedy answer of {part['new_tokens']} tokens)")
 
 
 def main(argv=None) -> dict:
@@ -229,11 +274,12 @@ def main(argv=None) -> dict:
     profile.prepare(model, EMBEDDED)
     runner = ModelRunner(model, profile=profile)
     curve = profile.latency_curve(runner, EMBEDDED)
-    context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True))
+    context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True), profile)  # `auto` sizes
+    prompt = block_prompt(config, load_tokenizer(ModelSpec.from_mapping(config)))
     env = environment(device)
     print(f"{hardware_name(env)}, float32, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"t(1) {1000 * curve[1]:.2f} ms (this run's curve)", flush=True)
-    split = draft_split(model, runner, context, config, curve, args.rounds)
+    split = draft_split(model, runner, context, config, curve, args.rounds, prompt)
     print_split(split, curve[1])
     result = {"hardware": hardware_name(env), "environment": env, "dtype": "float32", "t1_seconds": curve[1],
               "rounds": args.rounds, "draft_split": split}

@@ -12,8 +12,9 @@ In one run, on the same model, prompts, dtype and stopping rule (greedy, EOS, ma
     what speculation can gain;
   * where a one-token forward's time goes: its GEMMs (and the bandwidth they reach) against
     everything else (the other aten ops and Python), and how many aten calls it makes;
-  * a draft step of EAGLE-2 and EAGLE-3 and a draft-LM token split into their parts, as a step runs them
-    (`draft_split.py`), in units of the target's one-token forward;
+  * a draft step of EAGLE-2 and EAGLE-3 and a draft-LM token split into their parts, as a step runs them,
+    and DFlash's and PARD's one-forward draft step (`draft_split.py`), in units of the target's one-token
+    forward;
   * our AR loop vs `transformers` `generate(do_sample=False)`, and our SpS vs
     `generate(assistant_model=draft)` with the same draft and a constant γ; both sides' tokens compared;
   * the peers (`peers.py`): our PLD and `generate`'s, llama.cpp, and in an fp32 run our AR in bf16w
@@ -35,7 +36,7 @@ from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.perf import peers
-from harness.perf.draft_split import EMBEDDED, draft_split, print_split
+from harness.perf.draft_split import EMBEDDED, block_prompt, draft_split, print_split
 from harness.perf.workload import greedy_generate, spec_bench_prompts, timed_generations, write_result
 from harness.running.environment import environment, hardware_name, hardware_slug
 from harness.running.prompts import ChatTemplate
@@ -161,8 +162,9 @@ def main(argv=None) -> dict:
     bandwidth = max(probe or 0.0, streamed or 0.0) or None
     roofline = weights / bandwidth if bandwidth else None
     floors = verification_floors(weights, parameters, bandwidth, peak)
-    context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True))
-    split = draft_split(model, runners["auto"], context, config, curves["auto"])
+    context = BuildContext(model, EMBEDDED, OmegaConf.to_container(config, resolve=True), profile)  # `auto` sizes
+    split = draft_split(model, runners["auto"], context, config, curves["auto"],
+                        prompt=block_prompt(config, tokenizer))
     result = {
         "dtype": precision, "dtype_reason": dtype_reason, "device": str(device), "hardware": hardware,
         "environment": env,
