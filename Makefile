@@ -205,7 +205,8 @@ train-drafts: setup
 
 # The block drafters' drafts (DFlash, PARD) as committed, sized for a CPU: the target answers the corpus's
 # first BLOCK_PROMPTS prompts here (its manifest drafts/<model>/corpus-first-<N>.json), then the two
-# recipes train on those answers with the settings below; each model card records its minutes and machine.
+# recipes train on those answers with the settings below (about two hours on 2 cores; each model card records
+# its minutes and machine).
 BLOCK_PROMPTS ?= 1600
 BLOCK_DATA = data/distill/$(DRAFT_MODEL)/first-$(BLOCK_PROMPTS)/answers.jsonl
 train-block-drafts: setup

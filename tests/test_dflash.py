@@ -423,6 +423,22 @@ def test_the_embedded_models_draft_is_the_suites_own():
         assert OmegaConf.to_container(model_config(name), resolve=True)["drafts"]["dflash"] == {"path": hub}
 
 
+def test_embedded_greedy_dflash_equals_generate_alone_and_in_a_batch(embedded, embedded_decoder, embedded_prompts,
+                                                                     embedded_reference):
+    """The suite's trained draft in drafts/smollm2-135m/dflash (conf/model/smollm2-135m.yaml)."""
+    _, tokenizer = embedded
+    decoder = embedded_decoder("dflash")
+    stop = StopCondition(64, frozenset({tokenizer.eos_token_id}))
+    accepted = 0
+    for prompt, reference in zip(embedded_prompts, embedded_reference):
+        out = decoder.generate(prompt, stop)
+        assert out.tokens == reference
+        accepted += out.stats.accepted_drafts
+    assert accepted > 0
+    batch = decoder.generate_batch(embedded_prompts[:3], [stop] * 3)
+    assert [out.tokens for out in batch] == embedded_reference[:3]
+
+
 def test_chat_template_kwargs_reach_the_tokenizers_template():
     """A model config's `chat_template_kwargs` (Qwen3's enable_thinking: false) go to apply_chat_template."""
     from omegaconf import OmegaConf

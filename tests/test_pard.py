@@ -299,6 +299,22 @@ def test_the_loader_refuses_a_draft_without_pard_token_unless_given_one(models, 
         load_pard_draft({"path": str(folder)}, target, mask_token=17)
 
 
+def test_embedded_greedy_pard_equals_generate_alone_and_in_a_batch(embedded, embedded_decoder, embedded_prompts,
+                                                                   embedded_reference):
+    """The suite's adapted draft in drafts/smollm2-135m/pard (conf/model/smollm2-135m.yaml)."""
+    _, tokenizer = embedded
+    decoder = embedded_decoder("pard")
+    stop = StopCondition(64, frozenset({tokenizer.eos_token_id}))
+    accepted = 0
+    for prompt, reference in zip(embedded_prompts, embedded_reference):
+        out = decoder.generate(prompt, stop)
+        assert out.tokens == reference
+        accepted += out.stats.accepted_drafts
+    assert accepted > 0
+    batch = decoder.generate_batch(embedded_prompts[:3], [stop] * 3)
+    assert [out.tokens for out in batch] == embedded_reference[:3]
+
+
 def test_a_missing_embedded_draft_is_refused_before_anything_loads_with_the_command_that_builds_it():
     from methods.models.specs import model_config
 
