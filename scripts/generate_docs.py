@@ -600,7 +600,8 @@ def block_block_drafts(_sets) -> str:
         agree = " / ".join(f"{run['held_out_acceptance_before'][k]:.2f} → **{v:.2f}**"
                            for k, v in run["held_out_acceptance"].items())
         size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e6
-        lines.append(f"| `{kind}` | {what} | {source} | {args['epochs']:g} epoch{'' if args['epochs'] == 1 else 's'}, {run['steps']} steps of "
+        epochs = f"{args['epochs']:g} epoch{'' if args['epochs'] == 1 else 's'}"
+        lines.append(f"| `{kind}` | {what} | {source} | {epochs}, {run['steps']} steps of "
                      f"{run['batch']}, lr {args['lr']:g}, {run['seconds'] / 60:.0f} min on {run['machine']} | "
                      f"{agree} | {size:.0f} MB |")
     return "\n".join(lines) + "\n"
