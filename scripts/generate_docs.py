@@ -109,11 +109,12 @@ def run_sets(paths=(REFERENCE,)) -> list[dict]:
             row["ttft_speedup"] = base / ttft if ttft else None
         sets.append({
             "table": table, "slug": table.slug, "rows": rows, "date": run_date(records),
+            "stamp": max(record["tstamp"] for record in records),  # its last answer: which of a day's sets is newest
             "questions": len(table.questions), "settings": table.settings,
             "commits": sorted({env.get("git", {}).get("commit", "")[:7] for env in envs} - {""}),
             "cores": sorted({env.get("cpu_count") for env in envs} - {None}),
         })
-    return sorted(sets, key=lambda s: (s["date"], s["slug"]), reverse=True)
+    return sorted(sets, key=lambda s: (s["stamp"], s["slug"]), reverse=True)
 
 
 def headline_sets(sets: list[dict], dtype: str | None = None) -> list[dict]:
