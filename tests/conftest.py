@@ -166,6 +166,23 @@ def decode_state(decoder, prompt, emitted=(), sampling=None):
     return state
 
 
+def assert_embedded_greedy(decoder, tokenizer, prompts, references, batch: int = 0) -> None:
+    """Each prompt's greedy tokens (64 new, the tokenizer's eos) equal its reference alone, some draft is
+    accepted, and with `batch` the first `batch` prompts decoded together equal theirs too."""
+    from methods.engine.stopping import StopCondition
+
+    stop = StopCondition(64, frozenset({tokenizer.eos_token_id}))
+    accepted = 0
+    for prompt, reference in zip(prompts, references):
+        out = decoder.generate(prompt, stop)
+        assert out.tokens == reference
+        accepted += out.stats.accepted_drafts
+    assert accepted > 0
+    if batch:
+        outputs = decoder.generate_batch(prompts[:batch], [stop] * batch)
+        assert [out.tokens for out in outputs] == references[:batch]
+
+
 def hf_greedy(model, prompt, max_new_tokens, eos=None):
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)

@@ -12,7 +12,7 @@ from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
 from methods.models.loading import truncated_copy
 from methods.sps import SpeculativeSamplingDecoder
-from tests.conftest import hf_greedy, tiny_model
+from tests.conftest import assert_embedded_greedy, hf_greedy, tiny_model
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 
 
@@ -77,15 +77,7 @@ def test_embedded_greedy_ar_equals_generate(embedded, embedded_prompts, embedded
 
 def test_embedded_greedy_sps_equals_generate(embedded, embedded_decoder, embedded_prompts, embedded_reference):
     """With the suite's trained draft LM (sharing the target's embeddings and lm_head)."""
-    _, tokenizer = embedded
-    decoder = embedded_decoder("sps", gamma=4)
-    stop = StopCondition(64, frozenset({tokenizer.eos_token_id}))
-    accepted = 0
-    for prompt, reference in zip(embedded_prompts, embedded_reference):
-        out = decoder.generate(prompt, stop)
-        assert out.tokens == reference
-        accepted += out.stats.accepted_drafts
-    assert accepted > 0
+    assert_embedded_greedy(embedded_decoder("sps", gamma=4), embedded[1], embedded_prompts, embedded_reference)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from methods.engine.stopping import StopCondition
 from methods.models.heads.dflash import ContextCache, build_target_layer_ids, load_dflash_draft
 from methods.models.specs import ModelSpec, ModelUnavailableError
 from methods.settings.params import ConfigError
-from tests.conftest import tiny_model
+from tests.conftest import assert_embedded_greedy, tiny_model
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 
 LAYERS = 4  # the tiny targets' layers; the draft reads the outputs of layers 0 and 2 (HF hidden_states[1], [3])
@@ -426,17 +426,7 @@ def test_the_embedded_models_draft_is_the_suites_own():
 def test_embedded_greedy_dflash_equals_generate_alone_and_in_a_batch(embedded, embedded_decoder, embedded_prompts,
                                                                      embedded_reference):
     """The suite's trained draft in drafts/smollm2-135m/dflash (conf/model/smollm2-135m.yaml)."""
-    _, tokenizer = embedded
-    decoder = embedded_decoder("dflash")
-    stop = StopCondition(64, frozenset({tokenizer.eos_token_id}))
-    accepted = 0
-    for prompt, reference in zip(embedded_prompts, embedded_reference):
-        out = decoder.generate(prompt, stop)
-        assert out.tokens == reference
-        accepted += out.stats.accepted_drafts
-    assert accepted > 0
-    batch = decoder.generate_batch(embedded_prompts[:3], [stop] * 3)
-    assert [out.tokens for out in batch] == embedded_reference[:3]
+    assert_embedded_greedy(embedded_decoder("dflash"), embedded[1], embedded_prompts, embedded_reference, batch=3)
 
 
 def test_chat_template_kwargs_reach_the_tokenizers_template():

@@ -27,7 +27,7 @@ from methods.engine.sampling import SamplingConfig
 from methods.engine.stopping import StopCondition
 from methods.models.specs import ModelUnavailableError
 from methods.pard import PardDecoder, PardSettings, load_pard_draft
-from tests.conftest import decode_state, tiny_model
+from tests.conftest import assert_embedded_greedy, decode_state, tiny_model
 from tests.stats_util import PROMPT, TEMPERATURE_1, chi_square_pvalue, draw, exact_joint
 
 VOCAB = 16
@@ -302,17 +302,7 @@ def test_the_loader_refuses_a_draft_without_pard_token_unless_given_one(models, 
 def test_embedded_greedy_pard_equals_generate_alone_and_in_a_batch(embedded, embedded_decoder, embedded_prompts,
                                                                    embedded_reference):
     """The suite's adapted draft in drafts/smollm2-135m/pard (conf/model/smollm2-135m.yaml)."""
-    _, tokenizer = embedded
-    decoder = embedded_decoder("pard")
-    stop = StopCondition(64, frozenset({tokenizer.eos_token_id}))
-    accepted = 0
-    for prompt, reference in zip(embedded_prompts, embedded_reference):
-        out = decoder.generate(prompt, stop)
-        assert out.tokens == reference
-        accepted += out.stats.accepted_drafts
-    assert accepted > 0
-    batch = decoder.generate_batch(embedded_prompts[:3], [stop] * 3)
-    assert [out.tokens for out in batch] == embedded_reference[:3]
+    assert_embedded_greedy(embedded_decoder("pard"), embedded[1], embedded_prompts, embedded_reference, batch=3)
 
 
 def test_a_missing_embedded_draft_is_refused_before_anything_loads_with_the_command_that_builds_it():

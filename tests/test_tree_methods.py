@@ -24,7 +24,7 @@ from methods.models.heads.medusa import load_medusa_heads
 from methods.models.heads.source import head_spec
 from methods.models.specs import ModelSpec
 from methods.settings.sizing import verify_cost
-from tests.conftest import decode_state, tiny_model, write_checkpoint
+from tests.conftest import assert_embedded_greedy, decode_state, tiny_model, write_checkpoint
 from tests.stats_util import PROMPT, chi_square_pvalue, draw, exact_joint
 
 # ---------------------------------------------------------------------------------------------
@@ -316,15 +316,7 @@ def test_embedded_greedy_tree_methods_equal_generate(embedded, embedded_decoder,
     """Medusa's and EAGLE's published 63-node trees and a 24-node EAGLE-2 tree (the full 60 costs
     minutes more on CPU and is covered on tiny models), with the suite's trained heads for the
     embedded model."""
-    _, tokenizer = embedded
-    stop = StopCondition(64, frozenset({tokenizer.eos_token_id}))
-    decoder = embedded_decoder(method, **params)
-    accepted = 0
-    for prompt, reference in zip(embedded_prompts, embedded_reference):
-        out = decoder.generate(prompt, stop)
-        assert out.tokens == reference
-        accepted += out.stats.accepted_drafts
-    assert accepted > 0
+    assert_embedded_greedy(embedded_decoder(method, **params), embedded[1], embedded_prompts, embedded_reference)
 
 
 def test_typical_acceptance_takes_the_deepest_typical_path():
