@@ -46,6 +46,7 @@ from harness.running.environment import hardware_name  # noqa: E402
 from harness.running.results import read_answers  # noqa: E402
 from harness.stats import decoder_stats  # noqa: E402
 from harness.stats.text import format_summary  # noqa: E402
+from harness.training.loop import corpus_manifest, default_corpus  # noqa: E402
 from methods.base import available_methods, method_settings  # noqa: E402
 from methods.settings.params import ConfigError  # noqa: E402
 
@@ -592,8 +593,8 @@ def block_block_drafts(_sets) -> str:
         else:
             what = (f"the draft LM (`draft-lm`) adapted by conditional drop-token: {args['para_num']} tokens per "
                     f"position, mask id {config['pard_token']}")
-        data = Path(args["data"]) if args.get("data") else None
-        manifest = DRAFTS / (f"corpus-{data.parent.name}.json" if data else "corpus.json")
+        data = REPO / args["data"] if args.get("data") else default_corpus(args["model"])
+        manifest = corpus_manifest(args["model"], data)
         corpus = json.loads(manifest.read_text()) if manifest.is_file() else {}
         source = (f"{run['train']:,} conversations ({run['held_out']} held out) of `{manifest.relative_to(REPO)}`: "
                   f"{corpus['prompts']:,} prompts, {corpus['answer_tokens']:,} answer tokens" if corpus else
