@@ -387,3 +387,31 @@ def test_a_model_of_bf16_values_runs_bf16_layers_with_the_fp32_bits(monkeypatch)
         assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
     for (ka, va), (kb, vb) in zip(half_cache, full_cache):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@needs_native
+def test_every_projection_of_the_embedded_model_is_within_fp32s_error_bound_of_float64(embedded):
+    """Every shape the embedded model's native forward multiplies (the fused q/k/v, o, the fused
+    gate/up, down, the lm head and the drafts' 8,192-row head), fp32 and bf16 panels, at the row
+    counts of a step, a verification and a prefill, against a float64 reference: each output is one
+    fp32 FMA chain over the inputs, so it stays within (n + 1) u of the sum of the terms' magnitudes
+    (u = 2^-24, n the inputs; the bias's add the +1). A kernel that rounded the activations to bf16,
+    dropped a panel or misread a padded one is off by orders of magnitude more."""
+    config = embedded[0].config
+    hidden, head_dim = config.hidden_size, config.hidden_size // config.num_attention_heads
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+    shapes = [(qkv, hidden), (hidden, hidden), (2 * config.intermediate_size, hidden),
+              (hidden, config.intermediate_size), (config.vocab_size, hidden), (8192, hidden)]
+    gen = torch.Generator().manual_seed(11)
+    u = 2.0 ** -24
+    for out_features, in_features in shapes:
+        weight = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).bfloat16().float()
+        bias = torch.randn(out_features, generator=gen)
+        x = torch.randn(64, in_features, generator=gen)
+        for packed in (native.pack(weight, bf16=True), native.pack(weight, bf16=False)):
+            for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 64):
+                got = native.linear(x[:rows], packed, out_features, bias).double()
+                exact = x[:rows].double() @ weight.double().T + bias.double()
+                magnitude = x[:rows].double().abs() @ weight.double().abs().T + bias.double().abs()
+                excess = (got - exact).abs() - (in_features + 1) * u * magnitude
+                assert excess.max() <= 0, (out_features, in_features, packed.dtype, rows)
