@@ -445,7 +445,7 @@ def test_the_batch_sweep_runs_each_headline_method_with_its_settings_and_a_metho
                           capture_output=True, text=True, check=True)
     runs = [" ".join(line.split()) for line in done.stdout.replace("\\\n", " ").split(";") if "harness.run -m" in line]
     sam, lazy = runs
-    assert "method=sam dtype=float32 temperature=0 warmup=1 method.auxiliary=eagle2 method.depth=3" in sam
+    assert "method=sam dtype=auto temperature=0 warmup=1 method.auxiliary=eagle2 method.depth=3" in sam
     assert "batch_size=1,2,4 " in sam and "/sam@eagle2 " in sam
     assert "method=lazyllm " in lazy and "batch_size=1 " in lazy
 
