@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .base import register
 from .engine.tree import Tree
 from .loop import DraftVerifyDecoder
@@ -34,7 +32,7 @@ class AutoregressiveDecoder(DraftVerifyDecoder):
     prefill_step = True  # the prefill is AR's first decoding step: accept lengths [1, 1, …]
 
     def propose(self, state, root: int, budget: int) -> Tree:
-        return Tree(torch.tensor([root]), [-1])
+        return Tree.root(root)
 
 
 @register("ar", settings=ARSettings)

@@ -155,7 +155,7 @@ class DFlashDecoder(DraftVerifyDecoder):
         trees: list[Tree | None] = [None] * len(states)
         drafting = [i for i, count in enumerate(counts) if count > 0]
         for i in set(range(len(states))) - set(drafting):  # nothing left to draft: the last token alone
-            trees[i] = Tree(torch.tensor([states[i].tokens[-1]]), [-1])
+            trees[i] = Tree.root(states[i].tokens[-1])
         if drafting:
             roots, drafts = self.draft_blocks([states[i] for i in drafting], max(counts[i] for i in drafting))
             for row, i in enumerate(drafting):

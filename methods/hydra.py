@@ -166,7 +166,7 @@ class HydraDecoder(DraftVerifyDecoder):
         count = sum(1 for d in tree.depths if d <= depth_limit)  # nodes are sorted by depth
         parents = tree.parents[:count]
         if depth_limit <= 0:
-            return Tree(torch.tensor([root]), [-1])
+            return Tree.root(root)
         if not self.heads.grounded:
             return self._ungrounded(state, root, depth_limit, count, tree)
         children = [[] for _ in range(count)]

@@ -314,7 +314,7 @@ class _Batch:
         """Each new sequence prefilled alone into its row, its first token chosen, its drafter started."""
         decoder, clock = self.decoder, self.clock
         firsts = (self.target.join_rows if self.requests else self.target.prefill_rows)(new, decoder.prefill)
-        roots = [Tree(torch.tensor([s.prompt[-1]]), [-1]) for s in new]  # the first token: a root's choice
+        roots = [Tree.root(s.prompt[-1]) for s in new]  # the first token: a root's choice
         chosen = decoder.standard_accept_batch(new, roots, torch.stack([first.logits[-1:] for first in firsts]))
         first_token = clock.now() - self.begin
         clock.lap("prefill")

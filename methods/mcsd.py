@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import torch
-
 from .base import BuildContext, register
 from .engine.tree import Tree
 from .engine.vocab import draft_vocab_setting
@@ -106,7 +104,7 @@ class MultiCandidateDecoder(DraftVerifyDecoder):
     def propose(self, state, root: int, budget: int) -> Tree:
         k_config = self.k_config_of(state)[:budget]
         if not k_config:
-            return Tree(torch.tensor([root]), [-1])
+            return Tree.root(root)
         return state.draft.draft_tree(state.sequence, k_config, state.sampling, state.generator,
                                       without_replacement=not self.replacement)
 
@@ -116,7 +114,7 @@ class MultiCandidateDecoder(DraftVerifyDecoder):
         draft catches up on the tokens it missed at the next step that drafts, in one forward."""
         k_configs = [self.k_config_of(state)[:budget] for state, budget in zip(states, budgets)]
         if not any(k_configs):
-            return [Tree(torch.tensor([state.sequence[-1]]), [-1]) for state in states]
+            return [Tree.root(state.sequence[-1]) for state in states]
         return self.batch_draft.draft_trees(states, k_configs, without_replacement=not self.replacement)
 
     def advance(self, state, tree, acceptance, verified) -> None:

@@ -88,7 +88,7 @@ class MedusaDecoder(DraftVerifyDecoder):
         depth = min(tree.max_depth, budget)
         count = sum(1 for d in tree.depths if d <= depth)  # nodes are sorted by depth
         if depth == 0:
-            return Tree(torch.tensor([root]), [-1])
+            return Tree.root(root)
         logits = self.heads.draft_logits(state.values["hidden"], depth, self.vocabulary)  # [depth, V]
         candidates = [torch.topk(logits[d], tree.top_k(d + 1)).indices for d in range(depth)]
         return Tree(template_tokens(root, candidates, tree, count), tree.parents[:count])

@@ -209,14 +209,14 @@ class PardDecoder(DraftVerifyDecoder):
     def propose(self, state, root: int, budget: int) -> Tree:
         k = self.draft_length(state, budget)
         if k <= 0:
-            return Tree(torch.tensor([root]), [-1])
+            return Tree.root(root)
         return chain(root, ParallelDraft(state.draft, self.mask).logits(state.sequence, k), state)
 
     def propose_batch(self, states, budgets) -> list[Tree]:
         """A batch's chains with one draft forward for every sequence (`PardBatch`)."""
         ks = [max(0, self.draft_length(state, budget)) for state, budget in zip(states, budgets)]
         logits = self.batch_draft.logits(states, ks)
-        return [Tree(torch.tensor([state.sequence[-1]]), [-1]) if k == 0 else chain(state.sequence[-1], rows, state)
+        return [Tree.root(state.sequence[-1]) if k == 0 else chain(state.sequence[-1], rows, state)
                 for state, k, rows in zip(states, ks, logits)]
 
 

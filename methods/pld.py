@@ -137,7 +137,7 @@ class PromptLookupDecoder(DraftVerifyDecoder):
 
     def propose(self, state, root: int, budget: int) -> Tree:
         if budget <= 0:
-            return Tree(torch.tensor([root]), [-1])
+            return Tree.root(root)
         found = lookup_continuations(state.sequence, self.max_ngram, min(self.sizing.value, budget),
                                      state.stop.eos_token_ids, self.branches)
         state.values["matched_steps"] = state.values.get("matched_steps", 0) + bool(found)

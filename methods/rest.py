@@ -50,8 +50,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from .base import BuildContext, register
 from .engine.tree import Tree
 from .loop import DraftVerifyDecoder
@@ -192,7 +190,7 @@ class RestDecoder(DraftVerifyDecoder):
 
     def propose(self, state, root: int, budget: int) -> Tree:
         if budget <= 0:
-            return Tree(torch.tensor([root]), [-1])
+            return Tree.root(root)
         paths = retrieve(self.reader, state.sequence, self.settings, self.sizing.value)
         counts = state.values.setdefault("retrievals", [0, 0])  # this sequence's retrievals, and those that matched
         counts[0] += 1

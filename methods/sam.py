@@ -381,7 +381,7 @@ class SamDecoder(DraftVerifyDecoder):
         if state.cut is not None:  # a batch's cut, in nodes besides the root
             n = min(n, 1 + state.cut)
         if budget <= 0:
-            kind, tree = "none", Tree(torch.tensor([root]), [-1])
+            kind, tree = "none", Tree.root(root)
         elif self.auxiliary is not None:  # samd: the automaton from len_threshold on, else the auxiliary's tree
             if max(match, static_match) < s.len_threshold:
                 sam.drafts["auxiliary"] += 1

@@ -155,7 +155,7 @@ class SuffixDecoder(DraftVerifyDecoder):
             cache.add_active_response(request, sequence[values["added"]:])
             values["added"] = len(sequence)
         if budget <= 0:
-            return Tree(torch.tensor([root]), [-1])
+            return Tree.root(root)
         s = self.settings
         draft = cache.speculate(request, sequence[-s.max_tree_depth:],
                                 max_spec_tokens=min(s.num_draft, budget), max_spec_factor=s.max_spec_factor,
@@ -163,7 +163,7 @@ class SuffixDecoder(DraftVerifyDecoder):
                                 use_tree_spec=s.tree)
         values["speculated"] += 1
         if not draft.token_ids:
-            return Tree(torch.tensor([root]), [-1])
+            return Tree.root(root)
         values["matched"] += 1
         values["match_lengths"] += draft.match_len
         return draft_tree(root, draft.token_ids, draft.parents)

@@ -291,7 +291,7 @@ class DuplicateSiblings(AutoregressiveDecoder):
         parents = [-1] + [int(torch.randint(0, n, (), generator=gen)) for n in range(1, size)]
         tree = Tree(torch.tensor([root] + torch.randint(0, 4, (size - 1,), generator=gen).tolist()), parents)
         if max(tree.depths) > budget:
-            return Tree(torch.tensor([root]), [-1])
+            return Tree.root(root)
         return tree
 
 

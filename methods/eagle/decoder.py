@@ -49,7 +49,7 @@ class EagleBase(DraftVerifyDecoder):
         step with nothing to draft (load-aware speculation off at this batch size) runs no head forward:
         the accepted paths wait (`EagleDrafter.defer`) for the next step that drafts."""
         if not any(budgets):
-            return [Tree(torch.tensor([state.sequence[-1]]), [-1]) for state in states]
+            return [Tree.root(state.sequence[-1]) for state in states]
         if self.drafter.fused is None:
             return super().propose_batch(states, budgets)
         return self.batch_draft.trees(states, budgets)

@@ -65,14 +65,14 @@ class Eagle2Decoder(EagleBase):
         levels = [min(self.depth + 1, budget) for budget in budgets]
         deepest = max(levels)
         if deepest <= 0:
-            return [Tree(torch.tensor([state.tokens[-1]]), [-1]) for state in states]
+            return [Tree.root(state.tokens[-1]) for state in states]
         tokens, parents, values = self.expand(roots_hidden, roots_draft, deepest, feed, states[0].draft)
         k = self.branching()
         trees = []
         for b, (state, depth) in enumerate(zip(states, levels)):
             root = state.tokens[-1]
             if depth <= 0:
-                trees.append(Tree(torch.tensor([root]), [-1]))
+                trees.append(Tree.root(root))
                 continue
             count = k + (depth - 1) * k * k  # the candidates of its own levels: a prefix
             greedy = state.sampling.greedy
@@ -101,7 +101,7 @@ class Eagle2Decoder(EagleBase):
     def _propose(self, state, root: int, budget: int) -> Tree:
         levels = min(self.depth + 1, budget)  # draft tokens along a path
         if levels <= 0:
-            return Tree(torch.tensor([root]), [-1])
+            return Tree.root(root)
         static = self.static_for(state, levels)
         if static is not None:
             tokens, parents, values = static.run(levels)

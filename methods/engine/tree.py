@@ -49,6 +49,11 @@ class Tree:
             self.extra_rows.check(len(parents))
 
     @classmethod
+    def root(cls, token: int) -> "Tree":
+        """The root alone: a step that drafts nothing verifies (and commits) one token."""
+        return cls(torch.tensor([token]), [-1])
+
+    @classmethod
     def chain(cls, tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> "Tree":
         return cls(tokens, [-1] + list(range(tokens.numel() - 1)), draft_probs)
 
