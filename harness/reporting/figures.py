@@ -66,13 +66,14 @@ from harness.stats import MIN_INTERVAL_N  # noqa: E402
 plt.rcParams.update({"font.size": 8, "axes.titlesize": 8, "legend.fontsize": 6.5, "figure.dpi": 150,
                      "axes.spines.top": False, "axes.spines.right": False})
 COLUMN_WIDTH = 3.4  # inches: one column of a two-column paper
-# One colour per method, the same in every figure and every run set (Tableau 10, then black, a teal and
-# Tableau 20b's dark tones: a pale colour is hard to see as a line); a method not listed here gets
-# one of the dark tones from its name's hash.
+# One colour per method, the same in every figure and every run set (Tableau 10, then black, a teal,
+# Tableau 20b's dark tones, a magenta and a rust: a pale colour is hard to see as a line); a method not
+# listed here gets the last dark tone.
 METHOD_ORDER = ("ar", "sps", "mcsd", "medusa", "hydra", "eagle", "eagle2", "eagle3", "jacobi", "lookahead",
-                "pld", "recycling", "lazyllm", "suffix", "rest", "sam")
+                "pld", "recycling", "lazyllm", "suffix", "rest", "sam", "dflash", "pard")
 PALETTE = ([plt.get_cmap("tab10")(i) for i in range(10)] + ["black", plt.get_cmap("tab20b")(0), "#e6ab02"]
-           + [plt.get_cmap("tab20b")(4), "#1b9e77"] + [plt.get_cmap("tab20b")(4 * i) for i in (4, 3)])
+           + [plt.get_cmap("tab20b")(4), "#1b9e77", plt.get_cmap("tab20b")(16), "#e7298a", "#b15928"]
+           + [plt.get_cmap("tab20b")(12)])
 BUSY_COLOUR = "red"
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 LINES = ("-", "--", ":", "-.")
