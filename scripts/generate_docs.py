@@ -119,18 +119,19 @@ def run_sets(paths=(REFERENCE,)) -> list[dict]:
 
 
 def headline_sets(sets: list[dict], dtype: str | None = None) -> list[dict]:
-    """The run sets made with `make headline`'s settings (conf/headline/smollm2-135m.yaml); with `dtype`
-    (not `auto`, which each machine resolves to its own), only those in that precision."""
+    """The run sets made with `make headline`'s settings (conf/headline/smollm2-135m.yaml); with `dtype`,
+    only those in that precision."""
     config = OmegaConf.load(HEADLINE)
     return [s for s in sets if s["settings"]["model"] == config.model and s["settings"]["dataset"] == config.dataset
             and s["questions"] == config.limit and s["settings"]["max_new_tokens"] == config.max_new_tokens
-            and dtype in (None, "auto", s["settings"]["dtype"])]
+            and dtype in (None, s["settings"]["dtype"])]
 
 
-def headline_dtype() -> str:
-    """The precision `make headline` runs in (its config's `dtype=` override; `auto`: the machine's choice)."""
+def headline_dtype() -> str | None:
+    """The precision `make headline` runs in (its config's `dtype=` override); None for `auto`, which each
+    machine resolves to its own."""
     given = [o.split("=", 1)[1] for o in OmegaConf.load(HEADLINE).get("overrides", []) if o.startswith("dtype=")]
-    return given[-1] if given else "auto"
+    return None if not given or given[-1] == "auto" else given[-1]
 
 
 def machine(s: dict) -> str:
